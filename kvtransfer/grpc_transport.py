@@ -1,0 +1,278 @@
+"""The KV stream of `PrefillService.PullKV`: `KVSource` on the prefill pod, `KVSink` on the
+decode pod.
+
+Source (prefill pod, inside the `PullKV` handler)::
+
+    async def PullKV(self, request, context):
+        if problem := check_compatible(self.model_info, request.model):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        held = self.held.get(request.request_id)        # or NOT_FOUND
+        context.add_done_callback(lambda _: self.release(request.request_id))  # the lease
+        source = KVSource(self.kv, request.request_id, held.num_prompt_tokens,
+                          max_chunk_bytes=request.max_chunk_bytes,
+                          group=self.groups[request.nccl_group] if request.transport == "nccl" else None)
+        async for chunk in source.chunks(held.progress.events()):
+            yield chunk
+
+  The open stream is the lease: when the decode pod cancels, dies (TCP reset, or keepalive after
+  `grpc_options.KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS`) or the deadline passes, the handler
+  task is cancelled (`asyncio.CancelledError` at its current `await`/`yield`) and the context's
+  done callbacks run at once; release the blocks there. `SourceAbortedError` (engine gave up)
+  should become `ABORTED`, `LayoutError` `INVALID_ARGUMENT`.
+
+Sink (decode pod, after reserving `dst_block_ids`)::
+
+    sink = KVSink(kv, dst_block_ids, request_id, num_prompt_tokens, group=...)
+    result = await pull_kv(stub, PullKVRequest(...), sink, timeout=deadline_left)
+
+  `pull_kv` raises `SourceLostError` (prefill pod gone: fall back to a local prefill),
+  `LayoutError` (`FAILED_PRECONDITION` from the source, or sizes that do not add up),
+  `ChecksumError`, `ProtocolError`; on any error it cancels the call so the source learns of it.
+
+Message rules (both sides): chunks arrive in block order with no gap or repeat; each carries
+whole blocks; the partial last block goes out only with the message marked `last`, which carries
+the first token (it may carry no blocks). For transport "nccl" `data` is empty and `crc32` is 0:
+the run's bytes follow on the pair's process group (`kvtransfer.collective`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from cbserve.pb import cbserve_pb2
+from kvtransfer.errors import (LayoutError, ProtocolError, SourceAbortedError, SourceLostError,
+                               StreamEndedError)
+from kvtransfer.layout import KVLayout
+from kvtransfer.packing import (Run, checksum, plan_runs, resolve_max_chunk_bytes, run_bytes,
+                                run_tensor, scatter_blocks, write_run)
+from kvtransfer.progress import ComputedTokens, FirstToken, KVEvent
+
+if TYPE_CHECKING:
+    from kvtransfer.collective import PairGroup
+
+
+class KVSource:
+    """Turns prefill progress events into the `KVChunk` messages of one `PullKV` stream."""
+
+    def __init__(self, kv: torch.Tensor, request_id: str, num_prompt_tokens: int, *,
+                 max_chunk_bytes: int = 0, group: PairGroup | None = None,
+                 start_block_index: int = 0) -> None:
+        """`kv`: the engine's KV tensor; `max_chunk_bytes`: payload cap per message (0 = default,
+        see `packing.resolve_max_chunk_bytes`); `group`: send the bytes over this process group
+        instead of in the messages; `start_block_index`: skip the first blocks (the puller has
+        them already)."""
+        self.layout = KVLayout.from_tensor(kv)
+        if num_prompt_tokens <= 0:
+            raise LayoutError(f"num_prompt_tokens must be positive, got {num_prompt_tokens}")
+        self.kv = kv
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_chunk_bytes = resolve_max_chunk_bytes(max_chunk_bytes, self.layout)
+        self.group = group
+        self.num_blocks_sent = start_block_index
+        self.num_bytes_sent = 0
+        self._block_ids: tuple[int, ...] = ()
+        self._pending_send: concurrent.futures.Future | None = None
+        self._staging = (torch.empty(self.max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
+                         if kv.is_cuda and group is None else None)
+
+    async def chunks(self, events: AsyncIterable[KVEvent]) -> AsyncIterator[cbserve_pb2.KVChunk]:
+        """Yield a message for every block that became full, in order; end with `last`.
+
+        Raises `SourceAbortedError` when the events end without a first token, `LayoutError` when
+        the events contradict the request (block table rewritten, too few blocks).
+        """
+        max_blocks = self.max_chunk_bytes // self.layout.bytes_per_block
+        total_blocks = self.layout.num_blocks_for(self.num_prompt_tokens)
+        async for event in events:
+            self._accept_block_ids(event.block_ids)
+            if isinstance(event, ComputedTokens):
+                ready = min(event.num_computed_tokens // self.layout.block_size, total_blocks)
+                self._require_blocks(ready)
+                for run in plan_runs(self._block_ids, self.num_blocks_sent, ready, max_blocks):
+                    yield await self._message(run, final=None)
+                    await self._drain()
+            elif isinstance(event, FirstToken):
+                self._require_blocks(total_blocks)
+                runs = plan_runs(self._block_ids, self.num_blocks_sent, total_blocks, max_blocks)
+                for run in runs[:-1]:
+                    yield await self._message(run, final=None)
+                    await self._drain()
+                last_run = runs[-1] if runs else Run(self.num_blocks_sent, 0, 0)
+                yield await self._message(last_run, final=event)
+                await self._drain()
+                return
+        raise SourceAbortedError(f"request {self.request_id}: prefill ended without a first token")
+
+    def _accept_block_ids(self, block_ids: tuple[int, ...]) -> None:
+        # Blocks already shipped must never move: the receiver holds copies of them.
+        sent = min(self.num_blocks_sent, len(self._block_ids))
+        if len(block_ids) < sent or block_ids[:sent] != self._block_ids[:sent]:
+            raise LayoutError(f"request {self.request_id}: block table changed under a streaming "
+                              f"transfer ({sent} blocks already sent)")
+        self._block_ids = tuple(block_ids)
+
+    def _require_blocks(self, num_blocks: int) -> None:
+        if len(self._block_ids) < num_blocks:
+            raise LayoutError(f"request {self.request_id}: {num_blocks} blocks are computed but the "
+                              f"block table lists {len(self._block_ids)}")
+
+    async def _message(self, run: Run, final: FirstToken | None) -> cbserve_pb2.KVChunk:
+        num_bytes = run.num_blocks * self.layout.bytes_per_block
+        end_index = run.first_block_index + run.num_blocks
+        if self.group is None:
+            # Copy + crc of up to max_chunk_bytes: off the event loop, which serves other streams.
+            data, crc = await asyncio.to_thread(self._pack, run)
+        else:
+            data, crc = b"", 0
+        chunk = cbserve_pb2.KVChunk(
+            request_id=self.request_id, first_block_index=run.first_block_index,
+            num_blocks=run.num_blocks, data=data, crc32=crc,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_computed_tokens=min(end_index * self.layout.block_size, self.num_prompt_tokens),
+            num_bytes=num_bytes,
+        )
+        if final is not None:
+            chunk.last = True
+            chunk.first_token_id = final.token_id
+            if final.logprobs is not None:
+                chunk.first_token_logprobs.CopyFrom(final.logprobs)
+        if self.group is not None and run.num_blocks:
+            # Queue the bytes before the metadata leaves, so that they go out even if this
+            # generator is cancelled at the yield (the receiver drops runs nobody claims);
+            # `_drain` waits for them after the yield, which paces the stream.
+            self._pending_send = self.group.submit_send(
+                self.request_id, run.first_block_index, run_tensor(self.kv, run))
+        self.num_blocks_sent = end_index
+        self.num_bytes_sent += num_bytes
+        return chunk
+
+    async def _drain(self) -> None:
+        pending, self._pending_send = self._pending_send, None
+        if pending is not None:
+            await asyncio.wrap_future(pending)
+
+    def _pack(self, run: Run) -> tuple[bytes, int]:
+        view = run_bytes(self.kv, run, self._staging)
+        return bytes(view), checksum(view)
+
+
+@dataclass(frozen=True)
+class KVTransferResult:
+    """What the decode pod needs once the last chunk has landed."""
+
+    first_token_id: int
+    first_token_logprobs: cbserve_pb2.TokenLogprobs | None
+    num_blocks: int
+    num_bytes: int
+    seconds: float  # first message received -> last written
+
+
+class KVSink:
+    """Receives one request's `KVChunk` stream into reserved destination blocks."""
+
+    def __init__(self, kv: torch.Tensor, dst_block_ids: Sequence[int], request_id: str,
+                 num_prompt_tokens: int, *, group: PairGroup | None = None,
+                 recv_timeout_s: float = 30.0) -> None:
+        """`dst_block_ids`: the blocks reserved for the prompt (at least
+        `ceil(num_prompt_tokens / block_size)`); `group`: receive the bytes from this process
+        group (transport "nccl"); `recv_timeout_s`: bound on waiting for a run's bytes there."""
+        self.layout = KVLayout.from_tensor(kv)
+        self.num_blocks_expected = self.layout.num_blocks_for(num_prompt_tokens)
+        if num_prompt_tokens <= 0 or len(dst_block_ids) < self.num_blocks_expected:
+            raise LayoutError(f"request {request_id}: {len(dst_block_ids)} destination blocks "
+                              f"cannot hold {num_prompt_tokens} prompt tokens")
+        self.kv = kv
+        self.dst_block_ids = list(dst_block_ids)
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.group = group
+        self.recv_timeout_s = recv_timeout_s
+        self.num_blocks_received = 0
+        self.num_bytes_received = 0
+        self.num_computed_tokens = 0  # prompt tokens whose KV has landed
+
+    async def consume(self, chunks: AsyncIterable[cbserve_pb2.KVChunk]) -> KVTransferResult:
+        """Write every chunk into the destination blocks; return at the `last` message."""
+        started: float | None = None
+        try:
+            async for chunk in chunks:
+                started = started or time.perf_counter()
+                await self._accept(chunk)
+                if chunk.last:
+                    return self._finish(chunk, time.perf_counter() - started)
+        finally:
+            if self.group is not None:
+                self.group.forget(self.request_id)
+        raise StreamEndedError(f"request {self.request_id}: KV stream ended after "
+                               f"{self.num_blocks_received}/{self.num_blocks_expected} blocks "
+                               "without its last message")
+
+    async def _accept(self, chunk: cbserve_pb2.KVChunk) -> None:
+        if chunk.request_id != self.request_id:
+            raise ProtocolError(f"chunk for request {chunk.request_id!r} on the stream of "
+                                f"{self.request_id!r}")
+        if chunk.first_block_index != self.num_blocks_received:
+            kind = "duplicate" if chunk.first_block_index < self.num_blocks_received else "gap"
+            raise ProtocolError(f"request {self.request_id}: {kind}: chunk starts at block "
+                                f"{chunk.first_block_index}, expected {self.num_blocks_received}")
+        if chunk.num_prompt_tokens != self.num_prompt_tokens:
+            raise LayoutError(f"request {self.request_id}: source has {chunk.num_prompt_tokens} "
+                              f"prompt tokens, destination expects {self.num_prompt_tokens}")
+        end = chunk.first_block_index + chunk.num_blocks
+        if chunk.num_blocks < 0 or end > self.num_blocks_expected:
+            raise LayoutError(f"request {self.request_id}: chunk blocks {chunk.first_block_index}"
+                              f"..{end} exceed the prompt's {self.num_blocks_expected} blocks")
+        num_bytes = chunk.num_blocks * self.layout.bytes_per_block
+        if chunk.num_bytes != num_bytes:
+            raise LayoutError(f"request {self.request_id}: chunk says {chunk.num_bytes} bytes for "
+                              f"{chunk.num_blocks} blocks of {self.layout.bytes_per_block}")
+        dst = self.dst_block_ids[chunk.first_block_index:end]
+        if self.group is None:
+            await asyncio.to_thread(write_run, self.kv, dst, chunk.data, chunk.crc32)
+        elif chunk.num_blocks:
+            if chunk.data:
+                raise ProtocolError(f"request {self.request_id}: bytes in a chunk of a "
+                                    "process-group transfer")
+            payload = await asyncio.wait_for(
+                self.group.recv_run(self.request_id, chunk.first_block_index, num_bytes),
+                self.recv_timeout_s)
+            await asyncio.to_thread(scatter_blocks, self.kv, dst, payload)
+        self.num_blocks_received = end
+        self.num_bytes_received += num_bytes
+        self.num_computed_tokens = min(end * self.layout.block_size, self.num_prompt_tokens)
+
+    def _finish(self, chunk: cbserve_pb2.KVChunk, seconds: float) -> KVTransferResult:
+        if self.num_blocks_received != self.num_blocks_expected:
+            raise ProtocolError(f"request {self.request_id}: last message after "
+                                f"{self.num_blocks_received}/{self.num_blocks_expected} blocks")
+        logprobs = chunk.first_token_logprobs if chunk.HasField("first_token_logprobs") else None
+        return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received,
+                                self.num_bytes_received, seconds)
+
+
+async def pull_kv(stub, request: cbserve_pb2.PullKVRequest, sink: KVSink, *,
+                  timeout: float | None = None) -> KVTransferResult:
+    """Open `PullKV` on a `PrefillServiceStub` and feed it to `sink`, with typed errors.
+
+    Any failure cancels the call, so the prefill pod releases (or re-holds) the blocks at once.
+    """
+    call = stub.PullKV(request, timeout=timeout)
+    try:
+        return await sink.consume(call)
+    except grpc.aio.AioRpcError as error:
+        code = error.code()
+        message = f"PullKV {request.request_id}: {code.name}: {error.details()}"
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise LayoutError(message) from error
+        raise SourceLostError(message, code.name) from error
+    finally:
+        call.cancel()  # no-op when the stream already finished

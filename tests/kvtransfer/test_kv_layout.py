@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtransfer.errors import LayoutError
+from kvtransfer.layout import KVLayout, check_compatible
+
+from kv_helpers import TINY, make_kv
+
+LLAMA8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+def test_bytes_per_block():
+    assert TINY.bytes_per_block == 2 * 2 * 4 * 2 * 8 * 4
+    assert LLAMA8B.bytes_per_block == 2 * 1024 * 1024  # 2 MiB per 16-token block
+    assert LLAMA8B.num_blocks_for(2048) == 128 and LLAMA8B.num_blocks_for(2049) == 129
+
+
+def test_from_tensor_round_trip():
+    kv = make_kv()
+    assert KVLayout.from_tensor(kv) == TINY
+    with pytest.raises(LayoutError, match="must be"):
+        KVLayout.from_tensor(kv[:, :, 0])
+    with pytest.raises(LayoutError, match="contiguous"):
+        KVLayout.from_tensor(kv.transpose(3, 4))
+
+
+def test_invalid_fields():
+    with pytest.raises(LayoutError, match="block_size"):
+        KVLayout(2, 0, 2, 8, torch.float32)
+    with pytest.raises(LayoutError, match="dtype"):
+        KVLayout(2, 4, 2, 8, torch.int8)
+
+
+def test_model_info_round_trip_and_mismatch():
+    info = LLAMA8B.to_model_info("llama", "abc", max_model_len=8192)
+    assert info.kv_dtype == "bfloat16" and info.block_size == 16
+    assert KVLayout.from_model_info(info) == LLAMA8B
+    assert LLAMA8B.mismatch(info) is None
+    assert "head_dim: 8 here vs 128 there" in TINY.mismatch(info)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("model_fingerprint", "other", "model_fingerprint: 'abc' (llama) here vs 'other'"),
+        ("model_fingerprint", "", "model_fingerprint is empty on the remote side"),
+        ("block_size", 32, "block_size: 16 here vs 32 there"),
+        ("kv_dtype", "float16", "kv_dtype: 'bfloat16' here vs 'float16' there"),
+        ("num_layers", 16, "num_layers"),
+        ("num_kv_heads", 4, "num_kv_heads"),
+        ("head_dim", 64, "head_dim"),
+    ],
+)
+def test_check_compatible_names_the_difference(field, value, expected):
+    local = LLAMA8B.to_model_info("llama", "abc")
+    remote = LLAMA8B.to_model_info("llama", "abc")
+    assert check_compatible(local, remote) is None
+    setattr(remote, field, value)
+    problem = check_compatible(local, remote)
+    assert problem is not None and expected in problem
+
+
+def test_check_compatible_ignores_labels():
+    local = LLAMA8B.to_model_info("llama", "abc", max_model_len=4096)
+    remote = LLAMA8B.to_model_info("served-name", "abc", max_model_len=8192)
+    assert check_compatible(local, remote) is None
