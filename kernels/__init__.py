@@ -1,0 +1,84 @@
+"""cbserve kernels: pure functions on tensors, Triton on CUDA and a torch reference elsewhere.
+
+Contracts: docs/architecture.md, section "kernels". Every public function validates its inputs
+(``kernels.checks``), then dispatches through ``kernels.backend``; the Triton modules are imported
+only when first chosen, so this package imports (and runs on CPU) without triton. Nothing here
+imports from the rest of the project.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import backend, checks
+from kernels.attention_ref import paged_attention_ref
+from kernels.kv_write_ref import write_kv_ref
+from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rope_ref import apply_rope_ref
+
+__all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope"]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens (its last ``query_len`` positions) over its
+    paged K/V; prefill chunks and decode tokens may be mixed. Returns q's shape and dtype."""
+    checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if backend.select_backend(q) == backend.TRITON:
+        impl = backend.triton_module("attention_triton").paged_attention_triton
+    else:
+        impl = paged_attention_ref
+    return impl(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset, -1 = skip
+) -> None:
+    """Write each token's key/value into its cache slot, in place."""
+    checks.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
+    if backend.select_backend(key) == backend.TRITON:
+        backend.triton_module("kv_write_triton").write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with Hugging Face LlamaRMSNorm numerics."""
+    checks.check_rms_norm(x, weight)
+    if backend.select_backend(x) == backend.TRITON:
+        return backend.triton_module("norm_triton").rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(rms_norm(x + residual), x + residual)``; the sum is rounded to x's dtype as in HF."""
+    checks.check_rms_norm(x, weight, residual)
+    if backend.select_backend(x) == backend.TRITON:
+        return backend.triton_module("norm_triton").fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def apply_rope(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] = cat(cos, sin)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox / HF ``rotate_half`` rotary embedding; returns new ``(q, k)`` in their dtype."""
+    checks.check_rope(q, k, positions, cos_sin_cache)
+    if backend.select_backend(q) == backend.TRITON:
+        return backend.triton_module("rope_triton").apply_rope_triton(q, k, positions, cos_sin_cache)
+    return apply_rope_ref(q, k, positions, cos_sin_cache)

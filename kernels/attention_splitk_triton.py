@@ -1,0 +1,186 @@
+"""Split-K Triton paged attention for decode batches with few sequences and long contexts.
+
+Design: with one query token per sequence the unified kernel launches only
+``num_seqs * num_kv_heads`` programs, each walking the whole context — too few to fill a GPU when
+the batch is small. Here the context is cut into partitions of ``PARTITION`` keys; program
+(seq, kv head, partition) computes a partial softmax over its keys for all query heads of the
+group (GQA packed, rows padded to 16 for ``tl.dot``) and writes the unnormalised output with its
+running max and sum. A second kernel merges the partitions per (seq, head). The partition count
+comes from the block-table width, so launching never syncs with the device; partitions past a
+sequence's end write an empty result (max = -inf, sum = 0) that the merge ignores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
+_MIN_PROGRAMS = 256  # below this many (seq, kv head) programs the unified kernel leaves SMs idle
+
+
+def use_split_k(num_seqs: int, num_kv_heads: int, max_context: int) -> bool:
+    """Heuristic: split when the batch is small and the context spans several partitions."""
+    return num_seqs * num_kv_heads < _MIN_PROGRAMS and max_context >= 2 * PARTITION
+
+
+@triton.jit
+def _split_k_partial_kernel(
+    part_out_ptr,  # [num_seqs, num_heads, num_parts, HEAD_PAD] fp32
+    part_max_ptr,  # [num_seqs, num_heads, num_parts] fp32, log2 units
+    part_sum_ptr,  # [num_seqs, num_heads, num_parts] fp32
+    q_ptr,  # [num_tokens == num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    scale,
+    num_heads,
+    num_parts,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+
+    offs_r = tl.arange(0, ROWS)
+    head = kv_head * GROUP + offs_r  # [ROWS]
+    row_ok = offs_r < GROUP
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_off = token * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, HEAD_PAD]
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    p_start = part * PARTITION_SIZE
+    p_end = tl.minimum(p_start + PARTITION_SIZE, seq_len)  # the decode token sees every key
+    for n_start in range(p_start, p_end, BLOCK_N):
+        k_pos = n_start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < p_end
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE,
+                           mask=k_ok, other=0).to(tl.int64)
+        in_block = (k_pos % BLOCK_SIZE).to(tl.int64)
+        k_off = (block_id * stride_kb + in_block * stride_ks + kv_head * stride_kh)[None, :] \
+            + offs_d[:, None] * stride_kd
+        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+        if IEEE_FP32:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = tl.where(k_ok[None, :] & row_ok[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = (block_id * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] \
+            + offs_d[None, :] * stride_vd
+        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+        if IEEE_FP32:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Partial results are laid out contiguously: [num_seqs, num_heads, num_parts(, HEAD_PAD)].
+    ml_off = (seq * num_heads + head).to(tl.int64) * num_parts + part  # [ROWS]
+    tl.store(part_max_ptr + ml_off, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + ml_off, l_i, mask=row_ok)
+    tl.store(part_out_ptr + ml_off[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    out_ptr,  # [num_tokens == num_seqs, num_heads, head_dim]
+    part_out_ptr,  # [num_seqs, num_heads, num_parts, HEAD_PAD] fp32
+    part_max_ptr,  # [num_seqs, num_heads, num_parts] fp32
+    part_sum_ptr,  # [num_seqs, num_heads, num_parts] fp32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_heads,
+    num_parts,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_p = tl.arange(0, PARTS_PAD)
+    p_ok = offs_p < num_parts
+    base = (seq * num_heads + head).to(tl.int64) * num_parts
+    m = tl.load(part_max_ptr + base + offs_p, mask=p_ok, other=float("-inf"))  # [PARTS_PAD]
+    l = tl.load(part_sum_ptr + base + offs_p, mask=p_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty partitions weigh nothing
+    offs_d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_out_ptr + (base + offs_p)[:, None] * HEAD_PAD + offs_d[None, :],
+                  mask=p_ok[:, None], other=0.0)  # [PARTS_PAD, HEAD_PAD]
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    out = num / tl.where(den == 0.0, 1.0, den)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    o_off = token * stride_ot + head.to(tl.int64) * stride_oh + offs_d * stride_od
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def launch_split_k(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    partition: int = PARTITION,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Decode-only split-K attention: requires exactly one query token per sequence."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
+    if num_tokens != num_seqs:
+        raise ValueError(f"split-K decode needs one query token per sequence: {num_tokens} tokens, {num_seqs} seqs")
+    if block_n < 16 or block_n & (block_n - 1) or partition % block_n:
+        raise ValueError(f"block_n ({block_n}) must be a power of two >= 16 dividing partition ({partition})")
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    hpad = max(16, triton.next_power_of_2(head_dim))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    num_parts = triton.cdiv(block_tables.shape[1] * block_size, partition)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_out = torch.empty((num_seqs, num_heads, num_parts, hpad), **f32)
+    part_max = torch.empty((num_seqs, num_heads, num_parts), **f32)
+    part_sum = torch.empty((num_seqs, num_heads, num_parts), **f32)
+    _split_k_partial_kernel[(num_seqs, num_kv_heads, num_parts)](
+        part_out, part_max, part_sum, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale, num_heads, num_parts,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_PAD=hpad, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, PARTITION_SIZE=partition,
+        IEEE_FP32=q.dtype == torch.float32,
+    )
+    _split_k_reduce_kernel[(num_seqs, num_heads)](
+        out, part_out, part_max, part_sum, query_start_loc, num_heads, num_parts, *out.stride(),
+        HEAD_DIM=head_dim, HEAD_PAD=hpad, PARTS_PAD=triton.next_power_of_2(num_parts),
+    )
+    return out

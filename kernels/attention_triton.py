@@ -1,0 +1,195 @@
+"""Unified Triton paged attention: prefill chunks and decode tokens in one launch.
+
+Design: one program per (query tile, kv head). A query tile holds ``BLOCK_Q`` consecutive query
+tokens of one sequence times the ``GROUP`` query heads that share the kv head (GQA packing), so
+each K/V tile is loaded once for the whole group: rows = tokens x heads-in-group. Keys are walked
+in tiles of ``BLOCK_N`` positions, independent of the cache block size: every key position finds
+its block through the block table, so a tile may span several blocks or part of one. Softmax is
+online in fp32. Every ``tl.dot`` has M, N, K >= 16 (head_dim and the group are padded and
+masked), so kernels that pass in the interpreter also compile for a GPU. Block ids are widened to
+int64 before they meet a stride: ``block_id * block_stride`` overflows int32 on large caches.
+
+The grid needs no host sync: sequence i owns query tiles starting at
+``query_start_loc[i] // BLOCK_Q + i`` (an upper bound on the tiles before it), which the kernel
+inverts by binary search; programs past a sequence's last tile exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_splitk_triton import launch_split_k, use_split_k
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """Largest sequence i with query_start_loc[i] // BLOCK_Q + i <= tile_id."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= tile_id:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    scale,
+    num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+
+    seq = _find_seq(query_start_loc_ptr, num_seqs - 1, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile_id - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_pos = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] position within this chunk
+    head = kv_head * GROUP + offs_m % GROUP_PAD  # [BLOCK_M] query head
+    row_ok = (q_pos < query_len) & (offs_m % GROUP_PAD < GROUP)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+
+    token = (q_start + q_pos).to(tl.int64)
+    q_off = token[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # fold log2(e) in: exp2 is cheaper than exp
+
+    # Keys this tile can see: up to the causal limit of its last valid query row.
+    last_q = tl.minimum(query_len, (q_tile + 1) * BLOCK_Q) - 1
+    kv_end = context_len + last_q + 1
+    for n_start in range(0, kv_end, BLOCK_N):
+        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_ok = k_pos < kv_end
+        block_id = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + k_pos // BLOCK_SIZE,
+                           mask=k_ok, other=0).to(tl.int64)
+        in_block = (k_pos % BLOCK_SIZE).to(tl.int64)
+        k_off = (block_id * stride_kb + in_block * stride_ks + kv_head * stride_kh)[None, :] \
+            + offs_d[:, None] * stride_kd
+        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+        if IEEE_FP32:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        visible = (k_pos[None, :] <= context_len + q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_off = (block_id * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] \
+            + offs_d[None, :] * stride_vd
+        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+        if IEEE_FP32:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def head_pad(head_dim: int) -> int:
+    """head_dim rounded up to a power of two, at least 16 (the smallest legal tl.dot K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_unified(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Run the unified kernel (inputs already validated by ``kernels.checks``)."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # At least 16 rows per tile (tl.dot needs M >= 16); more query tokens per tile when the
+    # group is small, since the rows share the K/V loads.
+    block_q = max(1, 16 // group_pad)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = block_tables.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale, num_seqs,
+        *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        IEEE_FP32=q.dtype == torch.float32,
+    )
+    return out
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Pick split-K for decode-only batches that cannot fill the GPU, else the unified kernel.
+
+    Decode-only is read from shapes (one query token per sequence), the context bound from the
+    block table width, so the choice never syncs with the device.
+    """
+    num_seqs = block_tables.shape[0]
+    max_context = block_tables.shape[1] * key_cache.shape[1]
+    if q.shape[0] == num_seqs and use_split_k(num_seqs, key_cache.shape[2], max_context):
+        return launch_split_k(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)

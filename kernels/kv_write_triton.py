@@ -1,0 +1,66 @@
+"""Triton KV cache write: one program per token copies its K and V heads into the cache slot.
+
+Block ids are widened to int64 before they multiply the block stride (a big cache overflows
+int32 offsets); padding tokens (slot -1) exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64
+    num_kv_heads,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ckb, stride_cks, stride_ckh, stride_ckd,
+    stride_cvb, stride_cvs, stride_cvh, stride_cvd,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    block_id = slot // BLOCK_SIZE  # int64: slot_mapping is int64
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask)
+    k_dst = block_id * stride_ckb + offset * stride_cks + offs_h[:, None] * stride_ckh + offs_d[None, :] * stride_ckd
+    v_dst = block_id * stride_cvb + offset * stride_cvs + offs_h[:, None] * stride_cvh + offs_d[None, :] * stride_cvd
+    tl.store(k_cache_ptr + k_dst, k, mask=mask)
+    tl.store(v_cache_ptr + v_dst, v, mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch the KV write (inputs already validated by ``kernels.checks``)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1],
+    )

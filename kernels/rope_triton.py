@@ -1,0 +1,84 @@
+"""Triton rotary embedding (neox / HF ``rotate_half``): one program per token, q and k heads together.
+
+Each program loads the token's cos/sin row once and rotates every q and k head with it in fp32,
+then casts back. With partial rotary the launcher copies the untouched tail dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(dst_ptr, src_ptr, token, num_heads, stride_dt, stride_dh, stride_st, stride_sh,
+                  cos, sin, offs_x, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    offs_h = tl.arange(0, HEADS_PAD)
+    mask = (offs_h < num_heads)[:, None] & (offs_x < HALF)[None, :]
+    src = src_ptr + token * stride_st + offs_h[:, None] * stride_sh + offs_x[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF_PAD]
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] + (-x2) * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    dst = dst_ptr + token * stride_dt + offs_h[:, None] * stride_dh + offs_x[None, :]
+    tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_out_ptr,  # [num_tokens, num_heads, head_dim], unit stride on head_dim
+    k_out_ptr,  # [num_tokens, num_kv_heads, head_dim], unit stride on head_dim
+    q_ptr,  # [num_tokens, num_heads, head_dim], unit stride on head_dim
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], unit stride on head_dim
+    positions_ptr,  # [num_tokens] int64
+    cos_sin_ptr,  # [max_position, rotary_dim], unit stride on rotary_dim
+    num_heads,
+    num_kv_heads,
+    stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_cs,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    offs_x = tl.arange(0, HALF_PAD)
+    x_ok = offs_x < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+    _rotate_heads(q_out_ptr, q_ptr, token, num_heads, stride_qot, stride_qoh, stride_qt, stride_qh,
+                  cos, sin, offs_x, HALF, Q_HEADS_PAD)
+    _rotate_heads(k_out_ptr, k_ptr, token, num_kv_heads, stride_kot, stride_koh, stride_kt, stride_kh,
+                  cos, sin, offs_x, HALF, K_HEADS_PAD)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def apply_rope_triton(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return rotated copies of q and k (inputs already validated by ``kernels.checks``)."""
+    q, k, cos_sin_cache = _unit_last(q), _unit_last(k), _unit_last(cos_sin_cache)
+    rotary_dim = cos_sin_cache.shape[1]
+    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format)
+    if rotary_dim < q.shape[2]:  # partial rotary: tail dims pass through unchanged
+        q_out[..., rotary_dim:] = q[..., rotary_dim:]
+        k_out[..., rotary_dim:] = k[..., rotary_dim:]
+    if q.shape[0] == 0:
+        return q_out, k_out
+    half = rotary_dim // 2
+    _rope_kernel[(q.shape[0],)](
+        q_out, k_out, q, k, positions, cos_sin_cache, q.shape[1], k.shape[1],
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+    )
+    return q_out, k_out

@@ -1,0 +1,70 @@
+"""The torch paged-attention reference (the CPU runtime path) against naive dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.attention_ref import paged_attention_ref
+from paged_cases import make_case, naive_attention
+
+MIXED = [(0, 7), (13, 1), (20, 5), (33, 1), (0, 1), (5, 19)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_reference_matches_dense_attention(block_size: int, group: int) -> None:
+    case = make_case(MIXED, num_kv_heads=2, group=group, head_dim=32, block_size=block_size)
+    out = paged_attention_ref(*case.args())
+    torch.testing.assert_close(out.double(), naive_attention(case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("specs", [[(0, 9)], [(17, 1), (3, 1), (40, 1)], [(8, 4), (0, 3)]],
+                         ids=["prefill", "decode-only", "chunked"])
+def test_reference_batch_shapes(specs: list[tuple[int, int]]) -> None:
+    case = make_case(specs, num_kv_heads=1, group=4, head_dim=80, block_size=16)
+    torch.testing.assert_close(paged_attention_ref(*case.args()).double(), naive_attention(case),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_reference_half_precision_returns_input_dtype() -> None:
+    case = make_case(MIXED, num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float16)
+    out = paged_attention_ref(*case.args())
+    assert out.dtype == torch.float16 and out.shape == case.q.shape
+    torch.testing.assert_close(out.double(), naive_attention(case), atol=2e-3, rtol=1e-2)
+
+
+def test_public_function_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CBSERVE_KERNEL_BACKEND", raising=False)
+    case = make_case(MIXED, num_kv_heads=2, group=2, head_dim=32, block_size=16)
+    assert torch.equal(kernels.paged_attention(*case.args()), paged_attention_ref(*case.args()))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(q=a["q"][0]), "q must be"),
+        (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables"),
+        (lambda a: a.update(seq_lens=a["seq_lens"][:-1]), "seq_lens"),
+        (lambda a: a.update(query_start_loc=a["query_start_loc"].long()), "query_start_loc"),
+        (lambda a: a.update(q=a["q"][:, :3]), "multiple of num_kv_heads"),
+        (lambda a: a.update(q=a["q"].half()), "dtype mismatch"),
+        (lambda a: a.update(value_cache=a["value_cache"][:, :, :1]), "value_cache shape"),
+    ],
+    ids=["q-rank", "table-dtype", "seq-lens-len", "qsl-dtype", "heads", "dtype", "v-shape"],
+)
+def test_paged_attention_rejects_bad_inputs(mutate, message: str) -> None:
+    case = make_case([(3, 2)], num_kv_heads=2, group=2, head_dim=32, block_size=16)
+    args = dict(q=case.q, key_cache=case.key_cache, value_cache=case.value_cache,
+                block_tables=case.block_tables, seq_lens=case.seq_lens,
+                query_start_loc=case.query_start_loc, scale=case.scale)
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        kernels.paged_attention(**args)
+
+
+def test_transformers_does_not_mistake_us_for_hub_kernels() -> None:
+    # transformers probes for a distribution providing `kernels`; ours must not pass its check.
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    assert not import_utils.is_kernels_available()
