@@ -1,0 +1,17 @@
+"""Per-step attention metadata: planned once per step by the runner, read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    seq_lens: torch.Tensor          # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int

@@ -1,0 +1,112 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the flattened tokens of a whole step.
+
+Orca's selective batching: every token of the step (prefill chunks and decodes alike) goes through
+the dense layers as one `[num_tokens, hidden]` matrix; only attention looks at sequences, through
+`AttentionMetadata` and the paged KV cache. q/k/v and gate/up projections are fused into one
+matmul each (the loader stacks the checkpoint's separate tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.rope import cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps), x
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias,
+                                  dtype=dtype, device=device)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, device=device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.qkv_proj(x)                                     # [T, q + 2 kv]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)                # [T, H, D]
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)             # [T, KVH, D]
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = kernels.apply_rope(q, k, positions, rope_cache)
+        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False,
+                                      dtype=dtype, device=device)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 max_position: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        rope = cos_sin_cache(cfg.rope, cfg.head_dim, max_position or cfg.max_position_embeddings, device)
+        self.register_buffer("rope_cache", rope, persistent=False)  # [max_position, head_dim] fp32
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, KVH, D].
+
+        Returns the final hidden states `[T, hidden]` (normed)."""
+        x = self.embed_tokens(input_ids)                           # [T, hidden]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer.input_layernorm(x, residual)
+            x = layer.self_attn(h, positions, self.rope_cache, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            h, residual = layer.post_attention_layernorm(x, residual)
+            x = layer.mlp(h)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,161 @@
+"""The model's shape, read from a Hugging Face `config.json` (transformers 4.x and 5.x layouts).
+
+Only the Llama family is served (Llama 2/3, Mistral, Qwen2): one decoder with RMSNorm, RoPE,
+GQA, SwiGLU, optional qkv bias and tied embeddings. Anything else is refused here, at the
+boundary, with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ModelConfigError(ValueError):
+    """A config.json that cbserve cannot serve, with the reason."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    qkv_bias: bool = False
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.torch_dtype not in DTYPES:
+            raise ModelConfigError(f"torch_dtype must be one of {DTYPES}, got {self.torch_dtype!r}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context served; a sliding window caps it since we run full attention."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; cbserve serves "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            qkv_bias = bool(raw.get("attention_bias", False)) or SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+            if raw.get("mlp_bias"):
+                raise ModelConfigError("mlp_bias=true is not supported")
+            if raw.get("hidden_act", "silu") != "silu":
+                raise ModelConfigError(f"hidden_act must be 'silu', got {raw.get('hidden_act')!r}")
+            sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+            return cls(
+                architecture=SUPPORTED_ARCHITECTURES[arch],
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope=_parse_rope(raw),
+                qkv_bias=qkv_bias,
+                o_bias=bool(raw.get("attention_bias", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                sliding_window=int(sliding) if sliding else None,
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"config.json is missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"bad value in config.json: {e}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ModelConfigError(f"no config.json in {path}")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{file} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x writes `rope_theta`
+    # and an optional `rope_scaling` whose type key is `rope_type` or the older `type`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,50 @@
+"""What the engine hands back: per-request deltas each step, and engine-wide statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    """The tokens a request gained in one step (and everything so far, for offline use)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "abort" | "prefilled"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    first_token_time: float | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step, for the router's step-time model: (batch, context tokens) -> seconds."""
+
+    num_seqs: int
+    num_context_tokens: int
+    num_prefill_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    prefill_queue_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_hit_ratio: float
+    num_preemptions: int
+    step_seconds_ewma: float
+    prefill_tokens_per_second: float
+    num_steps: int

@@ -1,0 +1,55 @@
+"""Random Hugging Face checkpoints for equivalence tests, written with `transformers` itself.
+
+Weights are re-drawn at O(1/sqrt(fan_in)) scale so the logits are peaked: with transformers'
+default 0.02 init every logit is nearly equal and greedy argmax would hinge on rounding noise.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import transformers
+
+CONFIGS = {
+    # Llama with GQA (4 heads over 2 KV heads), head_dim 16, llama3 rope scaling.
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # Qwen2: qkv bias, head_dim 32, one KV head.
+    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=32, vocab_size=320, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=1000.0)),
+    # Tied embeddings, head_dim 8, linear rope scaling, MHA.
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=280, max_position_embeddings=512, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Mistral: GQA, head_dim 16.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, vocab_size=300, max_position_embeddings=512, sliding_window=None)),
+}
+
+
+def make_hf_model(name: str, out_dir: Path, seed: int = 0):
+    config_cls, model_cls, kwargs = CONFIGS[name]
+    config = getattr(transformers, config_cls)(bos_token_id=1, eos_token_id=2, **kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 2:
+                std = 1.0 if "embed_tokens" in pname else 1.0 / math.sqrt(p.shape[1])
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
