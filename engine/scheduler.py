@@ -1,0 +1,600 @@
+"""The unified scheduler: one token budget per step shared by decodes and prefill chunks.
+
+There are no prefill/decode phases (vLLM V1, Sarathi-Serve): a request has `num_tokens` and
+`num_computed_tokens`, and each step schedules `num_tokens - num_computed_tokens` of it, capped by
+the budget. Running requests go first — decodes (one token each, so they never stall behind a long
+prompt), then partial prefills continuing their chunk — then waiting requests are admitted in policy
+order into what is left, after a prefix-cache lookup. When a running request cannot get a block,
+the lowest-priority / newest running request is preempted by recompute.
+
+The engine step reads `out = scheduler.schedule(); sampled = runner.run(out);
+scheduler.update(out, sampled)`. `schedule()` changes only block tables and queues; token counts
+advance in `update()`, once the runner has computed them.
+
+Roles change only the edges (`docs/architecture.md`): `prefill` ends a request after its first
+token and keeps its blocks referenced until `release_request`; `decode` reserves a prompt's blocks
+before its KV is pulled from a prefill pod (`add_remote_request`, `remote_kv_landed`,
+`remote_kv_failed`) and can still prefill locally (`add_request`, and after a failed pull).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+ROLES = ("colocated", "prefill", "decode")
+_RUNNING = RequestStatus.RUNNING
+_new_seq = tuple.__new__   # builds a ScheduledSeq without NamedTuple's Python-level __new__
+
+
+class ScheduledSeq(NamedTuple):
+    """One request's share of a step. A NamedTuple (immutable, ~5x cheaper to build than a frozen
+    dataclass) because one is built per running request per step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]      # the tokens whose KV this step computes
+    start_position: int             # = num_computed_tokens before this step
+    block_ids: tuple[int, ...]      # the request's whole block table
+    sample: bool                    # all tokens computed after this step: sample a new one
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What one step computes; a plain value (no tensors). `scheduled` is in batch order."""
+
+    scheduled: tuple[ScheduledSeq, ...]
+    num_batched_tokens: int
+    preempted_request_ids: tuple[str, ...] = ()
+    reserved_request_ids: tuple[str, ...] = ()   # decode role: blocks reserved, start the KV pull
+    finished_request_ids: tuple[str, ...] = ()   # finished/aborted since the last step: drop state
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+# ---------------------------------------------------------------------- waiting queues
+def priority_key(request: Request) -> tuple[int, float]:
+    """Order of service under the `priority` policy: lower `priority`, then earlier arrival."""
+    return request.priority, request.arrival_time
+
+
+class FCFSQueue:
+    """Arrival order; preempted and fallen-back requests re-enter at the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def push_front(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue:
+    """(priority, arrival) order, a heap; re-entering requests simply take their place by key,
+    which puts a preempted request ahead of everything that arrived after it."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()   # tie-break, so Requests are never compared
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (*priority_key(request), next(self._counter), request))
+
+    push_front = push
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[3] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
+
+
+# ---------------------------------------------------------------------- scheduler
+class Scheduler:
+    """Continuous-batching scheduler for one engine (see the module docstring).
+
+    `kv` is either a `CacheConfig` with `num_blocks` set (the scheduler builds its own pool) or a
+    ready `KVCacheManager`. `eos_token_ids` end a request unless its `ignore_eos` is set.
+    `reserve_watermark` (decode role) is the fraction of blocks kept free, when anything is running
+    or reserved, so that running decodes can still grow after remote prompts are reserved.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv: CacheConfig | KVCacheManager,
+                 role: str = "colocated", eos_token_ids: Iterable[int] = (),
+                 reserve_watermark: float = 0.01) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if isinstance(kv, CacheConfig):
+            if kv.num_blocks is None:
+                raise ValueError("CacheConfig.num_blocks must be set (dataclasses.replace it once sized)")
+            kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size)
+        if not 0.0 <= reserve_watermark < 1.0:
+            raise ValueError(f"reserve_watermark must be in [0, 1), got {reserve_watermark}")
+        self.config = scheduler_config
+        self.kv_manager = kv
+        self.block_size = kv.block_size
+        self.role = role
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._watermark_blocks = max(1, int(reserve_watermark * kv.block_pool.num_usable_blocks))
+
+        self.requests: dict[str, Request] = {}   # every request this scheduler still tracks
+        self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FCFSQueue()
+        self.running: list[Request] = []         # admission order: the newest is last
+        self.waiting_for_blocks: deque[Request] = deque()       # decode role, FIFO
+        self.waiting_for_remote_kv: dict[str, Request] = {}     # decode role: reserved, pulling
+        self.held: dict[str, Request] = {}       # prefill role: FINISHED_PREFILLED, blocks kept
+        self._finished_ids: list[str] = []       # since the last schedule()
+        self.num_preemptions = 0
+        # Requests whose num_computed_tokens advanced in the last update(): the prefill pod
+        # streams each finished chunk's KV from this (a second list rather than a richer return
+        # type, so `update` keeps returning just the requests that got a token).
+        self.last_progressed: list[Request] = []
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, request: Request) -> None:
+        """Queue a request to be prefilled here (any role)."""
+        self._admit_check(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def add_remote_request(self, request: Request) -> None:
+        """Decode role: queue a request whose prompt KV will be pulled from a prefill pod."""
+        if self.role != "decode":
+            raise ValueError(f"add_remote_request needs role 'decode', this scheduler is {self.role!r}")
+        self._admit_check(request)
+        request.status = RequestStatus.WAITING_FOR_BLOCKS
+        self.requests[request.request_id] = request
+        self.waiting_for_blocks.append(request)
+
+    def _admit_check(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.block_ids or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(f"request {request.request_id!r} must be fresh (no blocks, nothing computed)")
+        max_len = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if max_len > self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
+                             f"max_tokens exceeds max_model_len ({self.config.max_model_len})")
+        max_blocks = self.kv_manager.num_blocks_for(
+            request.num_prompt_tokens if self.role == "prefill" else max_len)
+        if max_blocks > self.kv_manager.block_pool.num_usable_blocks:
+            raise ValueError(f"request {request.request_id!r} needs {max_blocks} KV blocks, the pool has "
+                             f"{self.kv_manager.block_pool.num_usable_blocks}")
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch under the token budget; allocates blocks, computes nothing.
+
+        Design: decodes first, then partial prefills, then admissions — so a long prompt only ever
+        takes the budget that running requests left. Preemption frees a victim's blocks at once;
+        if the victim was already scheduled this step it is taken out of the batch (nothing was
+        computed for it yet). No admissions in a step that preempted: the pool is demonstrably
+        short. The decode loop is the hot path (one pass over every running request each step),
+        so it checks "does the next token fit the last block" inline instead of calling the
+        manager, and builds each `ScheduledSeq` once, directly.
+        """
+        budget = self.config.max_num_batched_tokens
+        kv, block_size = self.kv_manager, self.block_size
+        batch: dict[str, ScheduledSeq] = {}      # request id -> its seq, in batch order
+        preempted: list[str] = []
+        reserved = self._reserve_remote() if self.waiting_for_blocks else ()
+
+        partial: list[Request] = []
+        for request in tuple(self.running):     # a copy: preemption edits self.running
+            if not budget:
+                break
+            if request.status is not _RUNNING:   # preempted earlier in this step
+                continue
+            tokens, start = request.token_ids, request.num_computed_tokens
+            if len(tokens) - start > 1:
+                partial.append(request)
+                continue
+            if start >= len(request.block_ids) * block_size and not (
+                    kv.allocate_slots(request, 1) or self._preempt_until_fits(request, 1, batch, preempted)):
+                continue
+            batch[request.request_id] = _new_seq(ScheduledSeq, (
+                request.request_id, (tokens[start],), start, tuple(request.block_ids), True))
+            budget -= 1
+        for request in partial:
+            if not budget:
+                break
+            if request.status is not _RUNNING:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if kv.allocate_slots(request, num_new) or self._preempt_until_fits(request, num_new, batch, preempted):
+                batch[request.request_id] = self._seq(request, num_new)
+                budget -= num_new
+        if preempted:
+            # Victims that had been scheduled gave their tokens back.
+            budget = self.config.max_num_batched_tokens - sum(len(seq.token_ids) for seq in batch.values())
+        else:
+            budget = self._admit_waiting(budget, batch)
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(tuple(batch.values()), self.config.max_num_batched_tokens - budget,
+                               tuple(preempted), tuple(reserved), tuple(finished))
+
+    @staticmethod
+    def _seq(request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        tokens = request.token_ids
+        return ScheduledSeq(request.request_id, tuple(tokens[start:end]), start,
+                            tuple(request.block_ids), end == len(tokens))
+
+    def _admit_waiting(self, budget: int, batch: dict[str, ScheduledSeq]) -> int:
+        """Admit waiting requests in policy order (chunked into `budget`); returns the budget left."""
+        kv, waiting, config = self.kv_manager, self.waiting, self.config
+        now = time.monotonic()
+        while waiting and budget and len(self.running) + len(self.waiting_for_remote_kv) < config.max_num_seqs:
+            request = waiting.peek()
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not kv.allocate_slots(request, num_new, hits):
+                break          # head-of-line: keep policy order rather than skip to a smaller one
+            waiting.pop()
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            batch[request.request_id] = self._seq(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _preempt_until_fits(self, request: Request, num_new: int,
+                            batch: dict[str, ScheduledSeq], preempted: list[str]) -> bool:
+        """Preempt victims until `request` gets its blocks; False when it was the victim itself."""
+        while True:
+            if self.config.policy == "priority":
+                victim = max(self.running, key=priority_key)
+            else:
+                victim = self.running[-1]
+            batch.pop(victim.request_id, None)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+            if self.kv_manager.allocate_slots(request, num_new):
+                return True
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks; the request re-enters the front of the queue."""
+        self.running.remove(request)
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    # ------------------------------------------------------------------ update
+    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        """Apply a computed step: advance token counts, cache full blocks, append sampled tokens,
+        apply token-level stops and free finished requests.
+
+        `sampled_token_ids` maps the id of every seq with `sample=True` to its new token. Returns
+        the requests that got a token this step (finished or not); `last_progressed` lists every
+        request whose `num_computed_tokens` advanced. Seqs of requests aborted between `schedule`
+        and `update` are skipped.
+        """
+        requests, kv, block_size = self.requests, self.kv_manager, self.block_size
+        prefill_role = self.role == "prefill"
+        eos_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
+        progressed: list[Request] = []
+        sampled: list[Request] = []
+        now = time.monotonic()
+        any_finished = False
+        for seq in output.scheduled:
+            request = requests.get(seq.request_id)
+            if request is None or request.status is not _RUNNING:
+                continue
+            start = request.num_computed_tokens
+            num_computed = request.num_computed_tokens = start + len(seq.token_ids)
+            if num_computed // block_size != start // block_size:   # a block became full
+                kv.cache_blocks(request, num_computed)
+            progressed.append(request)
+            if not seq.sample:
+                continue
+            try:
+                token_id = sampled_token_ids[seq.request_id]
+            except KeyError:
+                raise KeyError(f"no sampled token for request {seq.request_id!r} (sample=True)") from None
+            outputs, tokens = request.output_token_ids, request.token_ids
+            outputs.append(token_id)
+            tokens.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            sampled.append(request)
+            if prefill_role:
+                # The first token ends the prefill; the blocks stay referenced for the KV pull.
+                request.status = RequestStatus.FINISHED_PREFILLED
+                request.finished_time = now
+                self.held[request.request_id] = request
+                self._finished_ids.append(request.request_id)
+                any_finished = True
+                continue
+            params = request.sampling_params
+            # Cheap screen first (the usual answer is "no stop"); _check_stop decides exactly.
+            if (len(outputs) < params.max_tokens and len(tokens) < max_model_len
+                    and token_id not in eos_ids and token_id not in params.stop_token_ids):
+                continue
+            if self._check_stop(request, token_id):
+                request.finished_time = now
+                kv.free(request)
+                del requests[request.request_id]
+                self._finished_ids.append(request.request_id)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        self.last_progressed = progressed
+        return sampled
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Token-level stops; sets status and `stop_reason` when the request must finish.
+
+        Stop tokens (eos, `stop_token_ids`) count only once `min_tokens` tokens exist, the token
+        itself included (as in vLLM; the sampler also masks them before that).
+        """
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if num_output >= params.max_tokens or len(request.token_ids) >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # ------------------------------------------------------------------ endings
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request for a reason found outside the scheduler (stop strings); frees its blocks.
+
+        Returns False when the request is unknown (already finished or aborted).
+        """
+        if not status.is_finished or status is RequestStatus.FINISHED_PREFILLED:
+            raise ValueError(f"finish_request needs a finished status other than prefilled, got {status}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._remove(request, status)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort in any state (incl. a held prefilled request); idempotent, False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._remove(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def release_request(self, request_id: str) -> bool:
+        """Prefill role: free a held request's blocks (KV pulled or TTL expired); idempotent."""
+        request = self.held.get(request_id)
+        if request is None:
+            return False
+        self._remove(request, request.status)
+        return True
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of whichever queue holds it, free its blocks and forget it."""
+        request_id, old = request.request_id, request.status
+        if old is _RUNNING:
+            self.running.remove(request)
+        elif old is RequestStatus.WAITING or old is RequestStatus.PREEMPTED:
+            self.waiting.remove(request)
+        elif old is RequestStatus.WAITING_FOR_BLOCKS:
+            self.waiting_for_blocks.remove(request)
+        elif old is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_remote_kv[request_id]
+        elif old is RequestStatus.FINISHED_PREFILLED:
+            del self.held[request_id]
+        self.kv_manager.free(request)
+        del self.requests[request_id]
+        if not old.is_finished:      # a held request already reported its end
+            request.status = status
+            request.finished_time = time.monotonic()
+            self._finished_ids.append(request_id)
+
+    # ------------------------------------------------------------------ decode role
+    def _reserve_remote(self) -> list[str]:
+        """Reserve whole prompts for queued remote requests, FIFO, keeping a watermark of free
+        blocks for running decodes (none needed when nothing runs, so a big prompt cannot starve)."""
+        kv, queue = self.kv_manager, self.waiting_for_blocks
+        reserved = []
+        now = time.monotonic()
+        while queue and len(self.running) + len(self.waiting_for_remote_kv) < self.config.max_num_seqs:
+            request = queue[0]
+            busy = self.running or self.waiting_for_remote_kv
+            spare = kv.num_free_blocks - kv.num_blocks_for(request.num_prompt_tokens)
+            if spare < (self._watermark_blocks if busy else 0):
+                break
+            reserved_ok = kv.reserve(request, request.num_prompt_tokens)
+            assert reserved_ok
+            queue.popleft()
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.waiting_for_remote_kv[request.request_id] = request
+            reserved.append(request.request_id)
+        return reserved
+
+    def remote_kv_landed(self, request_id: str, first_token_id: int) -> bool:
+        """The prompt's KV is in the reserved blocks and the prefill pod sampled `first_token_id`.
+
+        The request joins the running decodes, or finishes right here on a stop (returns True).
+        An unknown id (aborted while pulling) also returns True: there is nothing left to run.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return True
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for remote KV")
+        del self.waiting_for_remote_kv[request_id]
+        now = time.monotonic()
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+        request.append_output_token(first_token_id)
+        request.first_token_time = now
+        if self._check_stop(request, first_token_id):
+            request.finished_time = now
+            self.kv_manager.free(request)
+            del self.requests[request_id]
+            self._finished_ids.append(request_id)
+            return True
+        request.status = _RUNNING
+        self.running.append(request)
+        return False
+
+    def remote_kv_failed(self, request_id: str) -> bool:
+        """The pull failed (prefill pod lost): prefill the prompt here instead, ahead of newer
+        waiting requests. The reserved blocks are freed (their partial KV is never cached); the
+        local prefill allocates afresh after a prefix lookup. False when there is nothing to
+        fall back (unknown id, or already past the pull)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.WAITING_FOR_BLOCKS:
+            self.waiting_for_blocks.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_remote_kv[request_id]
+            self.kv_manager.free(request)
+        else:
+            return False
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.push_front(request)
+        return True
+
+    # ------------------------------------------------------------------ queries and stats
+    def get_request(self, request_id: str) -> Request | None:
+        """A request still tracked here (unfinished, or prefilled and held), else None."""
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting or self.waiting_for_blocks or self.waiting_for_remote_kv)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not in the batch yet: waiting, preempted, and (decode role) waiting for blocks or KV."""
+        return len(self.waiting) + len(self.waiting_for_blocks) + len(self.waiting_for_remote_kv)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_held_kv(self) -> int:
+        """Prefill role: finished requests whose blocks wait for a pull."""
+        return len(self.held)
+
+    @property
+    def prefill_queue_tokens(self) -> int:
+        """Tokens still to prefill here: waiting requests in full plus the rest of partial prefills.
+        O(queue length): for metrics, not for every step."""
+        queued = sum(r.num_tokens for r in self.waiting)
+        partial = sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.running)
+        return queued + partial
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_manager.usage
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        return self.kv_manager.hit_ratio
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.num_free_blocks
+
+    def check_invariants(self) -> None:
+        """For tests: the pool is consistent, each tracked request sits in exactly the container its
+        status names, and every block's refcount equals the number of block tables holding it."""
+        pool = self.kv_manager.block_pool
+        pool.check_invariants()
+        containers = {
+            RequestStatus.RUNNING: [r.request_id for r in self.running],
+            RequestStatus.WAITING: [r.request_id for r in self.waiting
+                                    if r.status is RequestStatus.WAITING],
+            RequestStatus.PREEMPTED: [r.request_id for r in self.waiting
+                                      if r.status is RequestStatus.PREEMPTED],
+            RequestStatus.WAITING_FOR_BLOCKS: [r.request_id for r in self.waiting_for_blocks],
+            RequestStatus.WAITING_FOR_REMOTE_KV: list(self.waiting_for_remote_kv),
+            RequestStatus.FINISHED_PREFILLED: list(self.held),
+        }
+        listed = [rid for ids in containers.values() for rid in ids]
+        assert len(listed) == len(set(listed)) == len(self.requests), "a request is in two queues or none"
+        assert len(self.waiting) == len(containers[RequestStatus.WAITING]) + len(containers[RequestStatus.PREEMPTED])
+        refs = [0] * pool.num_blocks
+        for status, ids in containers.items():
+            for request_id in ids:
+                request = self.requests[request_id]
+                assert request.status is status, f"{request_id} is {request.status} but queued as {status}"
+                if status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_BLOCKS):
+                    assert not request.block_ids and request.num_computed_tokens == 0, f"{request_id} holds state while queued"
+                else:
+                    assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
+                for block_id in request.block_ids:
+                    refs[block_id] += 1
+        assert refs == pool.ref_cnt, "block refcounts differ from the block tables holding them"
+        assert len(self.running) + len(self.waiting_for_remote_kv) <= self.config.max_num_seqs
