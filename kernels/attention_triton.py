@@ -24,10 +24,12 @@ from kernels.attention_splitk_triton import launch_split_k, use_split_k
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
-    """Largest sequence i with query_start_loc[i] // BLOCK_Q + i <= tile_id."""
+def _find_seq(query_start_loc_ptr, last_seq, tile_id, BLOCK_Q: tl.constexpr):
+    """Largest sequence i <= last_seq with query_start_loc[i] // BLOCK_Q + i <= tile_id."""
+    # Plain assignments turn ints and constexprs (Triton specialises an argument equal to 1)
+    # into i32 tensors, which the while loop needs for its loop-carried values.
     lo = 0
-    hi = num_seqs
+    hi = last_seq
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -146,9 +148,14 @@ def launch_unified(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    block_n: int = 32,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """Run the unified kernel (inputs already validated by ``kernels.checks``)."""
+    """Run the unified kernel (inputs already validated by ``kernels.checks``).
+
+    ``block_n`` is the key-tile width (default 64 on a GPU, 32 in the interpreter).
+    """
+    if block_n is None:
+        block_n = 64 if q.is_cuda else 32
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
