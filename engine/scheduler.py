@@ -552,7 +552,8 @@ class Scheduler:
         """Tokens still to prefill here: waiting requests in full plus the rest of partial prefills.
         O(queue length): for metrics, not for every step."""
         queued = sum(r.num_tokens for r in self.waiting)
-        partial = sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.running)
+        remaining = (r.num_tokens - r.num_computed_tokens for r in self.running)
+        partial = sum(n for n in remaining if n > 1)      # 1 left = a decode, not a prefill
         return queued + partial
 
     @property

@@ -1,0 +1,136 @@
+"""KVCacheManager: block tables grow with tokens, prefix lookup over full blocks, caching, freeing."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True) -> KVCacheManager:
+    return KVCacheManager(BlockPool(num_blocks, caching), block_size)
+
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4))
+
+
+def compute(manager: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """What the scheduler does around a step: allocate, 'compute', cache the full blocks."""
+    assert manager.allocate_slots(request, num_tokens)
+    request.num_computed_tokens += num_tokens
+    manager.cache_blocks(request, request.num_computed_tokens)
+
+
+def test_block_table_grows_only_when_a_block_fills():
+    manager = make_manager()
+    request = make_request("a", range(10))
+    assert manager.allocate_slots(request, 10)
+    assert len(request.block_ids) == 3                 # ceil(10 / 4)
+    request.num_computed_tokens = 10
+    assert manager.allocate_slots(request, 2) and len(request.block_ids) == 3
+    assert manager.allocate_slots(request, 3) and len(request.block_ids) == 4
+    manager.block_pool.check_invariants()
+
+
+def test_failed_allocation_changes_nothing():
+    manager = make_manager(num_blocks=4)
+    request = make_request("a", range(20))
+    assert not manager.allocate_slots(request, 20)      # needs 5 blocks, 3 exist
+    assert request.block_ids == [] and manager.num_free_blocks == 3
+    assert manager.num_queried_tokens == 0
+
+
+def test_prefix_lookup_hits_full_computed_blocks_and_counts_tokens():
+    manager = make_manager()
+    first = make_request("a", range(10))
+    compute(manager, first, 10)                          # blocks [0..3], [4..7] full; [8, 9] partial
+    second = make_request("b", list(range(8)) + [50, 51, 52])
+    hits, num_hit = manager.get_computed_blocks(second)
+    assert hits == first.block_ids[:2] and num_hit == 8
+    assert manager.allocate_slots(second, second.num_tokens - num_hit, hits)
+    assert second.block_ids[:2] == first.block_ids[:2] and len(second.block_ids) == 3
+    assert manager.block_pool.ref_cnt[hits[0]] == 2
+    assert manager.num_queried_tokens == 10 + 11 and manager.num_hit_tokens == 8
+    assert abs(manager.hit_ratio - 8 / 21) < 1e-12
+    manager.block_pool.check_invariants()
+
+
+def test_never_serves_the_whole_prompt_from_the_cache():
+    manager = make_manager()
+    first = make_request("a", range(8))
+    compute(manager, first, 8)
+    again = make_request("b", range(8))
+    hits, num_hit = manager.get_computed_blocks(again)
+    assert num_hit == 4 and len(hits) == 1               # the last block is recomputed
+
+
+def test_lookup_stops_at_the_first_miss_because_hashes_chain():
+    manager = make_manager()
+    compute(manager, make_request("a", range(12)), 12)
+    # Same second block, different first block: no hit at all.
+    other = make_request("b", [99, 1, 2, 3] + list(range(4, 12)) + [0])
+    assert manager.get_computed_blocks(other) == ([], 0)
+
+
+def test_hits_on_freed_blocks_need_free_capacity_too():
+    manager = make_manager(num_blocks=4)                 # 3 usable blocks
+    first = make_request("a", range(9))
+    compute(manager, first, 9)
+    manager.free(first)
+    assert manager.num_free_blocks == 3
+    second = make_request("b", list(range(8)) + [7, 7, 7, 7, 7])
+    hits, num_hit = manager.get_computed_blocks(second)
+    assert num_hit == 8
+    # 2 hit blocks leave the free queue and 2 fresh ones are needed: 4 > 3.
+    assert not manager.allocate_slots(second, second.num_tokens - num_hit, hits)
+    assert second.block_ids == [] and manager.block_pool.ref_cnt[hits[0]] == 0
+    assert manager.allocate_slots(second, 1, hits)       # 2 hits + 1 fresh fits
+    manager.block_pool.check_invariants()
+
+
+def test_free_releases_tail_first_so_the_prefix_outlives_it():
+    manager = make_manager(num_blocks=5)                 # 4 usable blocks
+    first = make_request("a", range(12))
+    compute(manager, first, 12)
+    table = list(first.block_ids)
+    manager.free(first)
+    assert first.block_ids == []
+    pool = manager.block_pool
+    # Free queue: the never-used block, then the request's blocks tail first.
+    (never_used,) = set(range(1, 5)) - set(table)
+    assert pool.get_new_blocks(3) == [never_used, table[2], table[1]]
+    assert pool.block_hash[table[2]] is None and pool.block_hash[table[1]] is None
+    assert pool.get_cached_block(pool.block_hash[table[0]]) == table[0]   # the prefix survives
+    pool.check_invariants()
+
+
+def test_cache_blocks_is_incremental_and_survives_chunking():
+    manager = make_manager()
+    request = make_request("a", range(16))
+    compute(manager, request, 6)
+    assert manager.block_pool.num_cached_blocks == 1
+    compute(manager, request, 6)
+    assert manager.block_pool.num_cached_blocks == 3
+    compute(manager, request, 4)
+    assert manager.block_pool.num_cached_blocks == 4
+    probe = make_request("b", list(range(16)) + [1])
+    assert manager.get_computed_blocks(probe)[1] == 16
+
+
+def test_prefix_caching_off_means_no_hits():
+    manager = make_manager(caching=False)
+    compute(manager, make_request("a", range(12)), 12)
+    assert manager.get_computed_blocks(make_request("b", range(12))) == ([], 0)
+    assert manager.block_pool.num_cached_blocks == 0
+
+
+def test_reserve_allocates_a_whole_prompt_or_nothing():
+    manager = make_manager(num_blocks=4)
+    request = make_request("a", range(9))
+    assert manager.reserve(request, 9) and len(request.block_ids) == 3
+    other = make_request("b", range(2))
+    assert not manager.reserve(other, 2) and other.block_ids == []
+    manager.free(request)
+    assert manager.usage == 0.0
