@@ -149,24 +149,29 @@ def launch_unified(
     query_start_loc: torch.Tensor,
     scale: float,
     block_n: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Run the unified kernel (inputs already validated by ``kernels.checks``).
 
-    ``block_n`` is the key-tile width (default 64 on a GPU, 32 in the interpreter).
+    ``block_n`` is the key-tile width (default 64 on a GPU, 32 in the interpreter); ``block_m``
+    the target rows per query tile (tokens x heads-in-group; default 16, or 64 on a GPU when the
+    batch holds prefill tokens, so a K/V tile is reused by more query rows).
     """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
     if block_n is None:
         block_n = 64 if q.is_cuda else 32
-    num_tokens, num_heads, head_dim = q.shape
+    if block_m is None:
+        block_m = 64 if q.is_cuda and num_tokens > num_seqs else 16
+    for name, value in (("block_n", block_n), ("block_m", block_m)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # At least 16 rows per tile (tl.dot needs M >= 16); more query tokens per tile when the
-    # group is small, since the rows share the K/V loads.
-    block_q = max(1, 16 // group_pad)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    # Rows = BLOCK_Q tokens x GROUP_PAD heads, at least 16 (tl.dot needs M >= 16).
+    block_q = max(1, block_m // group_pad)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)

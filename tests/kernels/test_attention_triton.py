@@ -47,10 +47,11 @@ def test_unified_mixed_batch(triton_backend, block_size: int, head_dim: int, gro
 def test_unified_tile_spans_blocks_and_parts_of_blocks(triton_backend) -> None:
     from kernels.attention_triton import launch_unified
 
-    for block_size, block_n in [(16, 64), (32, 16)]:  # several blocks per tile; part of one block
-        case = make_case([(21, 3), (40, 1)], num_kv_heads=1, group=4, head_dim=32,
+    # Several blocks per key tile; part of one block; and bigger query tiles (the GPU prefill size).
+    for block_size, block_n, block_m in [(16, 64, 16), (32, 16, 16), (16, 32, 64)]:
+        case = make_case([(21, 3), (40, 1), (7, 37)], num_kv_heads=1, group=4, head_dim=32,
                          block_size=block_size, device=triton_backend)
-        _check(case, torch.float32, launch_unified(*case.args(), block_n=block_n))
+        _check(case, torch.float32, launch_unified(*case.args(), block_n=block_n, block_m=block_m))
 
 
 def test_unified_chunked_continuation_matches_one_shot_prefill(triton_backend) -> None:
@@ -111,5 +112,7 @@ def test_launch_rejects_bad_tile(triton_backend) -> None:
     case = make_case([(3, 2)], num_kv_heads=1, group=1, head_dim=32, block_size=16, device=triton_backend)
     with pytest.raises(ValueError, match="block_n"):
         launch_unified(*case.args(), block_n=8)
+    with pytest.raises(ValueError, match="block_m"):
+        launch_unified(*case.args(), block_m=24)
     with pytest.raises(ValueError, match="one query token per sequence"):
         launch_split_k(*case.args())
