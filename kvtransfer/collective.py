@@ -63,7 +63,7 @@ def connect_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStor
 
 def _new_process_group(store: dist.Store, group_name: str, rank: int, backend: str,
                        timeout: datetime.timedelta) -> dist.ProcessGroup:
-    prefixed = dist.PrefixStore(f"cbserve-kv/{group_name}/", store)
+    prefixed = dist.PrefixStore(f"cbserve-kv/{group_name}", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
     if backend == "nccl":
@@ -98,16 +98,19 @@ class PairGroup:
     @classmethod
     async def create(cls, store: dist.Store, group_name: str, rank: int, backend: str = "gloo", *,
                      device: torch.device | str = "cpu", timeout_s: float = 30.0,
-                     heartbeat_s: float | None = None) -> PairGroup:
+                     setup_timeout_s: float = 60.0, heartbeat_s: float | None = None) -> PairGroup:
         """Join the pair `group_name` as `rank` (0 = prefill, 1 = decode); returns when both ranks
-        are connected. `timeout_s` bounds the rendezvous and every send/receive; heartbeats go out
-        every `heartbeat_s` (default `timeout_s / 4`) while idle."""
+        are connected, or raises `SourceLostError` after `setup_timeout_s`. `timeout_s` bounds
+        every send/receive (a silent peer is declared lost after it); heartbeats go out every
+        `heartbeat_s` (default `timeout_s / 4`) while idle."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
-        timeout = datetime.timedelta(seconds=timeout_s)
+        if heartbeat_s is not None and heartbeat_s >= timeout_s:
+            raise ValueError(f"heartbeat_s ({heartbeat_s}) must be below timeout_s ({timeout_s})")
+        setup_timeout = datetime.timedelta(seconds=setup_timeout_s)
         try:
             process_group = await asyncio.to_thread(
-                _new_process_group, store, group_name, rank, backend, timeout)
+                _new_process_group, store, group_name, rank, backend, setup_timeout)
         except (RuntimeError, dist.DistError) as error:
             raise SourceLostError(f"pair {group_name}: setup failed: {error}") from error
         return cls(process_group, group_name, rank, torch.device(device), timeout_s,

@@ -269,10 +269,14 @@ async def pull_kv(stub, request: cbserve_pb2.PullKVRequest, sink: KVSink, *,
     try:
         return await sink.consume(call)
     except grpc.aio.AioRpcError as error:
+        call.cancel()
         code = error.code()
         message = f"PullKV {request.request_id}: {code.name}: {error.details()}"
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             raise LayoutError(message) from error
         raise SourceLostError(message, code.name) from error
-    finally:
-        call.cancel()  # no-op when the stream already finished
+    except BaseException:
+        # Refused chunk, cancellation, deadline: end the stream now so the source stops.
+        # (After `last` the source ends the stream itself, and sees it finish normally.)
+        call.cancel()
+        raise

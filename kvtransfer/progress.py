@@ -94,7 +94,7 @@ class KVProgress:
         with self._lock:
             self._waiters.add(waiter)
         try:
-            last_seen = -1
+            last_seen = 0  # nothing to report before the first computed token
             while True:
                 wakeup.clear()
                 with self._lock:

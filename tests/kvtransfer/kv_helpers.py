@@ -23,4 +23,4 @@ def empty_like_kv(kv: torch.Tensor) -> torch.Tensor:
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte equality (NaN-safe, dtype-agnostic)."""
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))

@@ -1,0 +1,148 @@
+"""KVSource and KVSink state machines without a network: events in, chunks out, and every way
+a chunk stream can be wrong."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvtransfer.errors import (ChecksumError, LayoutError, ProtocolError, SourceAbortedError,
+                               StreamEndedError)
+from kvtransfer.grpc_transport import KVSink, KVSource
+from kvtransfer.progress import ComputedTokens, FirstToken, KVProgress
+
+from kv_helpers import TINY, make_kv, same_bytes
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def aiter_of(items):
+    for item in items:
+        yield item
+
+
+def source_chunks(events, num_prompt_tokens=22, **kwargs):
+    source = KVSource(make_kv(), "r", num_prompt_tokens, **kwargs)
+
+    async def collect():
+        return [chunk async for chunk in source.chunks(aiter_of(events))]
+
+    return asyncio.run(collect())
+
+
+def test_source_holds_back_the_partial_block_until_the_first_token():
+    ids = (1, 2, 3, 4, 5, 6)
+    chunks = source_chunks([ComputedTokens(5, ids[:2]), ComputedTokens(22, ids), FirstToken(9, ids)])
+    shapes = [(c.first_block_index, c.num_blocks, c.num_computed_tokens, c.last) for c in chunks]
+    assert shapes == [(0, 1, 4, False), (1, 4, 20, False), (5, 1, 22, True)]
+    assert chunks[-1].first_token_id == 9 and all(c.num_prompt_tokens == 22 for c in chunks)
+
+
+def test_source_sends_an_empty_last_message_when_nothing_is_left():
+    ids = (1, 2, 3)
+    chunks = source_chunks([ComputedTokens(12, ids), FirstToken(3, ids)], num_prompt_tokens=12)
+    assert [(c.first_block_index, c.num_blocks, c.last) for c in chunks] == [(0, 3, False), (3, 0, True)]
+    assert chunks[-1].data == b"" and chunks[-1].num_bytes == 0
+
+
+def test_source_refuses_a_rewritten_block_table():
+    with pytest.raises(LayoutError, match="block table changed"):
+        source_chunks([ComputedTokens(8, (1, 2)), ComputedTokens(12, (1, 7, 3))])
+
+
+def test_source_without_first_token_is_aborted():
+    with pytest.raises(SourceAbortedError, match="without a first token"):
+        source_chunks([ComputedTokens(8, (1, 2))])
+
+
+def test_progress_coalesces_and_replays_state_for_late_pulls():
+    async def scenario():
+        progress = KVProgress(num_prompt_tokens=10)
+        progress.advance(4, [1])
+        progress.advance(8, [1, 2])  # a late consumer sees only the latest state
+        events = progress.events()
+        first = await anext(events)
+        progress.finish(5, [1, 2, 3])
+        second = await anext(events)
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == ComputedTokens(8, (1, 2))
+    assert isinstance(second, FirstToken) and second.token_id == 5 and second.block_ids == (1, 2, 3)
+
+
+def test_progress_from_another_thread_and_failure():
+    async def scenario():
+        progress = KVProgress(num_prompt_tokens=10)
+        seen = []
+
+        async def consume():
+            async for event in progress.events():
+                seen.append(event)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.01)
+        await asyncio.to_thread(progress.advance, 4, [1])
+        while not seen:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(progress.fail, "preempted")
+        with pytest.raises(SourceAbortedError, match="preempted"):
+            await task
+        return seen
+
+    assert asyncio.run(scenario()) == [ComputedTokens(4, (1,))]
+
+
+def good_chunks():
+    src = make_kv()
+    ids = (1, 2, 3, 4, 5, 6)
+    return src, source_chunks([ComputedTokens(22, ids), FirstToken(9, ids)],
+                              max_chunk_bytes=2 * TINY.bytes_per_block)
+
+
+def consume(chunks, num_prompt_tokens=22, dst_ids=(9, 10, 11, 2, 3, 4)):
+    dst = torch.zeros((16, *TINY.block_shape))
+    sink = KVSink(dst, list(dst_ids), "r", num_prompt_tokens)
+    return dst, asyncio.run(sink.consume(aiter_of(chunks)))
+
+
+def test_sink_round_trip():
+    src, chunks = good_chunks()
+    dst, result = consume(chunks)
+    assert result.num_blocks == 6 and result.first_token_id == 9
+    assert all(same_bytes(src[s], dst[d]) for s, d in zip((1, 2, 3, 4, 5, 6), (9, 10, 11, 2, 3, 4)))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (lambda cs: cs[:1] + cs[2:], ProtocolError, "gap: chunk starts at block 4, expected 2"),
+        (lambda cs: cs[:2] + cs[1:], ProtocolError, "duplicate"),
+        (lambda cs: cs[:-1], StreamEndedError, "without its last message"),
+        (lambda cs: [_edit(cs[0], request_id="other")] + cs[1:], ProtocolError, "request 'other'"),
+        (lambda cs: [_edit(cs[0], num_bytes=1)] + cs[1:], LayoutError, "chunk says 1 bytes"),
+        (lambda cs: [_edit(cs[0], data=cs[0].data[:-4])] + cs[1:], LayoutError, "payload has"),
+        (lambda cs: [_edit(cs[0], crc32=cs[0].crc32 ^ 1)] + cs[1:], ChecksumError, "crc32"),
+        (lambda cs: [_edit(cs[0], num_prompt_tokens=30)] + cs[1:], LayoutError, "prompt tokens"),
+        (lambda cs: cs[:1] + [_edit(cs[1], last=True)], ProtocolError, "last message after 4/6"),
+    ],
+)
+def test_sink_refuses_bad_streams(mutate, error, message):
+    _, chunks = good_chunks()
+    with pytest.raises(error, match=message):
+        consume(mutate(chunks))
+
+
+def test_sink_refuses_too_few_destination_blocks():
+    with pytest.raises(LayoutError, match="cannot hold 22 prompt tokens"):
+        KVSink(torch.zeros((16, *TINY.block_shape)), [1, 2, 3], "r", 22)
+
+
+def _edit(chunk, **fields):
+    copy = type(chunk)()
+    copy.CopyFrom(chunk)
+    for name, value in fields.items():
+        setattr(copy, name, value)
+    return copy
