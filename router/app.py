@@ -1,0 +1,162 @@
+"""The router's HTTP app: `create_app(config)` builds it, `run(config)` serves it with uvicorn.
+
+Startup (the app's lifespan) loads the tokenizer, starts discovery and load tracking, and wires
+policy, admission and dispatch together. Routes: `/v1/completions`, `/v1/chat/completions`,
+`/v1/models` (API key checked on every `/v1` route when one is configured), `/health` (liveness),
+`/ready` (503 while draining or without a ready prefill/decode pair), `/metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.tokenizer import Tokenizer
+from router.admission import AdmissionController
+from router.config import RouterConfig
+from router.discovery import Discovery, build_discovery
+from router.dispatch import Dispatcher
+from router.errors import APIError, unauthorized
+from router.load import LoadTracker
+from router.metrics import RouterMetrics
+from router.policy import PrefixIndex, build_policy
+from router.serving import ServingState, create_chat_completion, create_completion
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A preset name or a directory holding tokenizer files and config.json (torch-free)."""
+    from engine.presets import PRESETS, resolve_model_dir as resolve
+
+    if model in PRESETS:
+        return resolve(model, create_weights=False)
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model must be a preset ({', '.join(PRESETS)}) or a model directory, got {model!r}")
+    return path
+
+
+def max_model_len_of(model_dir: Path) -> int:
+    config_file = model_dir / "config.json"
+    if config_file.is_file():
+        value = json.loads(config_file.read_text()).get("max_position_embeddings")
+        if isinstance(value, int) and value > 1:
+            return value
+    return DEFAULT_MAX_MODEL_LEN
+
+
+def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, discovery: Discovery | None = None,
+               default_max_model_len: int | None = None) -> FastAPI:
+    """The FastAPI app for `config`; `tokenizer`/`discovery` may be injected (tests, embedding)."""
+    metrics = RouterMetrics()
+    api_key = config.resolved_api_key()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        nonlocal tokenizer, discovery
+        max_len = default_max_model_len
+        if tokenizer is None:
+            model_dir = resolve_model_dir(config.model)
+            tokenizer = Tokenizer.from_pretrained(model_dir)
+            max_len = max_len or max_model_len_of(model_dir)
+        discovery = discovery or build_discovery(config)
+        tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds)
+        prefix_index = PrefixIndex(config.prefix_affinity_entries)
+        admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
+        tracker.add_listener(admission.wake)
+        policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second)
+        dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries)
+        app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN)
+        discovery.subscribe(tracker.set_endpoints)
+        await discovery.start()
+        log.info("router serving %r with policy %s, admission %s", config.model_name, config.policy, config.admission)
+        try:
+            yield
+        finally:
+            await discovery.stop()
+            await tracker.close()
+
+    app = FastAPI(title="cbserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+
+    def serving(request: Request) -> ServingState:
+        return request.app.state.serving
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        # Compare in constant time, so response timing does not reveal how much of a guess matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), api_key.encode()):
+            raise unauthorized()
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(400, str(exc.errors()[0].get("msg", exc))).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"Internal error: {type(exc).__name__}", type="server_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        state = serving(request)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.dispatcher.is_ready():
+            return JSONResponse({"status": "no ready pods"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models(request: Request) -> dict[str, Any]:
+        state = serving(request)
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "cbserve",
+            "max_model_len": state.max_model_len()}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(request: Request) -> Response:
+        return await create_completion(serving(request), request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(serving(request), request)
+
+    return app
+
+
+def run(config: RouterConfig) -> None:
+    """Serve the router until SIGTERM/SIGINT, then drain (see `router.drain`)."""
+    from router.drain import serve_with_drain
+
+    serve_with_drain(create_app(config), config)

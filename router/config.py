@@ -1,0 +1,111 @@
+"""RouterConfig: every knob of the router in one frozen value, checked once at construction.
+
+Field names follow the `cbserve router` flags (`--slo-ttft-ms` -> `slo_ttft_ms`), so a flag, a config
+field and the metric or log line that talks about the same concept share one name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+POLICIES = ("goodput", "round_robin", "least_loaded")
+ADMISSION_MODES = ("queue", "reject")
+DISCOVERY_MODES = ("static", "kubernetes")
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"pod address must be HOST:PORT, got {address!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router finds pods, routes, admits and serves requests."""
+
+    model: str = "tiny"                      # preset name or model directory (tokenizer + config.json)
+    served_model_name: str | None = None     # the `model` clients send; default: `model`
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Discovery: static addresses, or Kubernetes EndpointSlices of the named Services.
+    discovery: str = "static"
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    namespace: str = "default"
+    prefill_service: str = "cbserve-prefill"
+    decode_service: str = "cbserve-decode"
+    colocated_service: str | None = None
+    grpc_port_name: str = "grpc"
+    # Routing and admission.
+    policy: str = "goodput"
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 50.0
+    admission: str = "queue"
+    max_queue_seconds: float = 5.0
+    max_queue_size: int = 1024
+    max_retries: int = 2                     # extra attempts on other pods, before the first token only
+    # Serving.
+    api_key_env: str | None = "CBSERVE_API_KEY"
+    api_key: str | None = None               # overrides the environment variable when set
+    max_model_len: int | None = None         # None: from the pods' Handshake / the model's config.json
+    request_timeout_seconds: float = 600.0   # the deadline every RPC carries
+    drain_seconds: float = 30.0
+    # Load tracking and pod health.
+    load_interval_seconds: float = 0.05      # WatchLoad interval; polling falls back to the same period
+    probe_interval_seconds: float = 1.0      # how often a pod taken out is probed for re-admission
+    default_prefill_tokens_per_second: float = 20000.0   # until a pod reports its measured rate
+    prefix_affinity_entries: int = 200_000   # block hashes remembered for prefix affinity
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = tuple(a for a in value.split(",") if a)
+            object.__setattr__(self, name, tuple(value))
+            for address in getattr(self, name):
+                _check_address(address)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+        if self.discovery not in DISCOVERY_MODES:
+            raise ValueError(f"discovery must be one of {DISCOVERY_MODES}, got {self.discovery!r}")
+        if self.discovery == "static":
+            if self.colocated and (self.prefill or self.decode):
+                raise ValueError("use either --colocated or --prefill/--decode, not both")
+            if bool(self.prefill) != bool(self.decode):
+                raise ValueError("--prefill and --decode must both be given (or use --colocated)")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "request_timeout_seconds", "load_interval_seconds",
+                     "probe_interval_seconds", "default_prefill_tokens_per_second"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.load_interval_seconds > 0.1:
+            raise ValueError("load_interval_seconds must be <= 0.1 (routing needs fresh load)")
+        for name in ("max_queue_seconds", "drain_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_queue_size < 0 or self.max_retries < 0:
+            raise ValueError("max_queue_size and max_retries must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients name in requests and `/v1/models` lists."""
+        return self.served_model_name or self.model
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.colocated and (self.discovery == "static" or self.colocated_service is None)
+
+    def resolved_api_key(self) -> str | None:
+        """The key every /v1 request must present, or None for no auth."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None

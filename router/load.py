@@ -1,0 +1,209 @@
+"""Load tracking: what each pod last reported, plus what the router sent it since.
+
+Each pod streams `LoadReport`s (`WatchLoad`, every `load_interval_seconds` <= 100 ms; `GetLoad`
+polling at the same period if a pod lacks the stream). Between two reports the router counts what
+it dispatched itself, so a burst arriving within one report interval does not all land on the pod
+that looked idle. A pod is routable only while it is healthy (it answered its last probe and its
+load stream is alive), not draining, and listed by discovery. A pod that fails a call is taken out
+at once (`mark_failed`) and re-admitted only after a probe succeeds `probe_interval_seconds` later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from cbserve.pb import cbserve_pb2 as pb
+from router.discovery.base import PodEndpoint
+from router.pod_client import PodClient
+from router.predict import StepTimeModel
+
+log = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass
+class PodState:
+    """The router's view of one pod. Mutated only on the event loop's thread."""
+
+    endpoint: PodEndpoint
+    client: PodClient
+    report: pb.LoadReport | None = None
+    report_time: float = 0.0                 # monotonic time the last report arrived
+    model: pb.ModelInfo | None = None
+    healthy: bool = False
+    num_inflight: int = 0                    # requests the router sent and has not seen finish
+    # (monotonic send time, prompt tokens) of requests sent since the last report.
+    unreported: deque[tuple[float, int]] = field(default_factory=deque)
+    step_model: StepTimeModel = field(default_factory=StepTimeModel)
+    last_context_tokens: int = 0             # context tokens in the pod's latest reported step
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    @property
+    def role(self) -> str:
+        return self.endpoint.role
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not (self.report is not None and self.report.draining)
+
+    def apply_report(self, report: pb.LoadReport, now: float) -> None:
+        self.report = report
+        self.report_time = now
+        # What the report now includes is no longer the router's to count.
+        while self.unreported and self.unreported[0][0] <= now:
+            self.unreported.popleft()
+        for sample in report.step_samples:
+            self.step_model.add(sample.num_seqs, sample.num_context_tokens, sample.num_prefill_tokens,
+                                sample.seconds)
+            self.last_context_tokens = sample.num_context_tokens
+
+    def on_dispatch(self, num_prompt_tokens: int) -> None:
+        self.num_inflight += 1
+        self.unreported.append((time.monotonic(), num_prompt_tokens))
+
+    def on_finish(self) -> None:
+        self.num_inflight = max(0, self.num_inflight - 1)
+
+    # Load as routing sees it: the last report plus the router's own dispatches since.
+    @property
+    def queued_prefill_tokens(self) -> int:
+        reported = self.report.prefill_queue_tokens if self.report else 0
+        return reported + sum(tokens for _, tokens in self.unreported)
+
+    @property
+    def num_requests(self) -> int:
+        """Waiting + running at the pod, or the router's in-flight count if that is larger."""
+        reported = (self.report.num_waiting + self.report.num_running) if self.report else 0
+        return max(reported + len(self.unreported), self.num_inflight)
+
+    @property
+    def context_tokens(self) -> int:
+        return self.last_context_tokens + sum(tokens for _, tokens in self.unreported)
+
+    @property
+    def free_block_ratio(self) -> float:
+        if self.report is None or self.report.num_total_blocks <= 0:
+            return 1.0
+        return self.report.num_free_blocks / self.report.num_total_blocks
+
+    @property
+    def step_seconds_ewma(self) -> float:
+        return self.report.step_seconds_ewma if self.report else 0.0
+
+
+class LoadTracker:
+    """Keeps one PodState per discovered endpoint, fed by its load stream and health probes."""
+
+    def __init__(self, load_interval_seconds: float = 0.05, probe_interval_seconds: float = 1.0) -> None:
+        self.load_interval_seconds = load_interval_seconds
+        self.probe_interval_seconds = probe_interval_seconds
+        self.pods: dict[str, PodState] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Called after every report and every change in which pods are routable."""
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def routable(self, role: str) -> list[PodState]:
+        return [p for p in self.pods.values() if p.role == role and p.routable]
+
+    def set_endpoints(self, endpoints: frozenset[PodEndpoint]) -> None:
+        """Discovery listener: start tracking new endpoints, drop vanished ones."""
+        wanted = {e.address: e for e in endpoints}
+        for address in list(self.pods):
+            if address not in wanted or wanted[address].role != self.pods[address].role:
+                self._remove(address)
+        for address, endpoint in wanted.items():
+            if address not in self.pods:
+                pod = PodState(endpoint, PodClient(address, endpoint.role))
+                self.pods[address] = pod
+                self._tasks[address] = asyncio.get_running_loop().create_task(self._track(pod, 0.0))
+        self._notify()
+
+    def _remove(self, address: str) -> None:
+        pod = self.pods.pop(address)
+        self._tasks.pop(address).cancel()
+        asyncio.get_running_loop().create_task(pod.client.close())
+
+    def mark_failed(self, pod: PodState, reason: str) -> None:
+        """Take `pod` out of routing now; it comes back after a successful probe."""
+        if self.pods.get(pod.address) is not pod or not pod.healthy:
+            return
+        log.warning("pod %s (%s) taken out of routing: %s", pod.address, pod.role, reason)
+        pod.healthy = False
+        self._tasks[pod.address].cancel()
+        self._tasks[pod.address] = asyncio.get_running_loop().create_task(
+            self._track(pod, self.probe_interval_seconds))
+        self._notify()
+
+    async def close(self) -> None:
+        for address in list(self.pods):
+            pod = self.pods.pop(address)
+            task = self._tasks.pop(address)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pod.client.close()
+
+    async def _probe(self, pod: PodState) -> bool:
+        """Handshake (model info) and one GetLoad; both must answer for the pod to be routable."""
+        try:
+            handshake = await pod.client.handshake(_PROBE_TIMEOUT_SECONDS)
+            report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("probe of %s failed: %s", pod.address, exc.code())
+            return False
+        pod.model = handshake.model
+        pod.apply_report(report, time.monotonic())
+        return True
+
+    async def _track(self, pod: PodState, initial_delay: float) -> None:
+        """Probe until healthy, then follow the load stream; on any failure, out and probe again."""
+        await asyncio.sleep(initial_delay)
+        while True:
+            if not await self._probe(pod):
+                await asyncio.sleep(self.probe_interval_seconds)
+                continue
+            pod.healthy = True
+            self._notify()
+            try:
+                await self._follow_load(pod)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("load stream of %s ended: %s", pod.address, exc.code())
+            pod.healthy = False
+            self._notify()
+            await asyncio.sleep(self.probe_interval_seconds)
+
+    async def _follow_load(self, pod: PodState) -> None:
+        call = pod.client.watch_load(self.load_interval_seconds)
+        try:
+            async for report in call:
+                pod.apply_report(report, time.monotonic())
+                self._notify()
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        finally:
+            call.cancel()
+        # No WatchLoad on this pod: poll at the same period.
+        while True:
+            await asyncio.sleep(self.load_interval_seconds)
+            report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)
+            pod.apply_report(report, time.monotonic())
+            self._notify()

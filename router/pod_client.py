@@ -1,0 +1,77 @@
+"""PodClient: one gRPC channel to one pod and the calls the router makes on it.
+
+The router talks to pods only through the generated stubs (`cbserve.pb.cbserve_pb2_grpc`). Prefill
+pods serve `PrefillService`; decode and colocated pods serve `DecodeService`. Both offer Handshake,
+Abort, GetLoad and WatchLoad, so the load tracker and the health probe treat every pod alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cbserve.pb import cbserve_pb2 as pb
+from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+# Tokens, not KV, cross the router's channels; the default 4 MiB limit is ample except for huge
+# prompts, so allow what a max-length prompt of int32 ids needs.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class PodClient:
+    """The router's handle on one pod at `address` ("host:port") with role prefill|decode|colocated."""
+
+    def __init__(self, address: str, role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.address = address
+        self.role = role
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        if role == "prefill":
+            self._stub: pb_grpc.PrefillServiceStub | pb_grpc.DecodeServiceStub = pb_grpc.PrefillServiceStub(self._channel)
+        else:
+            self._stub = pb_grpc.DecodeServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    async def handshake(self, timeout: float) -> pb.HandshakeResponse:
+        return await self._stub.Handshake(pb.HandshakeRequest(), timeout=timeout)
+
+    async def get_load(self, timeout: float) -> pb.LoadReport:
+        return await self._stub.GetLoad(pb.LoadRequest(), timeout=timeout)
+
+    def watch_load(self, interval_seconds: float) -> AsyncIterator[pb.LoadReport]:
+        """A stream of load reports every `interval_seconds`; ends or raises when the pod goes away."""
+        return self._stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=interval_seconds))
+
+    def prefill(self, request: pb.PrefillRequest, timeout: float) -> grpc.aio.UnaryUnaryCall:
+        """Start Prefill; the returned call is awaitable and cancellable (cancel frees P's state)."""
+        assert self.role == "prefill", f"Prefill on a {self.role} pod"
+        return self._stub.Prefill(request, timeout=timeout)
+
+    def generate(self, request: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
+        """Start Generate; iterate the call for GenerateResponse messages, cancel it to abort."""
+        assert self.role != "prefill", "Generate on a prefill pod"
+        return self._stub.Generate(request, timeout=timeout)
+
+    async def abort(self, request_id: str, timeout: float = 1.0) -> None:
+        """Best-effort Abort: cancellation already frees the pod's state; this covers a lost cancel."""
+        try:
+            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("abort %s on %s failed: %s", request_id, self.address, exc.code())
+
+    def __repr__(self) -> str:
+        return f"PodClient({self.role}@{self.address})"

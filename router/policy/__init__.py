@@ -1,0 +1,22 @@
+"""Routing policies: `build_policy(name, ...)` for round_robin, least_loaded and goodput."""
+
+from __future__ import annotations
+
+from router.policy.base import NoRoute, Policy, Profile, RoutingDecision, RoutingRequest
+from router.policy.goodput import GoodputPolicy, LatencyPredictor
+from router.policy.least_loaded import least_loaded_policy
+from router.policy.prefix_affinity import PrefixIndex, block_hashes
+from router.policy.round_robin import round_robin_policy
+
+__all__ = ["NoRoute", "Policy", "Profile", "RoutingDecision", "RoutingRequest", "PrefixIndex",
+           "block_hashes", "build_policy"]
+
+
+def build_policy(name: str, prefix_index: PrefixIndex, default_prefill_tokens_per_second: float = 20000.0) -> Policy:
+    if name == "round_robin":
+        return round_robin_policy()
+    if name == "least_loaded":
+        return least_loaded_policy()
+    if name == "goodput":
+        return GoodputPolicy(LatencyPredictor(prefix_index, default_prefill_tokens_per_second))
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,131 @@
+"""The routing interface: filter -> score in [0, 1] (weighted) -> pick, one Profile per pod role.
+
+A `Policy` routes one request to a (prefill, decode) pair, or to one colocated pod. Each role has a
+`Profile`: filters drop pods that must not get the request, scorers rate the rest in [0, 1], the
+weighted sum decides, and the picker breaks ties at random (so equal pods share load). Filters and
+scorers are small objects in their own files; a policy is just a choice of them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from router.load import PodState
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What routing needs to know about a request (no text, no sampling details)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    slo_ttft_seconds: float
+    slo_tpot_seconds: float
+    block_hashes: tuple[int, ...] = ()       # chain hashes of the prompt's full blocks
+    block_size: int = 16
+    exclude: frozenset[str] = frozenset()    # addresses already tried (retries go elsewhere)
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, request: RoutingRequest, pods: list[PodState]) -> list[PodState]: ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: RoutingRequest, pods: list[PodState]) -> dict[str, float]:
+        """Score per pod address, each in [0, 1]; higher is better."""
+        ...
+
+
+class Picker(Protocol):
+    def pick(self, pods: list[PodState], scores: dict[str, float]) -> PodState: ...
+
+
+class MaxScorePicker:
+    """The highest total score; ties broken uniformly at random."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def pick(self, pods: list[PodState], scores: dict[str, float]) -> PodState:
+        best = max(scores[p.address] for p in pods)
+        tied = [p for p in pods if scores[p.address] >= best - 1e-9]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+
+@dataclass
+class Profile:
+    """Filters, weighted scorers and a picker for the pods of one role."""
+
+    filters: list[Filter] = field(default_factory=list)
+    scorers: list[tuple[Scorer, float]] = field(default_factory=list)
+    picker: Picker = field(default_factory=MaxScorePicker)
+
+    def run(self, request: RoutingRequest, pods: list[PodState]) -> tuple[PodState | None, str | None]:
+        """The chosen pod, or (None, name of the filter that left no pod)."""
+        pods = [p for p in pods if p.address not in request.exclude]
+        if not pods:
+            return None, "no_pods"
+        for f in self.filters:
+            pods = f.filter(request, pods)
+            if not pods:
+                return None, f.name
+        totals = {p.address: 0.0 for p in pods}
+        for scorer, weight in self.scorers:
+            for address, value in scorer.score(request, pods).items():
+                totals[address] += weight * min(1.0, max(0.0, value))
+        return self.picker.pick(pods, totals), None
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Where a request goes: `prefill` is None for a colocated pod (then `decode` is that pod)."""
+
+    prefill: PodState | None
+    decode: PodState
+
+
+@dataclass(frozen=True)
+class NoRoute:
+    """Why nothing was chosen: "no_pods" (none routable) or "slo" (none predicted to meet it)."""
+
+    reason: str
+    retry_after_seconds: float = 1.0
+
+
+class Policy:
+    """Routes a request to a (prefill, decode) pair or a colocated pod."""
+
+    name = "policy"
+
+    def __init__(self, prefill: Profile, decode: Profile, colocated: Profile) -> None:
+        self.profiles = {"prefill": prefill, "decode": decode, "colocated": colocated}
+
+    def retry_after(self, request: RoutingRequest, pods: list[PodState]) -> float:
+        """Seconds until a rejected request could be met; overridden by SLO-aware policies."""
+        return 1.0
+
+    def route(self, request: RoutingRequest, pods_by_role: dict[str, list[PodState]]) -> RoutingDecision | NoRoute:
+        if pods_by_role.get("colocated"):
+            pod, failed = self.profiles["colocated"].run(request, pods_by_role["colocated"])
+            if pod is None:
+                return self._no_route(failed, request, pods_by_role["colocated"])
+            return RoutingDecision(None, pod)
+        prefill, failed = self.profiles["prefill"].run(request, pods_by_role.get("prefill", []))
+        if prefill is None:
+            return self._no_route(failed, request, pods_by_role.get("prefill", []))
+        decode, failed = self.profiles["decode"].run(request, pods_by_role.get("decode", []))
+        if decode is None:
+            return self._no_route(failed, request, pods_by_role.get("decode", []))
+        return RoutingDecision(prefill, decode)
+
+    def _no_route(self, failed: str | None, request: RoutingRequest, pods: list[PodState]) -> NoRoute:
+        if failed == "slo":
+            return NoRoute("slo", self.retry_after(request, pods))
+        return NoRoute("no_pods")

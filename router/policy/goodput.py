@@ -1,0 +1,98 @@
+"""goodput: route to the pods with the most SLO headroom; refuse what no pod can serve in time.
+
+Goodput counts only requests that meet both SLOs, so a request that would miss them is better
+queued at the router (or rejected with 429) than admitted to slow everyone else down. Headroom is in
+units of the SLO: 1 - predicted / slo (1 = idle, 0 = exactly at the SLO, < 0 = a miss). A pair's
+headroom is the smaller of its prefill pod's TTFT headroom and its decode pod's TPOT headroom;
+TTFT depends only on P and TPOT only on D, so taking the best P and the best D maximises it.
+"""
+
+from __future__ import annotations
+
+from router.load import PodState
+from router.policy.base import Policy, Profile, RoutingRequest
+from router.policy.kv_cache import KVCacheScorer
+from router.policy.prefix_affinity import PrefixAffinityScorer, PrefixIndex
+from router.predict import predict_tpot, predict_ttft
+
+
+class LatencyPredictor:
+    """Predicted TTFT / TPOT of one request on one pod, from its reports and the prefix index."""
+
+    def __init__(self, prefix_index: PrefixIndex, default_prefill_tokens_per_second: float = 20000.0) -> None:
+        self.prefix_index = prefix_index
+        self.default_prefill_tokens_per_second = default_prefill_tokens_per_second
+
+    def uncached_tokens(self, request: RoutingRequest, pod: PodState) -> int:
+        matched = self.prefix_index.matched_blocks(request.block_hashes, pod.address)
+        # The last prompt token is always computed (its logits give the first token).
+        return max(1, request.num_prompt_tokens - matched * request.block_size)
+
+    def ttft(self, request: RoutingRequest, pod: PodState) -> float:
+        rate = pod.report.prefill_tokens_per_second if pod.report is not None else 0.0
+        if rate <= 0:
+            rate = self.default_prefill_tokens_per_second
+        return predict_ttft(pod.queued_prefill_tokens, self.uncached_tokens(request, pod), rate)
+
+    def tpot(self, request: RoutingRequest, pod: PodState) -> float:
+        return predict_tpot(pod.step_model, pod.num_requests + 1,
+                            pod.context_tokens + request.num_prompt_tokens, pod.step_seconds_ewma)
+
+    def headroom(self, request: RoutingRequest, pod: PodState) -> float:
+        """1 - predicted / SLO for what this pod decides (TTFT, TPOT, or both when colocated)."""
+        values = []
+        if pod.role in ("prefill", "colocated"):
+            values.append(1.0 - self.ttft(request, pod) / request.slo_ttft_seconds)
+        if pod.role in ("decode", "colocated"):
+            values.append(1.0 - self.tpot(request, pod) / request.slo_tpot_seconds)
+        return min(values)
+
+
+class SLOFilter:
+    """Keeps only pods predicted to meet the request's SLO."""
+
+    name = "slo"
+
+    def __init__(self, predictor: LatencyPredictor) -> None:
+        self.predictor = predictor
+
+    def filter(self, request: RoutingRequest, pods: list[PodState]) -> list[PodState]:
+        return [p for p in pods if self.predictor.headroom(request, p) >= 0.0]
+
+
+class SLOHeadroomScorer:
+    """Headroom clamped to [0, 1]: the idlest pod relative to the SLO scores highest."""
+
+    name = "slo_headroom"
+
+    def __init__(self, predictor: LatencyPredictor) -> None:
+        self.predictor = predictor
+
+    def score(self, request: RoutingRequest, pods: list[PodState]) -> dict[str, float]:
+        return {p.address: self.predictor.headroom(request, p) for p in pods}
+
+
+class GoodputPolicy(Policy):
+    name = "goodput"
+
+    def __init__(self, predictor: LatencyPredictor) -> None:
+        self.predictor = predictor
+        slo_filter, headroom = SLOFilter(predictor), SLOHeadroomScorer(predictor)
+        affinity = PrefixAffinityScorer(predictor.prefix_index)
+        super().__init__(
+            prefill=Profile(filters=[slo_filter], scorers=[(headroom, 1.0), (affinity, 0.25)]),
+            decode=Profile(filters=[slo_filter], scorers=[(headroom, 1.0), (KVCacheScorer(), 0.1)]),
+            colocated=Profile(filters=[slo_filter], scorers=[(headroom, 1.0), (affinity, 0.25)]),
+        )
+
+    def retry_after(self, request: RoutingRequest, pods: list[PodState]) -> float:
+        """How long until the least-late pod would meet the SLO: its predicted excess latency."""
+        excess = []
+        for pod in pods:
+            if pod.role == "decode":
+                # A decode batch frees a slot when some request finishes; no report says when,
+                # so come back after a second.
+                excess.append(1.0)
+            else:
+                excess.append(self.predictor.ttft(request, pod) - request.slo_ttft_seconds)
+        return max(1.0, min(excess, default=1.0))

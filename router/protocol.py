@@ -1,0 +1,144 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields), as strict pydantic models.
+
+Strict: a string where a number belongs is a 400, not a silent coercion (pydantic's strict mode still
+takes an integer for a float, as JSON does). Unknown fields are ignored, as OpenAI and vLLM do, so
+clients that send `user` or newer fields keep working. Ranges are checked by
+`engine.sampling_params.SamplingParams`, the same code the pods run, so router and pods agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+MAX_N = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields (load generators send them).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this body; raises SamplingParamsError naming the bad field."""
+        values: dict[str, Any] = {
+            "max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "stop": tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "seed": self.seed,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        return SamplingParams(**values)
+
+    def wants_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return self._sampling(max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        # `max_completion_tokens` is the newer name; it wins when both are sent.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        requested = self.requested_max_tokens()
+        max_tokens = requested if requested is not None else default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as plain dicts for the chat template (text parts joined)."""
+        out = []
+        for message in self.messages:
+            item = {"role": message.role, "content": message.text()}
+            if message.name is not None:
+                item["name"] = message.name
+            out.append(item)
+        return out

@@ -1,0 +1,75 @@
+"""OpenAI response bodies: completions and chat, whole and as SSE chunks, with logprobs and usage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbserve.pb import cbserve_pb2 as pb
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, accumulated from its events (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs],
+                        text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets = [], []
+    for token_id in token_ids:
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{_token_text(tokenizer, t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs]) -> dict[str, Any]:
+    """The chat shape: one entry per token with its bytes and top alternatives."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+                        for token_id, lp in zip(token_ids, logprobs)]}
+
+
+def completion_body(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                    usage_: dict[str, int] | None) -> dict[str, Any]:
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    body["usage"] = usage_
+    return body
+
+
+def chat_body(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+              usage_: dict[str, int] | None, chunk: bool) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
+            "created": created, "model": model, "choices": choices, "usage": usage_}
