@@ -184,7 +184,7 @@ class Engine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = delta.stop_reason
             elif req.is_finished and not delta.stopped:
-                text_delta += detok.flush()
+                text_delta += detok.flush().text
         if req.is_finished:
             self._detok.pop(req.request_id, None)
         return RequestOutput(

@@ -8,7 +8,6 @@ shape: a missing, duplicated, unexpected or mis-shaped tensor is a `CheckpointEr
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -111,10 +110,6 @@ def model_fingerprint(path: Path) -> str:
             f.seek(max(0, size - (1 << 16)))
             h.update(f.read())
     return h.hexdigest()[:16]
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
