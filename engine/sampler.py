@@ -156,10 +156,15 @@ class Sampler:
         temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
         logits = logits / temperature  # [n, vocab]
 
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
-            logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        # Each mask runs only on the rows that use it: a full-vocab sort (top-p) costs ~10x a top-k.
+        k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+        if k_rows:
+            rows = torch.tensor(k_rows, device=device)
+            logits[rows] = _apply_top_k(logits[rows], torch.tensor([params[j].top_k for j in k_rows], device=device))
+        p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:
+            rows = torch.tensor(p_rows, device=device)
+            logits[rows] = _apply_top_p(logits[rows], torch.tensor([params[j].top_p for j in p_rows], device=device))
         if any(p.min_p > 0.0 for p in params):
             probs = logits.softmax(dim=-1)
             min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
@@ -206,21 +211,23 @@ def _token_counts(token_lists: list[Sequence[int]], vocab: int, device: torch.de
     return counts[:, :vocab]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """One ascending sort serves both masks. `top_k` `[n]` (vocab = off), `top_p` `[n]` (1 = off).
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the `top_k[i]` largest logits of row `i` (and every token tied with the k-th).
 
-    Top-k keeps every token tied with the k-th largest; top-p then drops the low tail whose total
-    probability is at most `1 - p`, always keeping the most likely token.
+    The k-th value comes from one `topk(max k)`; masking by value, not by position, keeps the result
+    independent of which other rows (and so which max k) share the batch.
     """
-    vocab = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1)  # [n, vocab] ascending
-    kth = sorted_logits.gather(1, (vocab - top_k)[:, None])  # [n, 1]: the k-th largest logit
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [n, vocab]
-    tail = cumulative <= (1.0 - top_p)[:, None]
-    tail[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(tail, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])  # [n, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Drop the low tail whose total probability is at most `1 - top_p[i]`; the top token stays."""
+    sorted_logits = logits.sort(dim=-1).values  # [n, vocab] ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    num_dropped = (cumulative <= (1.0 - top_p)[:, None]).sum(dim=-1).clamp_(max=logits.shape[1] - 1)
+    threshold = sorted_logits.gather(1, num_dropped[:, None])  # [n, 1]: smallest kept logit
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, TokenLogprobs, _apply_top_k_top_p, derive_seed
+from engine.sampler import Sampler, TokenLogprobs, _apply_top_k, _apply_top_p, derive_seed
 from engine.sampling_params import SamplingParams
 
 EOS = 5
@@ -51,12 +51,21 @@ def test_penalties_match_hand_computation():
     assert torch.equal(got[1], logits[1])
 
 
+def test_top_k_keeps_ties_whatever_the_batch():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    alone = _apply_top_k(logits[:1], torch.tensor([2]))
+    batched = _apply_top_k(logits, torch.tensor([2, 4]))
+    assert torch.equal(alone, batched[:1])
+    assert alone.isfinite().tolist() == [[True, True, True, True, False]]
+    assert batched[1].isfinite().tolist() == [True, True, True, True, False]
+
+
 def test_top_k_top_p_masks_exactly():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4)
     logits = probs.log()
     k = torch.tensor([2, 4, 4, 3])
     p = torch.tensor([1.0, 0.75, 0.85, 0.6])
-    kept = _apply_top_k_top_p(logits, k, p).isfinite()
+    kept = _apply_top_p(_apply_top_k(logits, k), p).isfinite()
     assert kept.tolist() == [[True, True, False, False],   # top-k 2
                              [True, True, False, False],   # top-p .75: tail .05+.15 <= .25
                              [True, True, True, False],    # top-p .85: tail .05 <= .15
@@ -186,3 +195,21 @@ def test_logprobs_are_raw_log_softmax():
 def test_rejects_mismatched_logits():
     with pytest.raises(ValueError, match="num_seqs=2"):
         Sampler([EOS]).sample(torch.zeros(3, 4), [make_request(), make_request()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_seeded_sampling_is_batch_invariant_and_greedy_matches_cpu():
+    torch.manual_seed(2)
+    logits = torch.randn(5, 32000)
+    requests = [make_request(output=(1,) * i, seed=i, temperature=0.7, top_p=0.9, top_k=40, min_p=0.02,
+                             repetition_penalty=1.2) for i in range(5)]
+    sampler = Sampler([EOS])
+    cuda_logits = logits.cuda()
+    alone = [sampler.sample(cuda_logits[i:i + 1], [requests[i]]).token_ids[0] for i in range(5)]
+    assert sampler.sample(cuda_logits, requests).token_ids == alone
+    assert sampler.sample(cuda_logits.flip(0), requests[::-1]).token_ids == alone[::-1]
+    greedy = [make_request(temperature=0.0, logprobs=2) for _ in range(5)]
+    on_gpu, on_cpu = sampler.sample(cuda_logits, greedy), sampler.sample(logits, greedy)
+    assert on_gpu.token_ids == on_cpu.token_ids
+    assert on_gpu.logprobs[0].logprob == pytest.approx(on_cpu.logprobs[0].logprob, abs=1e-4)

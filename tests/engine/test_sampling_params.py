@@ -92,3 +92,14 @@ def test_invalid_proto_is_rejected_with_param():
     with pytest.raises(SamplingParamsError) as info:
         from_proto(msg)
     assert info.value.param == "top_p"
+
+
+def test_text_side_modules_do_not_import_torch():
+    # The router imports these and must stay torch-free (and transformers-free).
+    import subprocess
+    import sys
+
+    code = ("import sys, engine.sampling_params, engine.tokenizer, engine.detokenizer;"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
