@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _PROBE_TIMEOUT_SECONDS = 2.0
 
 
-@dataclass
+@dataclass(eq=False)   # identity: a pod is itself, whatever its load
 class PodState:
     """The router's view of one pod. Mutated only on the event loop's thread."""
 

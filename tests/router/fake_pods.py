@@ -1,0 +1,187 @@
+"""Test doubles for pods: small real `grpc.aio` servers speaking PrefillService / DecodeService.
+
+They run no model. Tokens come from a deterministic function of (prompt, output index), the same on
+a prefill and a decode pod, so disaggregated and colocated runs agree and tests can predict the
+text. Each pod has a `Script` (delays, failures, EOS position, the load it reports) that tests can
+change while it runs, and records what it received: requests, cancellations, aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from cbserve.pb import cbserve_pb2 as pb
+from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+
+EOS_ID = 2                      # `</s>` in engine.tokenizer.build_byte_level_tokenizer
+BYTE_OFFSET = 4                 # byte b has id 4 + b there
+ALPHABET = "abcdefgh "
+
+
+def token_for(prompt_token_ids, index: int) -> int:
+    """The fake model: a letter or space chosen from the prompt and the output position."""
+    return BYTE_OFFSET + ord(ALPHABET[(sum(prompt_token_ids) + 3 * index) % len(ALPHABET)])
+
+
+def expected_tokens(prompt_token_ids, max_tokens: int, eos_at: int | None = None) -> list[int]:
+    out = []
+    for i in range(max_tokens):
+        if eos_at is not None and i == eos_at:
+            out.append(EOS_ID)
+            break
+        out.append(token_for(prompt_token_ids, i))
+    return out
+
+
+@dataclass
+class Script:
+    """How a fake pod behaves; tests mutate it while the pod runs."""
+
+    first_token_delay: float = 0.0          # prefill time (P) or local-prefill time (colocated/D)
+    token_delay: float = 0.0                # between decode tokens
+    fail_generate: grpc.StatusCode | None = None
+    fail_prefill: grpc.StatusCode | None = None
+    down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
+    eos_at: int | None = None               # output index that is EOS
+    logprob: float = -0.5
+    max_model_len: int = 256
+    vocab_size: int = 260
+    block_size: int = 16
+    load: pb.LoadReport = field(default_factory=pb.LoadReport)
+
+
+class _Records:
+    def __init__(self) -> None:
+        self.prefill_requests: list[pb.PrefillRequest] = []
+        self.generate_requests: list[pb.GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.aborted: list[str] = []
+        self.cancel_seen = asyncio.Event()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prefill_requests) + len(self.generate_requests)
+
+
+class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
+    """One fake pod; `role` is "prefill", "decode" or "colocated"."""
+
+    def __init__(self, role: str, script: Script | None = None, pod_id: str = "") -> None:
+        self.role = role
+        self.script = script or Script()
+        self.records = _Records()
+        self.pod_id = pod_id or f"fake-{role}"
+        self.address = ""
+        self._server: grpc.aio.Server | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self, port: int = 0) -> FakePod:
+        self._server = grpc.aio.server()
+        if self.role == "prefill":
+            pb_grpc.add_PrefillServiceServicer_to_server(self, self._server)
+        else:
+            pb_grpc.add_DecodeServiceServicer_to_server(self, self._server)
+        bound = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.address = f"127.0.0.1:{bound}"
+        await self._server.start()
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+
+    async def _check_up(self, context) -> None:
+        if self.script.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is down")
+
+    # -- shared RPCs ----------------------------------------------------------------------------------
+    async def Handshake(self, request, context):
+        await self._check_up(context)
+        s = self.script
+        return pb.HandshakeResponse(pod_id=self.pod_id, kv_transports=["grpc"], model=pb.ModelInfo(
+            model_name="fake", max_model_len=s.max_model_len, vocab_size=s.vocab_size, block_size=s.block_size))
+
+    def _report(self) -> pb.LoadReport:
+        report = pb.LoadReport()
+        report.CopyFrom(self.script.load)
+        report.pod_id, report.role = self.pod_id, self.role
+        return report
+
+    async def GetLoad(self, request, context):
+        await self._check_up(context)
+        return self._report()
+
+    async def WatchLoad(self, request, context):
+        interval = request.interval_seconds or 0.05
+        while True:
+            await self._check_up(context)
+            yield self._report()
+            await asyncio.sleep(interval)
+
+    async def Abort(self, request, context):
+        self.records.aborted.append(request.request_id)
+        return pb.AbortResponse(found=True)
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    async def Prefill(self, request, context):
+        self.records.prefill_requests.append(request)
+        try:
+            await self._check_up(context)
+            await asyncio.sleep(self.script.first_token_delay)
+            if self.script.fail_prefill is not None:
+                await context.abort(self.script.fail_prefill, "scripted prefill failure")
+            token = expected_tokens(request.prompt_token_ids, 1, self.script.eos_at)[0]
+            finished = request.sampling.max_tokens == 1 or token == EOS_ID
+            reason = ("stop" if token == EOS_ID else "length") if finished else ""
+            return pb.PrefillResponse(
+                request_id=request.request_id, first_token_id=token, finished=finished, finish_reason=reason,
+                first_token_logprobs=self._logprobs(token, request.sampling),
+                queue_seconds=0.001, prefill_seconds=self.script.first_token_delay)
+        except asyncio.CancelledError:
+            self.records.cancelled.append(request.request_id)
+            self.records.cancel_seen.set()
+            raise
+
+    def _logprobs(self, token: int, sampling: pb.SamplingParams) -> pb.TokenLogprobs:
+        top = []
+        if sampling.HasField("logprobs"):
+            top = [pb.TopLogprob(token_id=token, logprob=self.script.logprob)][: sampling.logprobs]
+        return pb.TokenLogprobs(logprob=self.script.logprob, top=top)
+
+    # -- decode -----------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        self.records.generate_requests.append(request)
+        s = self.script
+        try:
+            await self._check_up(context)
+            if s.fail_generate is not None:
+                await context.abort(s.fail_generate, "scripted generate failure")
+            # A real D waits for the KV pull, which ends with P's first token; local prefill takes as long.
+            await asyncio.sleep(s.first_token_delay)
+            tokens = expected_tokens(request.prompt_token_ids, request.sampling.max_tokens,
+                                     None if request.sampling.ignore_eos else s.eos_at)
+            for i, token in enumerate(tokens):
+                if i > 0:
+                    await asyncio.sleep(s.token_delay)
+                last = i == len(tokens) - 1
+                reason = ("stop" if token == EOS_ID else "length") if last else ""
+                response = pb.GenerateResponse(
+                    request_id=request.request_id, index=i, token_ids=[token],
+                    logprobs=[self._logprobs(token, request.sampling)], finished=last, finish_reason=reason,
+                    num_prompt_tokens=len(request.prompt_token_ids))
+                if i == 0:
+                    response.local_prefill = not request.prefill_from
+                    response.kv_transfer_seconds = 0.0 if not request.prefill_from else 0.002
+                    response.queue_seconds = 0.001
+                yield response
+        except asyncio.CancelledError:
+            self.records.cancelled.append(request.request_id)
+            self.records.cancel_seen.set()
+            raise
+
+
+async def start_pods(role: str, scripts: list[Script]) -> list[FakePod]:
+    return [await FakePod(role, script, pod_id=f"{role}-{i}").start() for i, script in enumerate(scripts)]

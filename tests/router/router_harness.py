@@ -1,0 +1,91 @@
+"""A real router (uvicorn on 127.0.0.1) in front of fake pods, all in the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import uvicorn
+
+from router.app import create_app
+from router.config import RouterConfig
+from fake_pods import FakePod, Script, start_pods
+
+
+@dataclass
+class Harness:
+    url: str
+    app: object
+    prefill: list[FakePod] = field(default_factory=list)
+    decode: list[FakePod] = field(default_factory=list)
+    colocated: list[FakePod] = field(default_factory=list)
+    clients: list = field(default_factory=list)
+
+    @property
+    def pods(self) -> list[FakePod]:
+        return [*self.prefill, *self.decode, *self.colocated]
+
+    @property
+    def state(self):
+        return self.app.state.serving
+
+    def openai(self, **kwargs) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"),
+                                    max_retries=0, **kwargs)
+        self.clients.append(client)
+        return client
+
+    def http(self) -> httpx.AsyncClient:
+        client = httpx.AsyncClient(base_url=self.url, timeout=30)
+        self.clients.append(client)
+        return client
+
+    def num_pod_requests(self) -> int:
+        return sum(p.records.num_requests for p in self.pods)
+
+    async def wait_routable(self, count: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(p.routable for p in self.state.dispatcher.tracker.pods.values()) < count:
+            assert time.monotonic() < deadline, "pods did not become routable"
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[Script] = (),
+                         colocated: list[Script] = (), **config):
+    """Start fake pods and a router over them; yields a Harness once every pod is routable."""
+    pods = {"prefill": await start_pods("prefill", list(prefill)),
+            "decode": await start_pods("decode", list(decode)),
+            "colocated": await start_pods("colocated", list(colocated))}
+    config.setdefault("probe_interval_seconds", 0.2)
+    config.setdefault("api_key_env", None)
+    router_config = RouterConfig(model="fake-model", **{role: tuple(p.address for p in pods[role]) for role in pods},
+                                 **config)
+    app = create_app(router_config, tokenizer=tokenizer, default_max_model_len=256)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), "router failed to start"
+            await asyncio.sleep(0.01)
+        harness = Harness(f"http://127.0.0.1:{sock.getsockname()[1]}", app, **pods)
+        await harness.wait_routable(len(harness.pods))
+        try:
+            yield harness
+        finally:
+            for client in harness.clients:
+                await client.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+        for role_pods in pods.values():
+            for pod in role_pods:
+                await pod.stop()
