@@ -20,6 +20,7 @@ from kvtransfer.errors import LayoutError, SourceAbortedError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.grpc_transport import KVSource
 from kvtransfer.layout import check_compatible
+from kvtransfer.pair_setup import accept_pair
 from kvtransfer.progress import KVProgress
 
 ChunkFilter = Callable[[cbserve_pb2.KVChunk], cbserve_pb2.KVChunk]
@@ -96,3 +97,15 @@ async def start_server(servicer: PullKVServicer, host: str = "127.0.0.1") -> tup
     port = server.add_insecure_port(f"{host}:0")
     await server.start()
     return server, port
+
+
+class PairSetupServicer(PullKVServicer):
+    """`PullKVServicer` that also answers `SetupTransport` (collective transport tests)."""
+
+    async def SetupTransport(self, request: cbserve_pb2.SetupTransportRequest,
+                             context: grpc.aio.ServicerContext) -> cbserve_pb2.SetupTransportResponse:
+        try:
+            self.groups[request.group] = await accept_pair(request, device=self.kv.device)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return cbserve_pb2.SetupTransportResponse()
