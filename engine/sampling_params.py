@@ -90,7 +90,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingParamsError(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= MAX_TEMPERATURE:
+        if not self.repetition_penalty > 0.0:
             raise SamplingParamsError(
                 "repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
         if not 1 <= self.max_tokens <= _INT32_MAX:

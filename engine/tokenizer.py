@@ -93,6 +93,9 @@ class Tokenizer:
         generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
         if isinstance(generation_eos, int):
             generation_eos = [generation_eos]
+        if generation_eos is not None and not (
+                isinstance(generation_eos, list) and all(type(t) is int for t in generation_eos)):
+            raise TokenizerError("generation_config.json: eos_token_id must be an int or a list of ints")
         return cls(backend, config, special_tokens=special_tokens, extra_special_tokens=extra_tokens,
                    chat_template=chat_template, generation_eos_ids=generation_eos or ())
 
@@ -142,6 +145,8 @@ class Tokenizer:
             raise TokenizerError("this tokenizer has no chat_template; use the completions API")
         if not isinstance(messages, Sequence) or not all(isinstance(m, Mapping) for m in messages):
             raise ChatTemplateError("messages must be a list of objects with 'role' and 'content'")
+        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+            raise ChatTemplateError("tools must be a list of JSON-schema objects")
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages], tools=list(tools) if tools is not None else None,

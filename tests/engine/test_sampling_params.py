@@ -55,7 +55,7 @@ def test_validation_names_the_param(param, value):
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=0.0), dict(temperature=100), dict(top_p=1e-9), dict(top_k=-1), dict(top_k=1),
     dict(min_p=1.0), dict(presence_penalty=-2, frequency_penalty=2), dict(repetition_penalty=0.5),
-    dict(max_tokens=1, min_tokens=1), dict(seed=-(1 << 63)), dict(seed=(1 << 63) - 1),
+    dict(max_tokens=1, min_tokens=1), dict(repetition_penalty=250.0), dict(seed=-(1 << 63)), dict(seed=(1 << 63) - 1),
     dict(logprobs=0), dict(logprobs=20), dict(stop=tuple("abcdefghijklmnop")),
 ])
 def test_boundary_values_are_accepted(kwargs):

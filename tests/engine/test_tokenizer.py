@@ -141,6 +141,8 @@ def test_template_rejection_is_a_chat_template_error(pair):
         hf.apply_chat_template(bad, tokenize=False)
     with pytest.raises(ChatTemplateError):
         ours.apply_chat_template(["not a dict"])  # type: ignore[list-item]
+    with pytest.raises(ChatTemplateError, match="tools"):
+        ours.apply_chat_template(MESSAGES, tools=["get_weather"])  # type: ignore[list-item]
 
 
 def test_generation_config_adds_eos_ids(tmp_path):
@@ -198,6 +200,9 @@ def test_loading_errors_are_clear(tmp_path):
     (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
     with pytest.raises(TokenizerError, match="no chat_template"):
         Tokenizer.from_pretrained(broken).apply_chat_template(MESSAGES)
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(TokenizerError, match="eos_token_id"):
+        Tokenizer.from_pretrained(broken)
     (broken / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(TokenizerError, match="JSON object"):
         Tokenizer.from_pretrained(broken)
