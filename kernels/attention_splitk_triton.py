@@ -181,6 +181,6 @@ def launch_split_k(
     )
     _split_k_reduce_kernel[(num_seqs, num_heads)](
         out, part_out, part_max, part_sum, query_start_loc, num_heads, num_parts, *out.stride(),
-        HEAD_DIM=head_dim, HEAD_PAD=hpad, PARTS_PAD=triton.next_power_of_2(num_parts),
+        HEAD_DIM=head_dim, HEAD_PAD=hpad, PARTS_PAD=max(2, triton.next_power_of_2(num_parts)),
     )
     return out

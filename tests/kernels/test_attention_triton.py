@@ -116,3 +116,10 @@ def test_launch_rejects_bad_tile(triton_backend) -> None:
         launch_unified(*case.args(), block_m=24)
     with pytest.raises(ValueError, match="one query token per sequence"):
         launch_split_k(*case.args())
+
+
+def test_split_k_single_partition(triton_backend) -> None:
+    from kernels.attention_splitk_triton import launch_split_k
+
+    case = make_case([(5, 1), (20, 1)], num_kv_heads=2, group=2, head_dim=32, block_size=16, device=triton_backend)
+    _check(case, torch.float32, launch_split_k(*case.args()))  # default 512-key partition: just one

@@ -1,0 +1,106 @@
+"""Compile every Triton kernel for a CUDA target (sm_90) without a GPU (run by test_compile_gpu.py).
+
+The interpreter accepts code the GPU compiler rejects (tl.dot shapes, loop-carried types,
+constexpr specialisation of arguments equal to 1), so each kernel is also compiled ahead of time
+through Triton's NVIDIA backend down to a cubin, with the argument specialisations a real launch
+produces (unit strides and ``num_seqs == 1`` become constants). Skipped when the backend or its
+bundled ptxas is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class MissingToolchain(Exception):
+    """The NVIDIA backend cannot assemble (no ptxas): nothing to check on this machine."""
+
+
+def _compile(jit, pointers: dict[str, str], constants: dict[str, object], scalars: dict[str, str] = {}):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = jit.arg_names
+    signature = {n: pointers.get(n) or ("constexpr" if n in constants else scalars.get(n, "i32")) for n in names}
+    source = ASTSource(fn=jit, signature=signature,
+                       constexprs={(names.index(n),): v for n, v in constants.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as err:
+        if "ptxas" in str(err).lower() and "not found" in str(err).lower():
+            raise MissingToolchain(str(err)) from err
+        raise
+    assert compiled.asm["cubin"]
+
+
+def _attention_pointers(dtype: str) -> dict[str, str]:
+    return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+
+
+UNIFIED_CONFIGS = [
+        # prefill-sized tiles, bf16, head_dim 128, GQA 4
+        ("*bf16", dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, BLOCK_SIZE=16,
+                       IEEE_FP32=False)),
+        # decode-sized tiles, fp32 with ieee dots, head_dim 80 padded, one sequence (num_seqs == 1)
+        ("*fp32", dict(HEAD_DIM=80, HEAD_PAD=128, GROUP=1, GROUP_PAD=1, BLOCK_Q=16, BLOCK_N=32, BLOCK_SIZE=1,
+                       IEEE_FP32=True, num_seqs=1)),
+]
+
+
+def unified_attention() -> None:
+    from kernels.attention_triton import _unified_attention_kernel
+
+    for dtype, constants in UNIFIED_CONFIGS:
+        _compile(_unified_attention_kernel, _attention_pointers(dtype),
+                 dict(constants, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1), {"scale": "fp32"})
+
+
+def split_k() -> None:
+    from kernels.attention_splitk_triton import _split_k_partial_kernel, _split_k_reduce_kernel
+
+    pointers = _attention_pointers("*fp16")
+    pointers.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32")
+    del pointers["out_ptr"]
+    _compile(_split_k_partial_kernel, pointers,
+             dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=8, ROWS=16, BLOCK_N=64, BLOCK_SIZE=16, PARTITION_SIZE=512,
+                  IEEE_FP32=False, stride_qd=1, stride_kd=1, stride_vd=1), {"scale": "fp32"})
+    _compile(_split_k_reduce_kernel,
+             {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+              "query_start_loc_ptr": "*i32"},
+             dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1))
+
+
+def elementwise() -> None:
+    from kernels.kv_write_triton import _write_kv_kernel
+    from kernels.norm_triton import _rms_norm_kernel
+    from kernels.rope_triton import _rope_kernel
+
+    _compile(_write_kv_kernel,
+             {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+              "slot_mapping_ptr": "*i64"},
+             dict(HEAD_DIM=80, HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16, stride_kd=1, stride_vd=1,
+                  stride_ckd=1, stride_cvd=1), {"stride_ckb": "i64", "stride_cvb": "i64"})
+    _compile(_rms_norm_kernel,
+             {"out_ptr": "*bf16", "sum_ptr": "*bf16", "x_ptr": "*bf16", "residual_ptr": "*bf16",
+              "weight_ptr": "*bf16"},
+             dict(BLOCK=4096, HAS_RESIDUAL=True), {"eps": "fp32"})
+    _compile(_rope_kernel,
+             {"q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16",
+              "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"},
+             dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8))
+
+
+def main() -> int:
+    try:
+        for check in (unified_attention, split_k, elementwise):
+            check()
+            print("compiled", check.__name__, flush=True)
+    except MissingToolchain as err:
+        print("skip:", err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
