@@ -92,6 +92,7 @@ class Engine:
         self._step_ewma = 0.0
         self._prefill_rate = 0.0
         self.num_steps = 0
+        self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
         self.step_samples: collections.deque[StepSample] = collections.deque(maxlen=256)
         log.info("engine ready: role=%s model=%s dtype=%s blocks=%d x %d", self.role, config.model,
                  dtype_name, cache_cfg.num_blocks, cache_cfg.block_size)
@@ -155,7 +156,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self.last_schedule = self.scheduler.schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
@@ -174,11 +175,27 @@ class Engine:
             self._record_step(out, time.perf_counter() - t0)
         return outputs
 
+    # ------------------------------------------------------------------ decode role edges
+    def land_remote_kv(self, request_id: str, first_token_id: int,
+                       first_logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+        """The prompt's KV was written into the reserved blocks: the request joins the batch with
+        its first token (sampled by the prefill pod). None if it was aborted meanwhile."""
+        req = self.scheduler.get_request(request_id)
+        if req is None:
+            return None
+        self.scheduler.remote_kv_landed(request_id, first_token_id)
+        return self._emit(req, [first_token_id], [first_logprobs])
+
+    def fall_back_to_local_prefill(self, request_id: str) -> bool:
+        """The pull failed: prefill the prompt here (same tokens: seeded sampling is positional)."""
+        return self.scheduler.remote_kv_failed(request_id)
+
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         text_delta = ""
         detok = self._detok.get(req.request_id)
         if detok is not None:
-            delta = detok.update(new_ids)
+            # A stop token's own text is dropped (vLLM), even with skip_special_tokens=False.
+            delta = detok.update(new_ids, stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
             text_delta = delta.text
             if delta.stopped and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)

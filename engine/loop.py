@@ -1,0 +1,141 @@
+"""Runs an `Engine` in its own thread and connects it to asyncio servers.
+
+The engine is single-threaded by design; servers live on an event loop. Everything that touches
+the engine runs in the engine thread, between steps: callers submit functions (`call`), and each
+step's outputs go back to per-request asyncio queues with `call_soon_threadsafe`. A step that
+raises fails the requests it touched, not the process: one bad request never kills the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IDLE_WAIT_SECONDS = 0.05
+
+
+class EngineLoop:
+    """`post_step(engine, outputs)` runs in the engine thread after every step (pods use it to
+    publish KV progress); `on_idle(engine)` runs at least every 50 ms (TTL expiry)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 post_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+                 on_idle: Callable[[Engine], None] | None = None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.post_step = post_step
+        self.on_idle = on_idle
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = \
+            queue.SimpleQueue()
+        self._subscribers: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda e: None, concurrent.futures.Future()))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ asyncio side
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine)` in the engine thread before its next step."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    async def run(self, fn: Callable[[Engine], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """Outputs of `request_id` (call before the request is added, from the event loop)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers[request_id] = q
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+
+    # ------------------------------------------------------------------ engine thread
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        q = self._subscribers.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread: hand outputs to their subscribers."""
+        if outputs:
+            self.loop.call_soon_threadsafe(self._publish_now, outputs)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.loop.call_soon_threadsafe(self._deliver, request_id, error)
+
+    def _publish_now(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, fut = self._commands.get(timeout=IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(e)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        last_idle = 0.0
+        while not self._stop.is_set():
+            # Busy only while the last step did work: requests that wait for remote KV or for
+            # blocks make no progress until a command (KV landed, abort) arrives.
+            last = self.engine.last_schedule
+            busy = self.engine.has_unfinished_requests() and (last is None or bool(last.scheduled))
+            self._run_commands(block=not busy)
+            now = time.monotonic()
+            if self.on_idle is not None and now - last_idle >= IDLE_WAIT_SECONDS:
+                last_idle = now
+                self._guard(self.on_idle, self.engine)
+            if not self.engine.has_unfinished_requests():
+                self.engine.last_schedule = None
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed; aborting the requests it scheduled")
+                self._fail_running(e)
+                continue
+            if self.post_step is not None:
+                self._guard(self.post_step, self.engine, outputs)
+            self.publish(outputs)
+
+    def _guard(self, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("engine loop hook %s failed", getattr(fn, "__name__", fn))
+
+    def _fail_running(self, error: Exception) -> None:
+        scheduler = self.engine.scheduler
+        for req in list(scheduler.running):
+            self.engine.abort(req.request_id)
+            self.fail(req.request_id, RuntimeError(f"engine step failed: {error}"))
