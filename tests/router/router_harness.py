@@ -81,7 +81,7 @@ async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[
             yield harness
         finally:
             for client in harness.clients:
-                await client.close()
+                await (client.aclose() if hasattr(client, "aclose") else client.close())
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
