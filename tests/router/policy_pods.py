@@ -1,0 +1,26 @@
+"""Fake pods for policy tests: PodState objects with hand-written load reports (no network)."""
+
+from __future__ import annotations
+
+from cbserve.pb import cbserve_pb2 as pb
+from router.discovery.base import PodEndpoint
+from router.load import PodState
+from router.policy.base import RoutingRequest
+
+
+def pod(address: str, role: str = "prefill", *, waiting: int = 0, running: int = 0, queued_tokens: int = 0,
+        free_blocks: int = 100, total_blocks: int = 100, rate: float = 1000.0, step: float = 0.01,
+        inflight: int = 0, draining: bool = False, healthy: bool = True) -> PodState:
+    state = PodState(PodEndpoint(address, role, address), client=None)
+    state.report = pb.LoadReport(pod_id=address, role=role, num_waiting=waiting, num_running=running,
+                                 prefill_queue_tokens=queued_tokens, num_free_blocks=free_blocks,
+                                 num_total_blocks=total_blocks, prefill_tokens_per_second=rate,
+                                 step_seconds_ewma=step, draining=draining)
+    state.num_inflight = inflight
+    state.healthy = healthy
+    return state
+
+
+def request(num_prompt_tokens: int = 100, *, slo_ttft: float = 0.5, slo_tpot: float = 0.05,
+            hashes: tuple[int, ...] = (), exclude: frozenset[str] = frozenset(), max_tokens: int = 16) -> RoutingRequest:
+    return RoutingRequest("r", num_prompt_tokens, max_tokens, slo_ttft, slo_tpot, hashes, 16, exclude)
