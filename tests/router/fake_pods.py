@@ -43,6 +43,7 @@ class Script:
     first_token_delay: float = 0.0          # prefill time (P) or local-prefill time (colocated/D)
     token_delay: float = 0.0                # between decode tokens
     fail_generate: grpc.StatusCode | None = None
+    fail_generate_after: int | None = None  # Generate breaks (UNAVAILABLE) after this many tokens
     fail_prefill: grpc.StatusCode | None = None
     down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
     eos_at: int | None = None               # output index that is EOS
@@ -166,6 +167,8 @@ class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
             for i, token in enumerate(tokens):
                 if i > 0:
                     await asyncio.sleep(s.token_delay)
+                if s.fail_generate_after is not None and i == s.fail_generate_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted mid-stream failure")
                 last = i == len(tokens) - 1
                 reason = ("stop" if token == EOS_ID else "length") if last else ""
                 response = pb.GenerateResponse(
