@@ -181,10 +181,11 @@ class PairGroup:
         self._require_rank(1)
         key = (request_key(request_id), first_block_index)
         with self._lock:
-            if self.broken:
-                raise SourceLostError(f"pair {self.group_name} is broken: {self.broken}")
+            # Runs that arrived before the group closed or broke are still good.
             payload = self._arrived.pop(key, None)
             if payload is None:
+                if self.broken:
+                    raise SourceLostError(f"pair {self.group_name} is broken: {self.broken}")
                 future = self._waiting[key] = concurrent.futures.Future()
         try:
             if payload is None:

@@ -97,20 +97,39 @@ class KVSource:
             if isinstance(event, ComputedTokens):
                 ready = min(event.num_computed_tokens // self.layout.block_size, total_blocks)
                 self._require_blocks(ready)
-                for run in plan_runs(self._block_ids, self.num_blocks_sent, ready, max_blocks):
-                    yield await self._message(run, final=None)
-                    await self._drain()
+                runs = plan_runs(self._block_ids, self.num_blocks_sent, ready, max_blocks)
+                async for chunk in self._emit(runs, final=None):
+                    yield chunk
             elif isinstance(event, FirstToken):
                 self._require_blocks(total_blocks)
                 runs = plan_runs(self._block_ids, self.num_blocks_sent, total_blocks, max_blocks)
-                for run in runs[:-1]:
-                    yield await self._message(run, final=None)
-                    await self._drain()
-                last_run = runs[-1] if runs else Run(self.num_blocks_sent, 0, 0)
-                yield await self._message(last_run, final=event)
-                await self._drain()
+                # The last message may carry no blocks: it still carries the first token.
+                async for chunk in self._emit(runs or [Run(self.num_blocks_sent, 0, 0)], final=event):
+                    yield chunk
                 return
         raise SourceAbortedError(f"request {self.request_id}: prefill ended without a first token")
+
+    async def _emit(self, runs: list[Run], final: FirstToken | None) -> AsyncIterator[cbserve_pb2.KVChunk]:
+        """One message per run; `final` goes on the last. Packing (copy + crc, in a worker
+        thread) of run k+1 overlaps the sending of run k."""
+        packing = self._start_pack(runs[0]) if runs else None
+        try:
+            for k, run in enumerate(runs):
+                data, crc = await packing
+                packing = self._start_pack(runs[k + 1]) if k + 1 < len(runs) else None
+                yield self._message(run, data, crc, final if k == len(runs) - 1 else None)
+                await self._drain()
+        finally:
+            if packing is not None:
+                packing.cancel()
+
+    def _start_pack(self, run: Run) -> asyncio.Future[tuple[bytes, int]]:
+        if self.group is not None or not run.num_blocks:
+            done: asyncio.Future[tuple[bytes, int]] = asyncio.get_running_loop().create_future()
+            done.set_result((b"", 0))
+            return done
+        # Copy + crc of up to max_chunk_bytes: off the event loop, which serves other streams.
+        return asyncio.ensure_future(asyncio.to_thread(self._pack, run))
 
     def _accept_block_ids(self, block_ids: tuple[int, ...]) -> None:
         # Blocks already shipped must never move: the receiver holds copies of them.
@@ -125,14 +144,10 @@ class KVSource:
             raise LayoutError(f"request {self.request_id}: {num_blocks} blocks are computed but the "
                               f"block table lists {len(self._block_ids)}")
 
-    async def _message(self, run: Run, final: FirstToken | None) -> cbserve_pb2.KVChunk:
+    def _message(self, run: Run, data: bytes, crc: int,
+                 final: FirstToken | None) -> cbserve_pb2.KVChunk:
         num_bytes = run.num_blocks * self.layout.bytes_per_block
         end_index = run.first_block_index + run.num_blocks
-        if self.group is None:
-            # Copy + crc of up to max_chunk_bytes: off the event loop, which serves other streams.
-            data, crc = await asyncio.to_thread(self._pack, run)
-        else:
-            data, crc = b"", 0
         chunk = cbserve_pb2.KVChunk(
             request_id=self.request_id, first_block_index=run.first_block_index,
             num_blocks=run.num_blocks, data=data, crc32=crc,
@@ -259,6 +274,9 @@ class KVSink:
                                 self.num_bytes_received, seconds)
 
 
+FINISH_GRACE_SECONDS = 1.0
+
+
 async def pull_kv(stub, request: cbserve_pb2.PullKVRequest, sink: KVSink, *,
                   timeout: float | None = None) -> KVTransferResult:
     """Open `PullKV` on a `PrefillServiceStub` and feed it to `sink`, with typed errors.
@@ -267,7 +285,14 @@ async def pull_kv(stub, request: cbserve_pb2.PullKVRequest, sink: KVSink, *,
     """
     call = stub.PullKV(request, timeout=timeout)
     try:
-        return await sink.consume(call)
+        result = await sink.consume(call)
+        # Let the source end the stream itself (status OK) so it counts a clean finish; the KV
+        # is complete already, so a source that lingers is only cut off, not waited for.
+        try:
+            await asyncio.wait_for(call.code(), FINISH_GRACE_SECONDS)
+        except asyncio.TimeoutError:
+            call.cancel()
+        return result
     except grpc.aio.AioRpcError as error:
         call.cancel()
         code = error.code()
