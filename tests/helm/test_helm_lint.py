@@ -1,4 +1,5 @@
-"""`helm lint --strict` and strict kubernetes-validate of `helm template` across Kubernetes versions."""
+"""`helm lint --strict` and strict kubernetes-validate of `helm template` across Kubernetes versions;
+NOTES.txt renders."""
 
 from __future__ import annotations
 
@@ -75,3 +76,13 @@ def test_strict_validation_rejects_unknown_fields(tmp_path):
 def test_template_args_name_the_chart():
     assert template_args()[:3] == ["template", "cbserve", str(CHART)]
     assert (ROOT / "helm" / "Chart.yaml").is_file()
+
+
+def test_notes_explain_access_auth_and_missing_monitoring_crds():
+    base = ["install", "cbserve", str(CHART), "--dry-run=client", "--namespace", "llm"]
+    notes = run_helm(*base)
+    assert "port-forward svc/cbserve-router 8000:80" in notes
+    assert "cbserve-adapter-rules" in notes
+    assert "no ServiceMonitor/PodMonitor was" in notes, "a client-side dry run has no monitoring CRDs"
+    api_key_notes = run_helm(*base, "--set", "router.apiKey.secretName=key")
+    assert "get secret key" in api_key_notes

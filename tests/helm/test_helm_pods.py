@@ -1,0 +1,186 @@
+"""Pod specs: command lines match the CLI contract, probes fit model load and draining, the grace
+period is derived from the drain window, GPUs, /dev/shm and the model volume options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from helm_chart import CHART, VALUES_SETS, container, flags, name, render
+
+# Flags of the CLI contract (/tmp/cli_contract.md); the chart may pass nothing else.
+POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "kv-transport", "kv-store-port",
+              "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
+              "num-blocks", "pod-id"}
+DECODE_ONLY_FLAGS = {"no-local-prefill-fallback"}
+ROUTER_FLAGS = {"model", "host", "port", "discovery", "namespace", "prefill-service", "decode-service",
+                "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
+                "api-key-env", "drain-seconds"}
+GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def merged_values(values_files: tuple[str, ...]) -> dict:
+    """Chart defaults overlaid with the values files (enough merging for the keys used here)."""
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        return out
+    values = DEFAULTS
+    for path in values_files:
+        values = merge(values, yaml.safe_load(open(path)))
+    return values
+
+
+def deployments(manifests) -> dict[str, dict]:
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in manifests.of_kind("Deployment")}
+
+
+@pytest.mark.parametrize("values_set", sorted(VALUES_SETS))
+def test_args_are_contract_flags(values_set):
+    for component, deployment in deployments(render(VALUES_SETS[values_set])).items():
+        main = container(deployment)
+        assert "command" not in main, "the image's entrypoint runs cbserve"
+        assert main["args"][0] == component
+        allowed = ROUTER_FLAGS if component == "router" else POOL_FLAGS | (DECODE_ONLY_FLAGS if component == "decode" else set())
+        assert set(flags(main["args"])) <= allowed, set(flags(main["args"])) - allowed
+
+
+def test_pool_args_and_ports_carry_the_values():
+    manifests = render()
+    for pool in ("prefill", "decode"):
+        main = container(manifests.get("Deployment", name(pool)))
+        args = flags(main["args"])
+        assert (args["port"], args["metrics-port"], args["kv-store-port"]) == ("50051", "9400", "50061")
+        assert (args["model"], args["device"], args["kv-transport"], args["pod-id"]) == ("tiny", "cuda", "grpc", "$(POD_NAME)")
+        assert {p["name"]: p["containerPort"] for p in main["ports"]} == {"grpc": 50051, "metrics": 9400}
+        env = {e["name"]: e for e in main["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    router = flags(container(manifests.get("Deployment", name("router")))["args"])
+    assert (router["slo-ttft-ms"], router["slo-tpot-ms"], router["policy"], router["admission"]) == ("500", "50", "goodput", "queue")
+
+
+def test_api_key_comes_from_the_secret_reference():
+    assert "api-key-env" not in flags(container(render().get("Deployment", name("router")))["args"])
+    main = container(render(VALUES_SETS["gpu-llama3-8b"]).get("Deployment", name("router")))
+    assert flags(main["args"])["api-key-env"] == "CBSERVE_API_KEY"
+    (env,) = [e for e in main["env"] if e["name"] == "CBSERVE_API_KEY"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "cbserve-api-key", "key": "api-key"}
+
+
+@pytest.mark.parametrize("values_set", sorted(VALUES_SETS))
+def test_grace_period_and_prestop_derive_from_the_drain_window(values_set):
+    values = merged_values(VALUES_SETS[values_set])
+    drain = values["drain"]
+    for component, deployment in deployments(render(VALUES_SETS[values_set])).items():
+        pod = deployment["spec"]["template"]["spec"]
+        main = container(deployment)
+        drain_seconds = int(flags(main["args"])["drain-seconds"])
+        override = values[component].get("drainSeconds")
+        assert drain_seconds == (override if override is not None else drain["seconds"])
+        assert main["lifecycle"]["preStop"] == {"sleep": {"seconds": drain["preStopSeconds"]}}
+        assert pod["terminationGracePeriodSeconds"] == drain["preStopSeconds"] + drain_seconds + drain["killMarginSeconds"]
+        assert pod["terminationGracePeriodSeconds"] > drain["preStopSeconds"] + drain_seconds
+
+
+def test_prestop_uses_exec_sleep_before_kubernetes_1_30():
+    main = container(render(kube_version="1.29.0").get("Deployment", name("decode")))
+    assert main["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
+
+
+@pytest.mark.parametrize("values_set", sorted(VALUES_SETS))
+def test_probes_fit_model_load_readiness_and_drain(values_set):
+    values = merged_values(VALUES_SETS[values_set])
+    for component, deployment in deployments(render(VALUES_SETS[values_set])).items():
+        if component == "router":
+            continue
+        main = container(deployment)
+        startup, readiness, liveness = main["startupProbe"], main["readinessProbe"], main["livenessProbe"]
+        # Startup: gRPC health, long enough for the configured model load.
+        assert startup["grpc"] == {"port": 50051, "service": GRPC_SERVICE[component]}
+        budget = startup["periodSeconds"] * startup["failureThreshold"]
+        assert values["model"]["loadTimeoutSeconds"] <= budget < values["model"]["loadTimeoutSeconds"] + startup["periodSeconds"]
+        # Readiness: the health service, which turns NOT_SERVING at SIGTERM.
+        assert readiness["grpc"] == {"port": 50051, "service": GRPC_SERVICE[component]}
+        # Liveness: never gRPC health (NOT_SERVING while draining would restart a draining pod),
+        # and patient enough for a kernel compilation to hold the CPU for a minute.
+        assert "grpc" not in liveness and liveness["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
+        assert liveness["timeoutSeconds"] >= 5
+
+
+def test_router_probes_use_health_and_ready():
+    main = container(render().get("Deployment", name("router")))
+    assert main["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert main["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert main["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_gpus_shm_and_device():
+    manifests = render()
+    for pool in ("prefill", "decode"):
+        deployment = manifests.get("Deployment", name(pool))
+        main = container(deployment)
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert main["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert flags(main["args"])["device"] == "cuda"
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in main["volumeMounts"]
+    cpu = container(render(VALUES_SETS["cpu-tiny"]).get("Deployment", name("decode")))
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    assert flags(cpu["args"])["device"] == "cpu"
+
+
+def test_tiny_model_needs_no_volume_and_writes_only_to_emptydirs():
+    deployment = render().get("Deployment", name("prefill"))
+    pod = deployment["spec"]["template"]["spec"]
+    main = container(deployment)
+    assert {v["name"] for v in pod["volumes"]} == {"dshm", "cache", "tmp"}
+    assert all("emptyDir" in v for v in pod["volumes"])
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert {"name": "cache", "mountPath": env["CBSERVE_CACHE_DIR"]} in main["volumeMounts"]
+
+
+def test_model_volume_pvc():
+    manifests = render(sets=('model.volume={"type":"pvc","pvc":{"claimName":"weights","subPath":"m"}}',
+                             'model.name="/models/llama"'))
+    for component in ("router", "prefill", "decode"):
+        deployment = manifests.get("Deployment", name(component))
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+        assert {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "m"} in container(deployment)["volumeMounts"]
+
+
+def test_model_volume_host_path():
+    manifests = render(VALUES_SETS["gpu-hostpath-qwen2-7b"])
+    pod = manifests.get("Deployment", name("decode"))["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert volume["hostPath"] == {"path": "/var/lib/llm-weights", "type": "Directory"}
+    assert flags(container(manifests.get("Deployment", name("decode")))["args"])["model"] == "/models/Qwen2-7B-Instruct"
+
+
+def test_model_volume_copy_from_pvc_uses_an_init_copy_onto_local_disk():
+    manifests = render(VALUES_SETS["gpu-llama3-8b"])
+    for pool in ("prefill", "decode"):
+        pod = manifests.get("Deployment", name(pool))["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-source"]["persistentVolumeClaim"] == {"claimName": "llm-weights", "readOnly": True}
+        assert volumes["model"]["emptyDir"] == {"sizeLimit": "40Gi"}
+        (init,) = pod["initContainers"]
+        mounts = {m["name"]: m for m in init["volumeMounts"]}
+        assert mounts["model-source"]["readOnly"] is True and mounts["model"]["mountPath"] == "/models"
+        assert "cp -R" in init["command"][-1]
+    router_pod = manifests.get("Deployment", name("router"))["spec"]["template"]["spec"]
+    assert "initContainers" not in router_pod, "the router reads tokenizer files from the claim directly"
+    (router_model,) = [v for v in router_pod["volumes"] if v["name"] == "model"]
+    assert router_model["persistentVolumeClaim"]["claimName"] == "llm-weights"
+
+
+def test_startup_threshold_is_ceiling_of_load_time_over_period():
+    main = container(render(sets=("model.loadTimeoutSeconds=95",)).get("Deployment", name("decode")))
+    assert main["startupProbe"]["failureThreshold"] == math.ceil(95 / 10)
