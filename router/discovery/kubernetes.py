@@ -10,6 +10,7 @@ a deleted slice removes its pods at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -58,6 +59,7 @@ class KubernetesDiscovery(Discovery):
         self._listed: dict[str, threading.Event] = {role: threading.Event() for role in services}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._watchers: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _client(self) -> Any:
@@ -85,8 +87,15 @@ class KubernetesDiscovery(Discovery):
 
     async def stop(self) -> None:
         self._stop.set()
+        for watcher in list(self._watchers.values()):
+            watcher.stop()
+            # A watch blocks in a socket read until the next event; closing the response wakes it.
+            response = getattr(watcher, "_resp", None)
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    response.close()
         for thread in self._threads:
-            await asyncio.to_thread(thread.join, 2.0)
+            await asyncio.to_thread(thread.join, 1.0)
 
     def _watch_forever(self, api: Any, role: str, service: str) -> None:
         from kubernetes import watch
@@ -101,7 +110,7 @@ class KubernetesDiscovery(Discovery):
                 self._listed[role].set()
                 resource_version = listed.metadata.resource_version
                 while not self._stop.is_set():
-                    watcher = watch.Watch()
+                    watcher = self._watchers[role] = watch.Watch()
                     for event in watcher.stream(api.list_namespaced_endpoint_slice, self.namespace,
                                                 label_selector=selector, resource_version=resource_version,
                                                 timeout_seconds=_WATCH_TIMEOUT_SECONDS,

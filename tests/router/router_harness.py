@@ -56,6 +56,24 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
+async def serve_app(app):
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in this event loop; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), "router failed to start"
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+@contextlib.asynccontextmanager
 async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[Script] = (),
                          colocated: list[Script] = (), **config):
     """Start fake pods and a router over them; yields a Harness once every pod is routable."""
@@ -67,25 +85,16 @@ async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[
     router_config = RouterConfig(model="fake-model", **{role: tuple(p.address for p in pods[role]) for role in pods},
                                  **config)
     app = create_app(router_config, tokenizer=tokenizer, default_max_model_len=256)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            assert not task.done(), "router failed to start"
-            await asyncio.sleep(0.01)
-        harness = Harness(f"http://127.0.0.1:{sock.getsockname()[1]}", app, **pods)
-        await harness.wait_routable(len(harness.pods))
-        try:
-            yield harness
-        finally:
-            for client in harness.clients:
-                await (client.aclose() if hasattr(client, "aclose") else client.close())
+        async with serve_app(app) as url:
+            harness = Harness(url, app, **pods)
+            await harness.wait_routable(len(harness.pods))
+            try:
+                yield harness
+            finally:
+                for client in harness.clients:
+                    await (client.aclose() if hasattr(client, "aclose") else client.close())
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
         for role_pods in pods.values():
             for pod in role_pods:
                 await pod.stop()
