@@ -1,0 +1,113 @@
+"""ClusterSpec: what `cbserve up` / `LocalCluster` starts, and the command line of every child.
+
+The flags written here are the process contract (`cbserve prefill|decode|router`), so the local
+cluster runs the same commands as the Helm chart's containers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("goodput", "round_robin", "least_loaded")
+KV_TRANSPORTS = ("grpc", "nccl")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One local cluster: either `num_prefill` + `num_decode` pods, or `num_colocated` engines."""
+
+    model: str = "tiny"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0           # > 0: aggregated baseline, no prefill/decode pods
+    host: str = "127.0.0.1"          # the router's bind address (pods always bind loopback)
+    port: int = 8000                 # the router's port; 0: any free port
+    policy: str = "goodput"
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 50.0
+    kv_transport: str = "grpc"
+    # Engine flags passed to every pod (None: the pod's default).
+    device: str | None = None
+    dtype: str | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    num_blocks: int | None = None
+    prefix_caching: bool = True
+    threads_per_pod: int | None = None   # CBSERVE_NUM_THREADS / OMP_NUM_THREADS of each child
+    startup_timeout: float = 300.0
+    drain_seconds: float = 10.0
+    router_args: tuple[str, ...] = ()    # extra `cbserve router` flags, e.g. ("--admission", "reject")
+    pod_args: tuple[str, ...] = ()       # extra flags for every pod
+
+    def __post_init__(self) -> None:
+        if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:
+            raise ValueError("pod counts must be >= 0")
+        if self.num_colocated:
+            object.__setattr__(self, "num_prefill", 0)
+            object.__setattr__(self, "num_decode", 0)
+        elif self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least 1 prefill and 1 decode pod (or --colocated K)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
+            raise ValueError("SLOs must be > 0 ms")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "threads_per_pod"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.startup_timeout <= 0 or self.drain_seconds < 0:
+            raise ValueError("startup_timeout must be > 0 and drain_seconds >= 0")
+        object.__setattr__(self, "router_args", tuple(self.router_args))
+        object.__setattr__(self, "pod_args", tuple(self.pod_args))
+
+    @property
+    def colocated(self) -> bool:
+        return self.num_colocated > 0
+
+    def pod_roles(self) -> list[tuple[str, str]]:
+        """(name, role) of every pod in start order."""
+        if self.colocated:
+            return [(f"colocated-{i}", "colocated") for i in range(self.num_colocated)]
+        return ([(f"prefill-{i}", "prefill") for i in range(self.num_prefill)]
+                + [(f"decode-{i}", "decode") for i in range(self.num_decode)])
+
+    def engine_flags(self) -> list[str]:
+        flags: list[str] = []
+        for flag, value in (("--device", self.device), ("--dtype", self.dtype),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                            ("--max-num-seqs", self.max_num_seqs), ("--num-blocks", self.num_blocks)):
+            if value is not None:
+                flags += [flag, str(value)]
+        if not self.prefix_caching:
+            flags.append("--no-prefix-caching")
+        return flags
+
+    def pod_argv(self, name: str, role: str, port: int, metrics_port: int, kv_store_port: int) -> list[str]:
+        """`cbserve prefill|decode ...` for one pod; a colocated engine is a decode pod with no prefill pod."""
+        command = "prefill" if role == "prefill" else "decode"
+        argv = [command, "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", str(metrics_port), "--kv-transport", self.kv_transport,
+                "--kv-store-port", str(kv_store_port), "--drain-seconds", _number(self.drain_seconds),
+                "--pod-id", name, *self.engine_flags()]
+        if role == "colocated":
+            argv.append("--colocated")
+        return argv + list(self.pod_args)
+
+    def router_argv(self, port: int, addresses: dict[str, list[str]]) -> list[str]:
+        argv = ["router", "--model", self.model, "--host", self.host, "--port", str(port),
+                "--policy", self.policy, "--slo-ttft-ms", _number(self.slo_ttft_ms),
+                "--slo-tpot-ms", _number(self.slo_tpot_ms), "--drain-seconds", _number(self.drain_seconds)]
+        if self.colocated:
+            argv += ["--colocated", ",".join(addresses["colocated"])]
+        else:
+            argv += ["--prefill", ",".join(addresses["prefill"]), "--decode", ",".join(addresses["decode"])]
+        return argv + list(self.router_args)
+
+
+def _number(value: float) -> str:
+    """A number as a flag value: `30` rather than `30.0` for whole values."""
+    return str(int(value)) if float(value).is_integer() else str(value)

@@ -1,0 +1,197 @@
+"""LocalCluster: router + prefill + decode pods (or colocated engines) as real processes on this machine.
+
+    with LocalCluster(ClusterSpec(model="tiny", port=0)) as cluster:
+        openai.OpenAI(base_url=cluster.base_url, api_key="unused").completions.create(...)
+
+Every child is `python -m cbserve.cli <role> ...` with the same interpreter, so local behaviour is
+the chart's behaviour. Pods bind loopback ports chosen free at start; the router binds `spec.port`
+(0: a free one). Readiness is what Kubernetes probes: the standard gRPC health service on each pod,
+then HTTP `/ready` on the router (which needs a ready prefill/decode pair). A child that exits
+during startup fails `start()` with its log tail; `stop()` drains the router first (it finishes the
+streams that still need the pods), then the pods, and SIGKILLs whatever outlives the grace period.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cbserve.cluster_spec import ClusterSpec
+from cbserve.processes import LogSink, ManagedProcess, child_env, kill_all, stop_group
+from cbserve.readiness import grpc_serving, http_ready
+
+__all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo"]
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start, or one of its processes died."""
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    name: str                 # prefill-0, decode-0, colocated-0: also the pod's --pod-id
+    role: str                 # prefill | decode | colocated
+    address: str              # HOST:PORT of its gRPC server
+    metrics_url: str
+    kv_store_port: int
+
+
+@dataclass
+class _Running:
+    pods: list[PodInfo] = field(default_factory=list)
+    procs: dict[str, ManagedProcess] = field(default_factory=dict)   # name -> process, start order
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago (all held open together, then released)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ClusterError(f"router port {host}:{port} is not free ({e.strerror}); pick another --port") from None
+
+
+class LocalCluster:
+    """Start, wait for, describe and stop a local cluster. Use as a context manager."""
+
+    def __init__(self, spec: ClusterSpec | None = None, *, sink: LogSink | None = None,
+                 log_dir: str | Path | None = None, command: Sequence[str] | None = None) -> None:
+        """`sink` receives every child log line with a `[name] ` prefix (None: keep only tails and
+        files); `log_dir` also writes `<name>.log` per child; `command` replaces
+        `python -m cbserve.cli` (tests run stand-in processes with it)."""
+        self.spec = spec or ClusterSpec()
+        self.sink = sink
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.command = list(command) if command else [sys.executable, "-m", "cbserve.cli"]
+        self.router_port: int | None = None
+        self._run = _Running()
+
+    # -- addresses ----------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The router's base URL, e.g. http://127.0.0.1:8000."""
+        if self.router_port is None:
+            raise ClusterError("cluster is not started")
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
+        return f"http://{host}:{self.router_port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's base URL (`url` + /v1)."""
+        return self.url + "/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.url + "/metrics"
+
+    @property
+    def pods(self) -> list[PodInfo]:
+        return list(self._run.pods)
+
+    @property
+    def processes(self) -> dict[str, ManagedProcess]:
+        return dict(self._run.procs)
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> LocalCluster:
+        """Start every process and wait until all are ready; on any failure stop what was started."""
+        if self._run.procs:
+            raise ClusterError("cluster already started")
+        spec = self.spec
+        self.router_port = spec.port or free_ports(1, "127.0.0.1")[0]
+        _check_port_free(spec.host, self.router_port)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        roles = spec.pod_roles()
+        ports = free_ports(3 * len(roles))
+        try:
+            for i, (name, role) in enumerate(roles):
+                grpc_port, metrics_port, store_port = ports[3 * i:3 * i + 3]
+                pod = PodInfo(name, role, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}/metrics",
+                              store_port)
+                self._run.pods.append(pod)
+                self._spawn(name, spec.pod_argv(pod.name, role, grpc_port, metrics_port, store_port))
+            self._spawn("router", spec.router_argv(self.router_port, self._addresses()))
+            self.wait_ready(spec.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _addresses(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
+        for pod in self._run.pods:
+            out[pod.role].append(pod.address)
+        return out
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log_file = self.log_dir / f"{name}.log" if self.log_dir is not None else None
+        proc = ManagedProcess(name, [*self.command, *args], child_env(self.spec.threads_per_pod), self.sink, log_file)
+        self._run.procs[name] = proc
+        proc.start()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every pod's gRPC health says SERVING and the router's /ready is 200."""
+        deadline = time.monotonic() + timeout
+        pending = {pod.name: pod for pod in self._run.pods}
+        while True:
+            self.check_alive("during startup")
+            for name, pod in list(pending.items()):
+                if grpc_serving(pod.address, timeout=0.5):
+                    del pending[name]
+            if not pending and http_ready(self.url + "/ready", timeout=1.0):
+                return
+            if time.monotonic() > deadline:
+                waiting = ", ".join(pending) or "router (/ready)"
+                tails = "\n".join(f"--- {n} ---\n{self._run.procs[n].tail(10)}" for n in (list(pending) or ["router"]))
+                raise ClusterError(f"not ready after {timeout:.0f}s: {waiting}\n{tails}")
+            time.sleep(0.2)
+
+    def check_alive(self, when: str = "") -> None:
+        """Raise ClusterError with the log tail of the first child that has exited."""
+        for proc in self._run.procs.values():
+            code = proc.returncode
+            if code is not None:
+                raise ClusterError(f"{proc.name} exited with code {code} {when}".rstrip()
+                                   + f"; last log lines:\n{proc.tail()}")
+
+    def stop(self, grace_seconds: float | None = None) -> list[str]:
+        """Drain the router, then the pods; SIGKILL what outlives the grace period. Returns killed names."""
+        grace = self.spec.drain_seconds + 5.0 if grace_seconds is None else grace_seconds
+        procs = self._run.procs
+        router = [procs["router"]] if "router" in procs else []
+        pods = [p for name, p in procs.items() if name != "router"]
+        try:
+            killed = stop_group(router, grace) + stop_group(pods, grace)
+        except KeyboardInterrupt:   # a second Ctrl-C: stop waiting
+            kill_all(list(procs.values()))
+            raise
+        return killed
+
+    def kill(self) -> None:
+        """SIGKILL every child now."""
+        kill_all(list(self._run.procs.values()))

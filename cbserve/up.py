@@ -1,0 +1,141 @@
+"""`cbserve up`: a local cluster of real processes (router + prefill + decode pods) in one command.
+
+    cbserve up                       # tiny model, 1 prefill + 1 decode, router on :8000
+    cbserve up --prefill 2 --decode 2 --model small
+    cbserve up --colocated 2         # the aggregated baseline
+    cbserve up --demo                # also send one completion and one chat request (`make up`)
+
+It prints the router URL and every pod's address and metrics URL once all are ready, streams their
+logs with a `[name]` prefix, and on Ctrl-C / SIGTERM drains the router, then the pods (a second
+Ctrl-C kills at once). A process that dies makes `up` stop the rest and exit 1 with its log tail.
+The Python API is `LocalCluster` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
+from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
+from cbserve.processes import stderr_sink
+
+__all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo", "add_up_command", "cmd_up"]
+
+
+def add_up_command(sub: argparse._SubParsersAction) -> None:
+    """Register `cbserve up` on the CLI's subparsers."""
+    p = sub.add_parser("up", help="run router + prefill + decode pods locally", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="preset name (tiny, small) or a local HF directory")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill pods")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode pods")
+    p.add_argument("--colocated", type=int, default=0, metavar="K",
+                   help="K colocated engines instead of prefill/decode pods (aggregated baseline)")
+    p.add_argument("--host", default="127.0.0.1", help="the router's bind address")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--policy", choices=POLICIES, default="goodput", help="the router's routing policy")
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="grpc")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads-per-pod", type=int, default=None, metavar="N",
+                   help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
+    p.add_argument("--drain-seconds", type=float, default=10.0)
+    p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
+    p.add_argument("--demo", action="store_true",
+                   help="once ready, send one completion and one chat request with the openai client")
+    p.set_defaults(func=cmd_up)
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    return ClusterSpec(
+        model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
+        host=args.host, port=args.port, policy=args.policy, slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms, kv_transport=args.kv_transport, device=args.device, dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        num_blocks=args.num_blocks, prefix_caching=not args.no_prefix_caching,
+        threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
+        drain_seconds=args.drain_seconds)
+
+
+def describe(cluster: LocalCluster) -> str:
+    """The ready banner: router URL, every pod's address and metrics URL, and a first request."""
+    spec = cluster.spec
+    layout = (f"{spec.num_colocated} colocated" if spec.colocated
+              else f"{spec.num_prefill} prefill + {spec.num_decode} decode")
+    rows = [("router", cluster.base_url, cluster.metrics_url)]
+    rows += [(pod.name, pod.address, pod.metrics_url) for pod in cluster.pods]
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"cbserve is ready: model {spec.model}, {layout}, policy {spec.policy}"]
+    lines += [f"  {name:<{width}}  {address:<28}  metrics {metrics}" for name, address, metrics in rows]
+    lines += ["", "Try:",
+              f"  curl {cluster.base_url}/completions -H 'Content-Type: application/json' \\",
+              f"    -d '{{\"model\": \"{spec.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+              "Press Ctrl-C to stop."]
+    return "\n".join(lines)
+
+
+def run_demo(cluster: LocalCluster) -> None:
+    """One completion and one chat request through the router with the real `openai` client."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=os.environ.get("CBSERVE_API_KEY") or "unused",
+                           max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16,
+                                           temperature=0.0)
+    print(f"[demo] completion ({completion.usage.completion_tokens} tokens): {completion.choices[0].text!r}",
+          flush=True)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=16, temperature=0.0)
+    print(f"[demo] chat ({chat.usage.completion_tokens} tokens): {chat.choices[0].message.content!r}", flush=True)
+
+
+def _raise_interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        spec = spec_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # SIGTERM takes the Ctrl-C path: drain the router, then the pods.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir)
+    try:
+        cluster.start()
+        print(describe(cluster), flush=True)
+        if args.demo:
+            run_demo(cluster)
+        while True:
+            cluster.check_alive("unexpectedly")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping: draining the router, then the pods (Ctrl-C again to kill)", file=sys.stderr, flush=True)
+        try:
+            killed = cluster.stop()
+        except KeyboardInterrupt:
+            return 130
+        if killed:
+            print(f"killed after the drain period: {', '.join(killed)}", file=sys.stderr)
+        return 0
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        cluster.stop()
+        return 1
+    except Exception as e:  # the demo request failed: say why, stop everything
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        cluster.stop()
+        return 1
