@@ -59,6 +59,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_pod_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    _add_engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--pod-id", default="")
+    p.add_argument("--kv-transport", choices=["grpc", "nccl"], default="grpc")
+    p.add_argument("--kv-store-port", type=int, default=0, help="TCPStore port for --kv-transport nccl")
+    p.add_argument("--kv-ttl-seconds", type=float, default=30.0)
+    p.add_argument("--drain-seconds", type=float, default=30.0)
+
+
+def _set_threads() -> None:
+    import os
+
+    import torch
+
+    threads = os.environ.get("CBSERVE_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def cmd_pod(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from prefill_pod.runtime import PodConfig, PodRuntime
+
+    _set_threads()
+    role = "prefill" if args.command == "prefill" else ("colocated" if args.colocated else "decode")
+    pod = PodConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, pod_id=args.pod_id,
+                    drain_seconds=args.drain_seconds, kv_transport=args.kv_transport,
+                    kv_store_port=args.kv_store_port, kv_ttl_seconds=args.kv_ttl_seconds,
+                    local_prefill_fallback=not getattr(args, "no_local_prefill_fallback", False))
+    engine_role = "prefill" if role == "prefill" else "decode"
+    runtime = PodRuntime(engine_config_from_args(args, engine_role), pod, role)
+    if role == "prefill":
+        from prefill_pod.server import serve
+    else:
+        from decode_pod.server import serve
+    asyncio.run(serve(runtime))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -73,6 +116,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    pre = sub.add_parser("prefill", help="run a prefill pod (gRPC PrefillService)")
+    _add_pod_flags(pre, 50051)
+    pre.set_defaults(func=cmd_pod)
+
+    dec = sub.add_parser("decode", help="run a decode pod (gRPC DecodeService)")
+    _add_pod_flags(dec, 50052)
+    dec.add_argument("--no-local-prefill-fallback", action="store_true",
+                     help="fail a request whose prefill pod is lost instead of prefilling it here")
+    dec.add_argument("--colocated", action="store_true",
+                     help="label this pod a colocated engine (it prefills every request itself)")
+    dec.set_defaults(func=cmd_pod)
+
+    from cbserve.up import add_up_command  # `cbserve up`: cbserve/up.py
+    add_up_command(sub)
     return parser
 
 

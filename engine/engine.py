@@ -222,6 +222,12 @@ class Engine:
             self._prefill_rate = rate if self._prefill_rate == 0 else (1 - alpha) * self._prefill_rate + alpha * rate
         self.num_steps += 1
 
+    def reset_step_stats(self) -> None:
+        """Forget step timings (after a warm-up whose first step includes one-off costs)."""
+        self._step_ewma = self._prefill_rate = 0.0
+        self.num_steps = 0
+        self.step_samples.clear()
+
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: Iterable[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -1,0 +1,244 @@
+"""The decode pod: `Engine(role="decode")` behind `DecodeService`.
+
+`Generate(req, prefill_from=P)` queues the request until the engine has reserved blocks for its
+prompt (nothing is pulled into a pod that has not made room), then pulls the KV from P over the
+open `PullKV` stream, writes it into the reserved blocks, and admits the request into the running
+batch with the first token P sampled. If P is unreachable or its stream breaks, the pod prefills
+the prompt itself when it has headroom (same tokens: seeded sampling is positional), else it fails
+fast with UNAVAILABLE. Bad KV (checksum, layout) fails the request; it never yields tokens.
+With `prefill_from` empty the pod prefills locally: that is the colocated engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from kvtransfer.collective import PairGroup, host_store
+from kvtransfer.errors import ChecksumError, KVTransferError, LayoutError, SourceLostError
+from kvtransfer.grpc_options import channel_options
+from kvtransfer.grpc_transport import KVSink, pull_kv
+from prefill_pod.runtime import PodRuntime, logprobs_from_pb, logprobs_to_pb
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "cbserve.v1.DecodeService"
+
+
+class RequestFailed(Exception):
+    """Ends one Generate stream with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Job:
+    prefill_from: str
+    transport: str
+    deadline: float                     # monotonic
+    arrival: float = field(default_factory=time.monotonic)
+    local_prefill: bool = False
+    kv_transfer_seconds: float = 0.0
+    task: asyncio.Task | None = None
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class DecodeServicer(cbserve_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, runtime: PodRuntime) -> None:
+        self.rt = runtime
+        self.jobs: dict[str, Job] = {}
+        self._stubs: dict[str, cbserve_pb2_grpc.PrefillServiceStub] = {}
+        self._groups: dict[str, PairGroup] = {}
+        self._store = None
+        self._group_ids = itertools.count()
+        self._group_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ engine thread
+    def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        schedule = engine.last_schedule
+        for req_id in schedule.reserved_request_ids if schedule is not None else ():
+            req = engine.scheduler.get_request(req_id)
+            if req is not None:
+                self.rt.loop.loop.call_soon_threadsafe(self._start_pull, req_id, tuple(req.block_ids),
+                                                       req.num_prompt_tokens)
+        self.rt.refresh(engine)
+
+    def on_idle(self, engine: Engine) -> None:
+        self.rt.refresh(engine)
+
+    # ------------------------------------------------------------------ KV pull
+    def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
+        job = self.jobs.get(req_id)
+        if job is not None and job.task is None:
+            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens))
+
+    def _stub(self, address: str) -> cbserve_pb2_grpc.PrefillServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            stub = self._stubs[address] = cbserve_pb2_grpc.PrefillServiceStub(channel)
+        return stub
+
+    async def _group(self, address: str, timeout: float) -> PairGroup:
+        """The process group to `address`, set up on first use (this pod hosts the store)."""
+        async with self._group_lock:
+            group = self._groups.get(address)
+            if group is not None and not group.broken:
+                return group
+            pod = self.rt.pod
+            if self._store is None:
+                self._store = await asyncio.to_thread(host_store, "0.0.0.0", pod.kv_store_port)
+            name = f"{self.rt.pod_id}/{address}/{next(self._group_ids)}"
+            backend = "nccl" if self.rt.engine.device.type == "cuda" else "gloo"
+            advertise = os.environ.get("CBSERVE_POD_IP") or (pod.host if pod.host != "0.0.0.0" else "127.0.0.1")
+            setup = self._stub(address).SetupTransport(cbserve_pb2.SetupTransportRequest(
+                group=name, store_host=advertise, store_port=self._store.port, backend=backend), timeout=timeout)
+            joined = PairGroup.create(self._store, name, 1, backend, device=self.rt.engine.device,
+                                      setup_timeout_s=timeout)
+            _, group = await asyncio.gather(setup, joined)
+            self._groups[address] = group
+            return group
+
+    async def _pull(self, req_id: str, job: Job, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
+        rt = self.rt
+        try:
+            group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
+            sink = KVSink(rt.engine.kv_cache, block_ids, req_id, num_prompt_tokens, group=group,
+                          recv_timeout_s=max(1.0, job.remaining()))
+            request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
+                                                transport=job.transport,
+                                                nccl_group=group.group_name if group else "")
+            result = await pull_kv(self._stub(job.prefill_from), request, sink, timeout=job.remaining())
+            job.kv_transfer_seconds = result.seconds
+            rt.metrics.kv_transfer.observe(result.seconds)
+            rt.metrics.kv_bytes.inc(result.num_bytes)
+            first_lp = logprobs_from_pb(result.first_token_logprobs)
+            out = await rt.loop.run(lambda e: e.land_remote_kv(req_id, result.first_token_id, first_lp))
+            if out is not None:
+                rt.loop.publish([out])
+        except asyncio.CancelledError:
+            raise
+        except (SourceLostError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            await self._fall_back(req_id, job, f"prefill pod {job.prefill_from} lost: {e}")
+        except ChecksumError as e:
+            self._fail(req_id, RequestFailed(grpc.StatusCode.DATA_LOSS, f"KV from {job.prefill_from} is corrupt: {e}"))
+        except LayoutError as e:
+            self._fail(req_id, RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                             f"KV from {job.prefill_from} does not fit this pod: {e}"))
+        except KVTransferError as e:
+            self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
+
+    async def _fall_back(self, req_id: str, job: Job, reason: str) -> None:
+        rt = self.rt
+        headroom = rt.snapshot.prefill_queue_tokens < rt.pod.fallback_max_queue_tokens
+        if rt.pod.local_prefill_fallback and headroom and job.remaining() > 0:
+            if await rt.loop.run(lambda e: e.fall_back_to_local_prefill(req_id)):
+                job.local_prefill = True
+                rt.metrics.local_prefill_fallbacks.inc()
+                log.warning("request %s: %s; prefilling locally", req_id, reason)
+            return
+        self._fail(req_id, RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{reason}; no local prefill headroom"))
+
+    def _fail(self, req_id: str, error: RequestFailed) -> None:
+        self.rt.loop.call(lambda e: e.abort(req_id))
+        self.rt.loop.fail(req_id, error)
+
+    # ------------------------------------------------------------------ RPCs
+    async def Handshake(self, request, context):
+        return await self.rt.handshake(request, context)
+
+    async def GetLoad(self, request, context):
+        return await self.rt.get_load(request, context)
+
+    def WatchLoad(self, request, context):
+        return self.rt.watch_load(request, context)
+
+    async def Abort(self, request, context):
+        return await self.rt.abort(request, context)
+
+    async def Generate(self, request: cbserve_pb2.GenerateRequest, context):
+        rt, req_id = self.rt, request.request_id
+        if rt.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
+        try:
+            prompt, params = rt.parse(request.prompt_token_ids, request.sampling, req_id)
+            transport = request.kv_transport or "grpc"
+            if transport not in ("grpc", "nccl"):
+                raise ValueError(f"unknown kv_transport {transport!r}")
+            if transport == "nccl" and rt.pod.kv_transport != "nccl":
+                raise ValueError("this decode pod was not started with --kv-transport nccl")
+        except ValueError as e:
+            rt.metrics.rejected("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req_id in self.jobs:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already here")
+        remaining = context.time_remaining()
+        job = self.jobs[req_id] = Job(request.prefill_from, transport,
+                                      time.monotonic() + (remaining if remaining is not None else 3600.0))
+        job.local_prefill = not request.prefill_from
+        outputs = rt.loop.subscribe(req_id)
+        finished = False
+        index = 0
+        first_token_at = None
+        async with rt.track():
+            try:
+                await rt.loop.run(lambda e: e.add_request(prompt, params, req_id, request.priority,
+                                                          remote_kv=bool(request.prefill_from)))
+                while not finished:
+                    item = await asyncio.wait_for(outputs.get(), job.remaining())
+                    if isinstance(item, RequestFailed):
+                        rt.metrics.request_finished("error")
+                        await context.abort(item.code, str(item))
+                    if isinstance(item, BaseException):
+                        rt.metrics.request_finished("error")
+                        await context.abort(grpc.StatusCode.INTERNAL, str(item))
+                    response = cbserve_pb2.GenerateResponse(
+                        request_id=req_id, index=index, token_ids=item.new_token_ids,
+                        finished=item.finished, finish_reason=item.finish_reason or "",
+                        num_prompt_tokens=item.num_prompt_tokens)
+                    for lp in item.new_logprobs:
+                        if lp is not None:
+                            response.logprobs.append(logprobs_to_pb(lp))
+                    if index == 0:
+                        first_token_at = time.monotonic()
+                        rt.metrics.ttft.observe(first_token_at - job.arrival)
+                        response.local_prefill = job.local_prefill
+                        response.kv_transfer_seconds = job.kv_transfer_seconds
+                        response.num_cached_tokens = item.num_cached_tokens
+                    index += len(item.new_token_ids)
+                    finished = item.finished
+                    yield response
+                now = time.monotonic()
+                rt.metrics.e2e.observe(now - job.arrival)
+                if index > 1 and first_token_at is not None:
+                    rt.metrics.tpot.observe((now - first_token_at) / (index - 1))
+                rt.metrics.request_finished(item.finish_reason or "stop")
+            except asyncio.TimeoutError:
+                rt.metrics.request_finished("timeout")
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish before the deadline")
+            finally:
+                rt.loop.unsubscribe(req_id)
+                self.jobs.pop(req_id, None)
+                if job.task is not None and not job.task.done():
+                    job.task.cancel()   # ends the PullKV stream: the prefill pod frees its blocks
+                if not finished:
+                    rt.loop.call(lambda e: e.abort(req_id))
+
+
+async def serve(runtime: PodRuntime) -> None:
+    servicer = DecodeServicer(runtime)
+    await runtime.serve(lambda server: cbserve_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server),
+                        SERVICE_NAME, post_step=servicer.post_step, on_idle=servicer.on_idle,
+                        pending_work=lambda: len(servicer.jobs))

@@ -1,0 +1,217 @@
+"""What both pods share: the engine thread, the gRPC server, health, metrics, load, drain.
+
+A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server.
+Health follows the standard `grpc.health.v1` service: SERVING once the model is loaded and warm,
+NOT_SERVING from the first SIGTERM on, while in-flight streams and pending KV pulls finish; the
+process exits when they are done or the drain window has passed. Load reports and metrics are
+read from a snapshot the engine thread refreshes, never from live engine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from cbserve.pb import cbserve_pb2
+from engine.engine import Engine, EngineConfig, EngineRequestError
+from engine.loop import EngineLoop
+from engine.metrics import EngineMetrics
+from engine.outputs import EngineStats
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto
+from kvtransfer.grpc_options import server_options
+from kvtransfer.layout import KVLayout, check_compatible
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PodConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0                 # 0 = no metrics server
+    pod_id: str = ""
+    drain_seconds: float = 30.0
+    kv_transport: str = "grpc"            # what this pod offers/uses: "grpc" | "nccl"
+    kv_store_port: int = 0
+    kv_ttl_seconds: float = 30.0
+    local_prefill_fallback: bool = True
+    fallback_max_queue_tokens: int = 16384  # local prefill only while the queue is below this
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in ("grpc", "nccl"):
+            raise ValueError(f"kv_transport must be 'grpc' or 'nccl', got {self.kv_transport!r}")
+        if self.drain_seconds < 0 or self.kv_ttl_seconds <= 0:
+            raise ValueError("drain_seconds must be >= 0 and kv_ttl_seconds > 0")
+
+
+def logprobs_to_pb(lp: TokenLogprobs | None) -> cbserve_pb2.TokenLogprobs | None:
+    if lp is None:
+        return None
+    return cbserve_pb2.TokenLogprobs(logprob=lp.logprob, top=[
+        cbserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprobs_from_pb(msg: cbserve_pb2.TokenLogprobs | None) -> TokenLogprobs | None:
+    if msg is None:
+        return None
+    return TokenLogprobs(msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+class PodRuntime:
+    """Owns the engine, its thread and the pod-wide plumbing; servicers hold one."""
+
+    def __init__(self, engine_config: EngineConfig, pod: PodConfig, role_label: str) -> None:
+        self.pod = pod
+        self.role_label = role_label
+        self.engine = Engine(engine_config)
+        self.metrics = EngineMetrics(role_label)
+        self.layout = KVLayout.from_tensor(self.engine.kv_cache)
+        self.model_info = self.layout.to_model_info(
+            engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size)
+        self.pod_id = pod.pod_id or f"{role_label}-{pod.host}:{pod.port}"
+        self.loop: EngineLoop | None = None
+        self.health = health.HealthServicer()
+        self.draining = False
+        self.num_inflight = 0            # open RPC streams that must finish before exit
+        self.snapshot: EngineStats = self.engine.stats()
+        self.num_held = 0
+        self._samples: list[tuple[int, object]] = []
+        self._idle = asyncio.Event()
+
+    # ------------------------------------------------------------------ engine thread hooks
+    def refresh(self, engine: Engine, num_held: int = 0) -> None:
+        """Engine thread: snapshot statistics for load reports and metrics."""
+        self.snapshot = engine.stats()
+        self.num_held = num_held
+        self.metrics.update(self.snapshot, num_held)
+        base = engine.num_steps - len(engine.step_samples)
+        self._samples = [(base + i, s) for i, s in enumerate(engine.step_samples)][-64:]
+
+    def warm_up(self) -> None:
+        """One real request through the engine before SERVING (kernels compile on first use)."""
+        engine = self.engine
+        engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0), request_id="__warmup__")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.scheduler.release_request("__warmup__")
+        engine.abort("__warmup__")
+        engine.reset_step_stats()
+
+    # ------------------------------------------------------------------ request intake
+    def parse(self, prompt_token_ids, sampling: cbserve_pb2.SamplingParams, request_id: str):
+        """Validate a request at the boundary; raises ValueError with a message for the client."""
+        if not request_id:
+            raise ValueError("request_id is required")
+        try:
+            params = from_proto(sampling)
+        except SamplingParamsError as e:
+            raise ValueError(f"invalid sampling parameter {e.param}: {e}") from None
+        try:
+            self.engine.make_request(list(prompt_token_ids), params, request_id="__validate__")
+        except EngineRequestError as e:
+            raise ValueError(str(e)) from None
+        return list(prompt_token_ids), params
+
+    def track(self) -> "_Inflight":
+        return _Inflight(self)
+
+    # ------------------------------------------------------------------ common RPCs
+    async def handshake(self, request: cbserve_pb2.HandshakeRequest, context) -> cbserve_pb2.HandshakeResponse:
+        if request.HasField("model"):
+            problem = check_compatible(self.model_info, request.model)
+            if problem:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible peer: {problem}")
+        transports = ["grpc", "nccl"] if self.pod.kv_transport == "nccl" else ["grpc"]
+        return cbserve_pb2.HandshakeResponse(model=self.model_info, pod_id=self.pod_id, kv_transports=transports)
+
+    async def abort(self, request: cbserve_pb2.AbortRequest, context) -> cbserve_pb2.AbortResponse:
+        found = await self.loop.run(lambda e: e.abort(request.request_id))
+        return cbserve_pb2.AbortResponse(found=found)
+
+    def load_report(self, since_step: int = -1) -> tuple[cbserve_pb2.LoadReport, int]:
+        s, cfg = self.snapshot, self.engine
+        samples = [x for n, x in self._samples if n > since_step]
+        last = self._samples[-1][0] if self._samples else since_step
+        report = cbserve_pb2.LoadReport(
+            pod_id=self.pod_id, role=self.role_label, num_waiting=s.num_waiting, num_running=s.num_running,
+            prefill_queue_tokens=s.prefill_queue_tokens, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, step_seconds_ewma=s.step_seconds_ewma,
+            prefill_tokens_per_second=s.prefill_tokens_per_second, timestamp=time.time(),
+            draining=self.draining, block_size=cfg.cache_config.block_size,
+            max_num_seqs=cfg.scheduler_config.max_num_seqs, num_held_kv=self.num_held,
+            step_samples=[cbserve_pb2.StepSample(num_seqs=x.num_seqs, num_context_tokens=x.num_context_tokens,
+                                                 num_prefill_tokens=x.num_prefill_tokens, seconds=x.seconds)
+                          for x in samples[-32:]])
+        return report, last
+
+    async def get_load(self, request, context) -> cbserve_pb2.LoadReport:
+        return self.load_report()[0]
+
+    async def watch_load(self, request: cbserve_pb2.WatchLoadRequest, context):
+        interval = request.interval_seconds if request.interval_seconds > 0 else 0.05
+        last = -1
+        while True:
+            report, last = self.load_report(last)
+            yield report
+            await asyncio.sleep(max(0.01, interval))
+
+    # ------------------------------------------------------------------ serving
+    def set_serving(self, serving: bool, service_name: str) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", service_name):
+            self.health.set(name, status)
+
+    async def serve(self, add_servicer, service_name: str, post_step=None, on_idle=None,
+                    pending_work=lambda: 0) -> None:
+        """Run until SIGTERM/SIGINT, then drain: unready at once, finish streams and pulls, exit."""
+        self.warm_up()
+        loop = asyncio.get_running_loop()
+        self.loop = EngineLoop(self.engine, loop, post_step=post_step, on_idle=on_idle)
+        self.loop.start()
+        server = grpc.aio.server(options=server_options())
+        add_servicer(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        bound = server.add_insecure_port(f"{self.pod.host}:{self.pod.port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot listen on {self.pod.host}:{self.pod.port}")
+        if self.pod.metrics_port:
+            start_http_server(self.pod.metrics_port, addr=self.pod.host, registry=self.metrics.registry)
+        await server.start()
+        self.set_serving(True, service_name)
+        log.info("%s pod %s serving on %s:%d (metrics :%s)", self.role_label, self.pod_id, self.pod.host,
+                 bound, self.pod.metrics_port or "-")
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        self.draining = True
+        self.set_serving(False, service_name)
+        deadline = time.monotonic() + self.pod.drain_seconds
+        log.info("draining: %d streams in flight, %d pending", self.num_inflight, pending_work())
+        while time.monotonic() < deadline and (self.num_inflight or pending_work()):
+            await asyncio.sleep(0.05)
+        await server.stop(grace=max(0.0, min(1.0, deadline - time.monotonic())))
+        self.loop.stop()
+        log.info("drained; exiting")
+
+
+class _Inflight:
+    """Counts an RPC as in flight for the drain (`async with runtime.track():`)."""
+
+    def __init__(self, runtime: PodRuntime) -> None:
+        self.runtime = runtime
+
+    async def __aenter__(self):
+        self.runtime.num_inflight += 1
+
+    async def __aexit__(self, *exc):
+        self.runtime.num_inflight -= 1

@@ -1,0 +1,226 @@
+"""The prefill pod: `Engine(role="prefill")` behind `PrefillService`.
+
+`Prefill` answers with the first token as soon as it is sampled. `PullKV` streams the prompt's KV
+as each prefill chunk's forward pass completes (and everything already computed at once), ending
+with the first token. Lifetimes: the open pull stream is the lease on the request's blocks —
+when it ends, breaks or is cancelled the blocks are released (they stay in the prefix cache) at
+once; a request that finished prefill and is not pulled within the TTL is released too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from kvtransfer.collective import PairGroup, connect_store
+from kvtransfer.errors import KVTransferError, LayoutError, SourceAbortedError
+from kvtransfer.grpc_transport import KVSource
+from kvtransfer.layout import check_compatible
+from kvtransfer.leases import HeldKVTable
+from kvtransfer.progress import KVProgress
+from prefill_pod.runtime import PodRuntime, logprobs_to_pb
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "cbserve.v1.PrefillService"
+
+
+class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, runtime: PodRuntime) -> None:
+        self.rt = runtime
+        self.progress: dict[str, KVProgress] = {}         # request id -> prefill progress
+        self.arrived: dict[str, asyncio.Event] = {}       # pulls that came before their Prefill
+        self.pulling: set[str] = set()                    # requests with an open PullKV stream
+        self.held = HeldKVTable(runtime.pod.kv_ttl_seconds)
+        self.groups: dict[str, PairGroup] = {}
+
+    # ------------------------------------------------------------------ engine thread
+    def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        for req in engine.scheduler.last_progressed:
+            progress = self.progress.get(req.request_id)
+            if progress is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                progress.advance(req.num_computed_tokens, req.block_ids)
+        for out in outputs:
+            req_id = out.request_id
+            progress = self.progress.get(req_id)
+            request = engine.scheduler.held.get(req_id)
+            if progress is None or request is None:
+                continue
+            lp = out.new_logprobs[0] if out.new_logprobs else None
+            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
+            if req_id not in self.pulling:   # nobody pulls yet: the TTL starts now
+                self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
+        self.rt.refresh(engine, self.held.num_held)
+
+    def on_idle(self, engine: Engine) -> None:
+        for req_id in self.held.expire():
+            engine.scheduler.release_request(req_id)
+            self.rt.metrics.lease_expiries.inc()
+            progress = self.progress.pop(req_id, None)
+            if progress is not None:
+                progress.fail("KV lease expired before a decode pod pulled it")
+            log.info("request %s: KV not pulled within %.0fs, released", req_id, self.rt.pod.kv_ttl_seconds)
+        self.rt.refresh(engine, self.held.num_held)
+
+    # ------------------------------------------------------------------ RPCs
+    async def Handshake(self, request, context):
+        return await self.rt.handshake(request, context)
+
+    async def GetLoad(self, request, context):
+        return await self.rt.get_load(request, context)
+
+    def WatchLoad(self, request, context):
+        return self.rt.watch_load(request, context)
+
+    async def Abort(self, request, context):
+        self._forget(request.request_id, "aborted")
+        return await self.rt.abort(request, context)
+
+    async def Prefill(self, request: cbserve_pb2.PrefillRequest, context) -> cbserve_pb2.PrefillResponse:
+        rt, req_id = self.rt, request.request_id
+        if rt.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill pod is draining")
+        try:
+            prompt, params = rt.parse(request.prompt_token_ids, request.sampling, req_id)
+        except ValueError as e:
+            rt.metrics.rejected("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req_id in self.progress:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already here")
+        arrival = time.monotonic()
+        self.progress[req_id] = KVProgress(len(prompt))
+        if req_id in self.arrived:
+            self.arrived[req_id].set()
+        outputs = rt.loop.subscribe(req_id)
+        done = False
+        async with rt.track():
+            try:
+                await rt.loop.run(lambda e: e.add_request(prompt, params, req_id, request.priority))
+                item = await asyncio.wait_for(outputs.get(), context.time_remaining())
+                if isinstance(item, BaseException):
+                    raise item
+                done = True
+            except asyncio.TimeoutError:
+                rt.metrics.request_finished("timeout")
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish before the deadline")
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:
+                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            finally:
+                rt.loop.unsubscribe(req_id)
+                if not done:   # cancelled or failed: nothing will be pulled
+                    self._forget(req_id, "prefill cancelled")
+                    await rt.loop.run(lambda e: e.abort(req_id))
+        req_times = await rt.loop.run(lambda e: _times(e, req_id))
+        ttft = time.monotonic() - arrival
+        rt.metrics.ttft.observe(ttft)
+        rt.metrics.request_finished("prefilled")
+        queue_s, prefill_s = req_times or (0.0, ttft)
+        lp = logprobs_to_pb(item.new_logprobs[0] if item.new_logprobs else None)
+        response = cbserve_pb2.PrefillResponse(
+            request_id=req_id, first_token_id=item.new_token_ids[0], num_cached_tokens=item.num_cached_tokens,
+            queue_seconds=queue_s, prefill_seconds=prefill_s,
+            finished=params.max_tokens == 1, finish_reason="length" if params.max_tokens == 1 else "")
+        if lp is not None:
+            response.first_token_logprobs.CopyFrom(lp)
+        return response
+
+    async def PullKV(self, request: cbserve_pb2.PullKVRequest, context):
+        rt, req_id = self.rt, request.request_id
+        problem = check_compatible(rt.model_info, request.model)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible decode pod: {problem}")
+        group = None
+        if request.transport == "nccl":
+            group = self.groups.get(request.nccl_group)
+            if group is None or group.broken:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"no live process group {request.nccl_group!r}: call SetupTransport")
+        elif request.transport not in ("", "grpc"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown transport {request.transport!r}")
+        if req_id in self.pulling:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already being pulled")
+        self.pulling.add(req_id)
+        completed = False
+        started = time.perf_counter()
+        async with rt.track():
+            try:
+                progress = await self._wait_for_prefill(req_id, context)
+                self.held.take(req_id)  # the stream holds the lease from now on
+                source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens,
+                                  max_chunk_bytes=request.max_chunk_bytes, group=group)
+                async for chunk in source.chunks(progress.events()):
+                    yield chunk
+                completed = True
+                rt.metrics.kv_bytes.inc(source.num_bytes_sent)
+                rt.metrics.kv_transfer.observe(time.perf_counter() - started)
+            except SourceAbortedError as e:
+                await context.abort(grpc.StatusCode.ABORTED, str(e))
+            except LayoutError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except KVTransferError as e:
+                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            finally:
+                # The lease ends with the stream: release at once, or abort if the puller left early.
+                self.pulling.discard(req_id)
+                self._forget(req_id, "pull finished" if completed else "pull cancelled")
+                if completed:
+                    await rt.loop.run(lambda e: e.scheduler.release_request(req_id))
+                else:
+                    await rt.loop.run(lambda e: e.abort(req_id))
+
+    async def _wait_for_prefill(self, req_id: str, context) -> KVProgress:
+        """Concurrent dispatch: the pull may arrive before the Prefill call it belongs to."""
+        progress = self.progress.get(req_id)
+        if progress is None:
+            event = self.arrived.setdefault(req_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), min(context.time_remaining() or 30.0, 30.0))
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request {req_id!r} never reached this prefill pod")
+            finally:
+                self.arrived.pop(req_id, None)
+            progress = self.progress.get(req_id)
+            if progress is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request {req_id!r} is gone")
+        return progress
+
+    def _forget(self, req_id: str, reason: str) -> None:
+        self.held.release(req_id)
+        progress = self.progress.pop(req_id, None)
+        if progress is not None:
+            progress.fail(reason)
+
+    async def SetupTransport(self, request: cbserve_pb2.SetupTransportRequest, context):
+        if self.rt.pod.kv_transport != "nccl":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this pod serves KV over gRPC only")
+        old = self.groups.pop(request.group, None)
+        if old is not None:
+            old.close()
+        try:
+            store = await asyncio.to_thread(connect_store, request.store_host, request.store_port)
+            self.groups[request.group] = await PairGroup.create(
+                store, request.group, 0, request.backend or "gloo", device=self.rt.engine.device)
+        except (KVTransferError, RuntimeError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"process group setup failed: {e}")
+        return cbserve_pb2.SetupTransportResponse()
+
+
+def _times(engine: Engine, req_id: str) -> tuple[float, float] | None:
+    req = engine.scheduler.get_request(req_id)
+    if req is None or req.first_scheduled_time is None or req.first_token_time is None:
+        return None
+    return req.first_scheduled_time - req.arrival_time, req.first_token_time - req.first_scheduled_time
+
+
+async def serve(runtime: PodRuntime) -> None:
+    servicer = PrefillServicer(runtime)
+    await runtime.serve(lambda server: cbserve_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
+                        SERVICE_NAME, post_step=servicer.post_step, on_idle=servicer.on_idle,
+                        pending_work=lambda: servicer.held.num_held + len(servicer.pulling))

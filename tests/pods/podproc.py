@@ -1,0 +1,115 @@
+"""Real pod processes on 127.0.0.1 for integration tests (`python -m cbserve.cli prefill|decode`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cbserve.pb import cbserve_pb2 as pb
+from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pod:
+    def __init__(self, role: str, *args: str, env: dict | None = None) -> None:
+        self.role = role
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix=f"cbserve-{role}-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "cbserve.cli", "--log-level", "INFO", role, "--port", str(self.port),
+               "--metrics-port", str(self.metrics_port), "--max-num-batched-tokens", "64", *args]
+        full_env = {**os.environ, "CBSERVE_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout: float = 90.0) -> "Pod":
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.role} pod exited ({self.proc.returncode}):\n{self.log_tail()}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{self.role} pod not ready after {timeout}s:\n{self.log_tail()}")
+
+    def load(self) -> pb.LoadReport:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = (pb_grpc.PrefillServiceStub if self.role == "prefill" else pb_grpc.DecodeServiceStub)(channel)
+            return stub.GetLoad(pb.LoadRequest(), timeout=5)
+
+    def wait_free_blocks(self, expected: int, timeout: float) -> float:
+        """Seconds until the pod reports `expected` free blocks; raises after `timeout`."""
+        start = time.monotonic()
+        while True:
+            report = self.load()
+            if report.num_free_blocks == expected and report.num_held_kv == 0:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"{self.role}: {report.num_free_blocks} free blocks, expected {expected} "
+                                     f"({report.num_held_kv} held) after {timeout}s")
+            time.sleep(0.02)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def sampling(**kw) -> pb.SamplingParams:
+    from engine.sampling_params import SamplingParams, to_proto
+
+    return to_proto(SamplingParams(**kw))
+
+
+async def disaggregated(prefill: Pod, decode: Pod, request_id: str, prompt: list[int], params: pb.SamplingParams,
+                        transport: str = "grpc", timeout: float = 60.0) -> tuple[list[int], list]:
+    """Concurrent dispatch, as the router does: Prefill on P and Generate(prefill_from=P) on D."""
+    async with grpc.aio.insecure_channel(prefill.address) as pc, grpc.aio.insecure_channel(decode.address) as dc:
+        pre = pb_grpc.PrefillServiceStub(pc).Prefill(
+            pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params), timeout=timeout)
+        gen = pb_grpc.DecodeServiceStub(dc).Generate(
+            pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
+                               prefill_from=prefill.address, kv_transport=transport), timeout=timeout)
+        messages = [m async for m in gen]
+        first = await pre
+    tokens = [t for m in messages for t in m.token_ids]
+    assert tokens and tokens[0] == first.first_token_id
+    return tokens, messages
+
+
+def run(coro):
+    return asyncio.run(coro)

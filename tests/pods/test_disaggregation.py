@@ -1,0 +1,106 @@
+"""1 prefill + 1 decode pod as real processes: disaggregated tokens equal the colocated engine's,
+over both transports (gRPC bytes, and a Gloo process group with gRPC as the control plane)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from cbserve.pb import cbserve_pb2 as pb
+from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling_params import SamplingParams
+from tests.pods.podproc import Pod, disaggregated, run, sampling
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pods():
+    prefill = Pod("prefill", "--kv-transport", "nccl")
+    decode = Pod("decode", "--kv-transport", "nccl")
+    try:
+        yield prefill.wait_ready(), decode.wait_ready()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=512),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    shared = [1] + [rng.randrange(4, 260) for _ in range(99)]
+    return [
+        [1] + [rng.randrange(4, 260) for _ in range(150)],   # longer than the 64-token budget
+        [1] + [rng.randrange(4, 260) for _ in range(36)],    # not a multiple of the block size
+        [1] + [rng.randrange(4, 260) for _ in range(15)],    # exactly one block
+        shared + [rng.randrange(4, 260) for _ in range(33)],  # shared prefix ...
+        shared + [rng.randrange(4, 260) for _ in range(7)],   # ... with this one
+        [1, 5],                                               # shortest
+    ]
+
+
+PARAMS = {
+    "greedy": dict(temperature=0.0, max_tokens=12),
+    "seeded": dict(temperature=0.8, top_p=0.9, top_k=40, seed=1234, max_tokens=12),
+}
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nccl"])
+@pytest.mark.parametrize("mode", sorted(PARAMS))
+def test_disaggregated_equals_colocated(pods, reference, transport, mode):
+    prefill, decode = pods
+    prompts = _prompts()
+    expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**PARAMS[mode]))]
+
+    async def all_at_once():
+        return await asyncio.gather(*(
+            disaggregated(prefill, decode, f"{transport}-{mode}-{i}", p, sampling(**PARAMS[mode]), transport)
+            for i, p in enumerate(prompts)))
+
+    results = run(all_at_once())
+    assert [tokens for tokens, _ in results] == expected
+    for _, messages in results:
+        assert not messages[0].local_prefill           # the KV really came from the prefill pod
+        assert [m.index for m in messages] == list(range(len(messages)))
+        assert messages[-1].finished and messages[-1].finish_reason == "length"
+
+
+def test_decode_pod_alone_is_the_colocated_engine(pods, reference):
+    _, decode = pods
+    prompt = _prompts()[0]
+    expected = reference.generate([prompt], SamplingParams(**PARAMS["seeded"]))[0].output_token_ids
+
+    async def local():
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            stream = pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
+                request_id="local-0", prompt_token_ids=prompt, sampling=sampling(**PARAMS["seeded"])), timeout=60)
+            return [m async for m in stream]
+
+    messages = run(local())
+    assert messages[0].local_prefill
+    assert [t for m in messages for t in m.token_ids] == expected
+
+
+def test_metrics_exported(pods):
+    import urllib.request
+
+    for pod in pods:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=5).read().decode()
+        for name in ("cbserve_requests_running", "cbserve_requests_waiting", "cbserve_prefill_queue_tokens",
+                     "cbserve_kv_cache_usage_ratio", "cbserve_prefix_cache_hit_ratio", "cbserve_preemptions_total",
+                     "cbserve_step_seconds_bucket", "cbserve_kv_transfer_bytes_total",
+                     "cbserve_kv_transfer_seconds_bucket", "cbserve_time_to_first_token_seconds_bucket",
+                     "cbserve_kv_lease_expired_total", "cbserve_local_prefill_fallbacks_total"):
+            assert name in text, f"{pod.role} lacks {name}"
+    decode_text = urllib.request.urlopen(f"http://127.0.0.1:{pods[1].metrics_port}/metrics").read().decode()
+    assert 'cbserve_kv_transfer_bytes_total{role="decode"} 0.0' not in decode_text
