@@ -25,7 +25,7 @@ import grpc
 from cbserve.pb import cbserve_pb2 as pb
 from engine.sampling_params import SamplingParams, to_proto
 from router.admission import AdmissionController
-from router.errors import APIError, timeout_error, unavailable, upstream_error
+from router.errors import timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.metrics import RouterMetrics
 from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
@@ -262,4 +262,4 @@ class Dispatcher:
         return bool(pods["colocated"]) or bool(pods["prefill"] and pods["decode"])
 
 
-__all__ = ["APIError", "Dispatcher", "SequenceSpec", "SequenceTrace", "TokenEvent"]
+__all__ = ["Dispatcher", "SequenceSpec", "SequenceTrace", "TokenEvent"]

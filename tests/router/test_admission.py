@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import openai
 import pytest
 
