@@ -170,6 +170,7 @@ def test_podmonitor_adds_the_deployment_label_the_adapter_maps():
         assert labels["app.kubernetes.io/component"] == pool
 
 
+@pytest.mark.no_helm
 def test_autoscaling_doc_explains_every_signal_with_promql():
     doc = (ROOT / "docs" / "autoscaling.md").read_text()
     for metric in ("cbserve_prefill_queue_tokens", "cbserve_ttft_p95_seconds", "cbserve_requests_running",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import tomllib
 
+import pytest
+
 from helm_chart import ROOT, container, flags, name, render
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -24,12 +26,14 @@ def instruction(stage: list[str], keyword: str) -> list[str]:
     return [line[len(keyword) + 1:] for line in stage if line.startswith(keyword + " ")]
 
 
+@pytest.mark.no_helm
 def test_image_is_built_on_a_cuda_base():
     (base_arg,) = [line for line in INSTRUCTIONS if line.startswith("ARG CUDA_BASE=")]
     assert base_arg.split("=", 1)[1].startswith("nvidia/cuda:")
     assert all(line.startswith("FROM ${CUDA_BASE}") for line in INSTRUCTIONS if line.startswith("FROM "))
 
 
+@pytest.mark.no_helm
 def test_runtime_keeps_what_triton_compiles_with_and_tini():
     installs = " ".join(instruction(final_stage(), "RUN"))
     for package in ("python3-dev", "gcc", "tini"):
@@ -68,6 +72,7 @@ def test_tiny_preset_cache_dir_matches_the_chart_mount():
     assert flags(main["args"])["model"] == "tiny"
 
 
+@pytest.mark.no_helm
 def test_image_installs_every_package_the_project_ships():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
@@ -76,6 +81,7 @@ def test_image_installs_every_package_the_project_ships():
     assert any("pip install ." in line for line in instruction(INSTRUCTIONS, "RUN"))
 
 
+@pytest.mark.no_helm
 def test_dockerignore_keeps_local_state_out_of_the_context():
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", ".tools", "tests", "helm"} <= ignored
