@@ -229,20 +229,21 @@ class Scheduler:
         reserved = self._reserve_remote() if self.waiting_for_blocks else ()
 
         partial: list[Request] = []
+        running_status, new_seq, seq_type = _RUNNING, _new_seq, ScheduledSeq
         for request in tuple(self.running):     # a copy: preemption edits self.running
             if not budget:
                 break
-            if request.status is not _RUNNING:   # preempted earlier in this step
+            if request.status is not running_status:   # preempted earlier in this step
                 continue
-            tokens, start = request.token_ids, request.num_computed_tokens
+            tokens, start, block_ids = request.token_ids, request.num_computed_tokens, request.block_ids
             if len(tokens) - start > 1:
                 partial.append(request)
                 continue
-            if start >= len(request.block_ids) * block_size and not (
+            if start >= len(block_ids) * block_size and not (
                     kv.allocate_slots(request, 1) or self._preempt_until_fits(request, 1, batch, preempted)):
                 continue
-            batch[request.request_id] = _new_seq(ScheduledSeq, (
-                request.request_id, (tokens[start],), start, tuple(request.block_ids), True))
+            request_id = request.request_id
+            batch[request_id] = new_seq(seq_type, (request_id, (tokens[start],), start, tuple(block_ids), True))
             budget -= 1
         for request in partial:
             if not budget:
@@ -300,8 +301,8 @@ class Scheduler:
                             batch: dict[str, ScheduledSeq], preempted: list[str]) -> bool:
         """Preempt victims until `request` gets its blocks; False when it was the victim itself."""
         while True:
-            if self.config.policy == "priority":
-                victim = max(self.running, key=priority_key)
+            if self.config.policy == "priority":   # ties: the newest admission goes first
+                victim = max(reversed(self.running), key=priority_key)
             else:
                 victim = self.running[-1]
             batch.pop(victim.request_id, None)
@@ -339,21 +340,22 @@ class Scheduler:
         sampled: list[Request] = []
         now = time.monotonic()
         any_finished = False
+        running_status = _RUNNING
         for seq in output.scheduled:
-            request = requests.get(seq.request_id)
-            if request is None or request.status is not _RUNNING:
+            request_id, new_tokens, start, _, sample = seq
+            request = requests.get(request_id)
+            if request is None or request.status is not running_status:
                 continue
-            start = request.num_computed_tokens
-            num_computed = request.num_computed_tokens = start + len(seq.token_ids)
+            num_computed = request.num_computed_tokens = start + len(new_tokens)
             if num_computed // block_size != start // block_size:   # a block became full
                 kv.cache_blocks(request, num_computed)
             progressed.append(request)
-            if not seq.sample:
+            if not sample:
                 continue
             try:
-                token_id = sampled_token_ids[seq.request_id]
+                token_id = sampled_token_ids[request_id]
             except KeyError:
-                raise KeyError(f"no sampled token for request {seq.request_id!r} (sample=True)") from None
+                raise KeyError(f"no sampled token for request {request_id!r} (sample=True)") from None
             outputs, tokens = request.output_token_ids, request.token_ids
             outputs.append(token_id)
             tokens.append(token_id)

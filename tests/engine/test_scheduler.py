@@ -116,11 +116,11 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it():
 
 
 # ---------------------------------------------------------------------- preemption
-def _two_growing_requests(policy: str) -> tuple[Scheduler, Request, Request]:
+def _two_growing_requests(policy: str, old_priority: int = 5) -> tuple[Scheduler, Request, Request]:
     """4 usable blocks of 4 tokens; `old` (admitted first) and `new` hold 2 blocks each, and both
     need a third block at the next decode."""
     s = make_scheduler(num_blocks=5, budget=16, policy=policy)
-    old = make_request("old", num_prompt=7, priority=5, arrival=0.0)
+    old = make_request("old", num_prompt=7, priority=old_priority, arrival=0.0)
     new = make_request("new", num_prompt=7, priority=0, arrival=1.0)
     s.add_request(old)
     step(s)                                              # old: 7 prompt tokens
@@ -152,6 +152,12 @@ def test_priority_preempts_the_lowest_priority_even_itself():
     assert out.preempted_request_ids == ("old",)
     assert shape(out) == [("new", 7, 1, True)]
     assert old.status is RequestStatus.PREEMPTED and new.status is RequestStatus.RUNNING
+
+
+def test_priority_ties_preempt_the_newest():
+    s, old, new = _two_growing_requests("priority", old_priority=0)
+    out, _ = step(s)
+    assert out.preempted_request_ids == ("new",) and shape(out) == [("old", 8, 1, True)]
 
 
 def test_a_preempted_victim_that_was_already_scheduled_leaves_the_batch():
