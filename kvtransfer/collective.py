@@ -105,6 +105,10 @@ class PairGroup:
         `heartbeat_s` (default `timeout_s / 4`) while idle."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
+        device = torch.device(device)
+        if (backend == "nccl") != (device.type == "cuda"):
+            raise ValueError(f"backend {backend!r} does not move tensors on {device}: "
+                             "use nccl with CUDA, gloo with the CPU")
         if heartbeat_s is not None and heartbeat_s >= timeout_s:
             raise ValueError(f"heartbeat_s ({heartbeat_s}) must be below timeout_s ({timeout_s})")
         setup_timeout = datetime.timedelta(seconds=setup_timeout_s)
@@ -113,7 +117,7 @@ class PairGroup:
                 _new_process_group, store, group_name, rank, backend, setup_timeout)
         except (RuntimeError, dist.DistError) as error:
             raise SourceLostError(f"pair {group_name}: setup failed: {error}") from error
-        return cls(process_group, group_name, rank, torch.device(device), timeout_s,
+        return cls(process_group, group_name, rank, device, timeout_s,
                    heartbeat_s if heartbeat_s is not None else timeout_s / 4)
 
     # ------------------------------------------------------------------ sender (rank 0)
@@ -218,6 +222,8 @@ class PairGroup:
                 # Heartbeats arrive every heartbeat_s, so this wait only times out on a hung peer.
                 self.process_group.recv([header], 0, 0).wait(self.timeout)
                 kind, key, first_block_index, num_bytes = header.tolist()
+                if self.broken:  # closed on this side: stop receiving
+                    return
                 if kind == _CLOSE:
                     self._break("closed by the sender")
                     return

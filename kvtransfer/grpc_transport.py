@@ -214,6 +214,7 @@ class KVSink:
         self.num_blocks_received = 0
         self.num_bytes_received = 0
         self.num_computed_tokens = 0  # prompt tokens whose KV has landed
+        self._staging: torch.Tensor | None = None
 
     async def consume(self, chunks: AsyncIterable[cbserve_pb2.KVChunk]) -> KVTransferResult:
         """Write every chunk into the destination blocks; return at the `last` message."""
@@ -252,7 +253,8 @@ class KVSink:
                               f"{chunk.num_blocks} blocks of {self.layout.bytes_per_block}")
         dst = self.dst_block_ids[chunk.first_block_index:end]
         if self.group is None:
-            await asyncio.to_thread(write_run, self.kv, dst, chunk.data, chunk.crc32)
+            await asyncio.to_thread(write_run, self.kv, dst, chunk.data, chunk.crc32,
+                                    staging=self._host_staging(num_bytes))
         elif chunk.num_blocks:
             if chunk.data:
                 raise ProtocolError(f"request {self.request_id}: bytes in a chunk of a "
@@ -264,6 +266,14 @@ class KVSink:
         self.num_blocks_received = end
         self.num_bytes_received += num_bytes
         self.num_computed_tokens = min(end * self.layout.block_size, self.num_prompt_tokens)
+
+    def _host_staging(self, num_bytes: int) -> torch.Tensor | None:
+        """A pinned host buffer for host -> device copies (CUDA caches only), grown on demand."""
+        if not self.kv.is_cuda:
+            return None
+        if self._staging is None or self._staging.numel() < num_bytes:
+            self._staging = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging
 
     def _finish(self, chunk: cbserve_pb2.KVChunk, seconds: float) -> KVTransferResult:
         if self.num_blocks_received != self.num_blocks_expected:

@@ -5,6 +5,7 @@ Usage: python kv_pair_proc.py STORE_PORT GROUP MODE
   serve  serve PullKV (transport "nccl" over the pair) for request "r": 22 tokens, finished;
          prints the gRPC port
   hang   send one run, print "sent", then wait to be killed or stopped
+  receiver  join as rank 1 (the decode side) instead, print "joined", wait to be killed
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ SERVE_IDS = [2, 3, 4, 9, 10, 5]
 async def main(store_port: int, group_name: str, mode: str) -> None:
     kv = make_kv(TINY, num_blocks=16, seed=1)
     store = connect_store("127.0.0.1", store_port, timeout_s=10)
-    group = await PairGroup.create(store, group_name, rank=0, backend="gloo", timeout_s=3,
-                                   heartbeat_s=0.2)
-    if mode == "runs":
+    group = await PairGroup.create(store, group_name, rank=1 if mode == "receiver" else 0,
+                                   backend="gloo", timeout_s=3, heartbeat_s=0.2)
+    if mode == "receiver":
+        print("joined", flush=True)
+        await asyncio.sleep(3600)
+    elif mode == "runs":
         for request_id, index, first_id, count in RUNS:
             await group.send_run(request_id, index, run_tensor(kv, Run(index, count, first_id)))
         group.close()

@@ -38,9 +38,9 @@ class PrefillProcess:
         self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(self.store.port), group_name, mode],
                                      stdout=subprocess.PIPE, text=True, env=ENV)
 
-    async def join(self, timeout_s: float = 3.0) -> PairGroup:
-        return await PairGroup.create(self.store, self.group_name, rank=1, backend="gloo",
-                                      timeout_s=timeout_s)
+    async def join(self, timeout_s: float = 3.0, rank: int = 1) -> PairGroup:
+        return await PairGroup.create(self.store, self.group_name, rank=rank, backend="gloo",
+                                      timeout_s=timeout_s, heartbeat_s=0.2)
 
     def readline(self) -> str:
         return self.proc.stdout.readline().strip()
@@ -134,3 +134,28 @@ def test_dead_or_hung_peer_raises_within_the_timeout(fault):
         if fault == "stop":
             os.kill(peer.proc.pid, signal.SIGCONT)
         peer.stop()
+
+
+def test_sender_learns_that_the_receiver_died():
+    peer = PrefillProcess("receiver", "pair-receiver-dies")
+    try:
+        async def send_until_failure():
+            group = await peer.join(timeout_s=2.0, rank=0)
+            assert await asyncio.to_thread(peer.readline) == "joined"
+            payload = torch.zeros(1 << 20, dtype=torch.uint8)
+            await group.send_run("s", 0, payload)  # the receiver drains it
+            os.kill(peer.proc.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(SourceLostError, match="send failed"):
+                for index in range(1, 100):
+                    await group.send_run("s", index, payload)
+            return time.monotonic() - started
+
+        assert asyncio.run(send_until_failure()) < 5.0
+    finally:
+        peer.stop()
+
+
+def test_backend_must_match_the_device():
+    with pytest.raises(ValueError, match="use nccl with CUDA"):
+        asyncio.run(PairGroup.create(None, "g", rank=0, backend="gloo", device="cuda"))
