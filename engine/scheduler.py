@@ -587,14 +587,17 @@ class Scheduler:
         }
         listed = [rid for ids in containers.values() for rid in ids]
         assert len(listed) == len(set(listed)) == len(self.requests), "a request is in two queues or none"
-        assert len(self.waiting) == len(containers[RequestStatus.WAITING]) + len(containers[RequestStatus.PREEMPTED])
+        num_queued = len(containers[RequestStatus.WAITING]) + len(containers[RequestStatus.PREEMPTED])
+        assert len(self.waiting) == num_queued, "a waiting-queue entry has a non-waiting status"
+        queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_BLOCKS)
         refs = [0] * pool.num_blocks
         for status, ids in containers.items():
             for request_id in ids:
                 request = self.requests[request_id]
                 assert request.status is status, f"{request_id} is {request.status} but queued as {status}"
-                if status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_BLOCKS):
-                    assert not request.block_ids and request.num_computed_tokens == 0, f"{request_id} holds state while queued"
+                if status in queued:
+                    assert not request.block_ids and request.num_computed_tokens == 0, (
+                        f"{request_id} holds blocks or computed tokens while queued")
                 else:
                     assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
                 for block_id in request.block_ids:

@@ -391,3 +391,13 @@ def test_stats_follow_the_queues():
     assert s.num_running == 2 and s.num_waiting == 0
     assert s.prefill_queue_tokens == 14
     assert 0 < s.kv_cache_usage < 1 and s.num_free_blocks == 63 - 3 - 2
+
+
+def test_accepts_a_ready_kv_cache_manager():
+    from engine.block_pool import BlockPool
+    from engine.kv_cache_manager import KVCacheManager
+    manager = KVCacheManager(BlockPool(8), block_size=4)
+    s = Scheduler(SchedulerConfig(16, 4, 32), manager, eos_token_ids=(EOS,))
+    s.add_request(make_request("a", num_prompt=5, max_tokens=2))
+    step(s)
+    assert s.kv_manager is manager and manager.usage > 0

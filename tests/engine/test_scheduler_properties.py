@@ -152,7 +152,8 @@ def test_random_operations_never_leak_or_double_own_a_block(role, data):
                 finished = scheduler.remote_kv_landed(rid, data.draw(st.integers(0, SAMPLED_VOCAB - 1)))
                 assert finished == (scheduler.get_request(rid) is None)
         elif op == "fail":
-            rid = pick(data, list(scheduler.waiting_for_remote_kv) + [r.request_id for r in scheduler.waiting_for_blocks])
+            remote = list(scheduler.waiting_for_remote_kv) + [r.request_id for r in scheduler.waiting_for_blocks]
+            rid = pick(data, remote)
             if rid is not None:
                 assert scheduler.remote_kv_failed(rid)
         scheduler.check_invariants()
