@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from kvtransfer.errors import SourceLostError
+from kvtransfer.errors import LayoutError, SourceLostError
 
 _DATA, _HEARTBEAT, _CLOSE = 0, 1, 2
 _FORGOTTEN_KEYS_KEPT = 4096
@@ -181,7 +181,7 @@ class PairGroup:
 
     async def recv_run(self, request_id: str, first_block_index: int, num_bytes: int) -> torch.Tensor:
         """The bytes of one run, `[num_bytes]` uint8 on the group's device. Raises
-        `SourceLostError` when the group breaks, `ValueError` when the size differs."""
+        `SourceLostError` when the group breaks, `LayoutError` when the size differs."""
         self._require_rank(1)
         key = (request_key(request_id), first_block_index)
         with self._lock:
@@ -198,7 +198,7 @@ class PairGroup:
             with self._lock:
                 self._waiting.pop(key, None)
         if payload.numel() != num_bytes:
-            raise ValueError(f"pair {self.group_name}: run {first_block_index} of {request_id} "
+            raise LayoutError(f"pair {self.group_name}: run {first_block_index} of {request_id} "
                              f"has {payload.numel()} bytes, expected {num_bytes}")
         return payload
 

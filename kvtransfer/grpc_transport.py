@@ -1,17 +1,19 @@
 """The KV stream of `PrefillService.PullKV`: `KVSource` on the prefill pod, `KVSink` on the
 decode pod.
 
-Source (prefill pod, inside the `PullKV` handler)::
+Source (prefill pod, inside the `PullKV` handler; `kvtransfer.testing.PullKVServicer` is a
+runnable version)::
 
     async def PullKV(self, request, context):
         if problem := check_compatible(self.model_info, request.model):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        held = self.held.get(request.request_id)        # or NOT_FOUND
+        progress = self.progress_of(request.request_id)  # KVProgress fed by the engine; the
+        self.held.take(request.request_id)               # pull now owns any held blocks
         context.add_done_callback(lambda _: self.release(request.request_id))  # the lease
-        source = KVSource(self.kv, request.request_id, held.num_prompt_tokens,
-                          max_chunk_bytes=request.max_chunk_bytes,
-                          group=self.groups[request.nccl_group] if request.transport == "nccl" else None)
-        async for chunk in source.chunks(held.progress.events()):
+        group = self.groups[request.nccl_group] if request.transport == "nccl" else None
+        source = KVSource(self.kv, request.request_id, progress.num_prompt_tokens,
+                          max_chunk_bytes=request.max_chunk_bytes, group=group)
+        async for chunk in source.chunks(progress.events()):
             yield chunk
 
   The open stream is the lease: when the decode pod cancels, dies (TCP reset, or keepalive after
@@ -259,9 +261,15 @@ class KVSink:
             if chunk.data:
                 raise ProtocolError(f"request {self.request_id}: bytes in a chunk of a "
                                     "process-group transfer")
-            payload = await asyncio.wait_for(
-                self.group.recv_run(self.request_id, chunk.first_block_index, num_bytes),
-                self.recv_timeout_s)
+            try:
+                payload = await asyncio.wait_for(
+                    self.group.recv_run(self.request_id, chunk.first_block_index, num_bytes),
+                    self.recv_timeout_s)
+            except asyncio.TimeoutError:
+                raise SourceLostError(f"request {self.request_id}: the bytes of block "
+                                      f"{chunk.first_block_index} did not arrive on pair "
+                                      f"{self.group.group_name} within {self.recv_timeout_s} s",
+                                      "DEADLINE_EXCEEDED") from None
             await asyncio.to_thread(scatter_blocks, self.kv, dst, payload)
         self.num_blocks_received = end
         self.num_bytes_received += num_bytes
@@ -291,7 +299,11 @@ async def pull_kv(stub, request: cbserve_pb2.PullKVRequest, sink: KVSink, *,
                   timeout: float | None = None) -> KVTransferResult:
     """Open `PullKV` on a `PrefillServiceStub` and feed it to `sink`, with typed errors.
 
-    Any failure cancels the call, so the prefill pod releases (or re-holds) the blocks at once.
+    Status codes from the source map to: FAILED_PRECONDITION / INVALID_ARGUMENT -> `LayoutError`,
+    ABORTED -> `SourceAbortedError`, anything else (UNAVAILABLE, NOT_FOUND, DEADLINE_EXCEEDED,
+    CANCELLED, ...) -> `SourceLostError` with `.code` set. The sink's own checks raise
+    `ChecksumError` / `ProtocolError` / `LayoutError`. Any failure cancels the call, so the
+    prefill pod learns at once and releases the blocks.
     """
     call = stub.PullKV(request, timeout=timeout)
     try:
@@ -307,8 +319,10 @@ async def pull_kv(stub, request: cbserve_pb2.PullKVRequest, sink: KVSink, *,
         call.cancel()
         code = error.code()
         message = f"PullKV {request.request_id}: {code.name}: {error.details()}"
-        if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
             raise LayoutError(message) from error
+        if code == grpc.StatusCode.ABORTED:
+            raise SourceAbortedError(message) from error
         raise SourceLostError(message, code.name) from error
     except BaseException:
         # Refused chunk, cancellation, deadline: end the stream now so the source stops.

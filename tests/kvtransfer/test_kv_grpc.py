@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
-from kvtransfer.errors import ChecksumError, LayoutError, SourceLostError
+from kvtransfer.errors import ChecksumError, LayoutError, SourceAbortedError, SourceLostError
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
 from kvtransfer.testing import PullKVServicer, start_server
@@ -190,3 +190,19 @@ def test_prefill_pod_dying_mid_stream_gives_a_typed_error_fast():
     finally:
         server.kill()
         server.wait()
+
+
+def test_engine_giving_up_reaches_the_puller_as_aborted():
+    async def body(src_kv, servicer, stub):
+        progress = servicer.add_request("p", num_prompt_tokens=40)
+        progress.advance(8, SRC_IDS[:2])
+        sink = KVSink(torch.zeros_like(src_kv), DST_IDS, "p", 40)
+        pull = asyncio.create_task(pull_kv(stub, pull_request("p"), sink, timeout=10))
+        while sink.num_blocks_received < 2:
+            await asyncio.sleep(0.005)
+        progress.fail("preempted on the prefill pod")
+        with pytest.raises(SourceAbortedError, match="ABORTED: .*preempted on the prefill pod"):
+            await pull
+        assert servicer.outcomes["p"].startswith("aborted")
+
+    asyncio.run(with_server(body))
