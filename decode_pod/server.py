@@ -27,18 +27,10 @@ from kvtransfer.collective import PairGroup, host_store
 from kvtransfer.errors import ChecksumError, KVTransferError, LayoutError, SourceLostError
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
-from prefill_pod.runtime import PodRuntime, logprobs_from_pb, logprobs_to_pb
+from prefill_pod.runtime import PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.DecodeService"
-
-
-class RequestFailed(Exception):
-    """Ends one Generate stream with a gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass

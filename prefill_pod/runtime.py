@@ -52,6 +52,14 @@ class PodConfig:
             raise ValueError("drain_seconds must be >= 0 and kv_ttl_seconds > 0")
 
 
+class RequestFailed(Exception):
+    """Ends one request's RPC with a gRPC status (delivered through its output queue)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def logprobs_to_pb(lp: TokenLogprobs | None) -> cbserve_pb2.TokenLogprobs | None:
     if lp is None:
         return None
@@ -134,8 +142,18 @@ class PodRuntime:
         return cbserve_pb2.HandshakeResponse(model=self.model_info, pod_id=self.pod_id, kv_transports=transports)
 
     async def abort(self, request: cbserve_pb2.AbortRequest, context) -> cbserve_pb2.AbortResponse:
-        found = await self.loop.run(lambda e: e.abort(request.request_id))
+        found = await self.abort_request(request.request_id, "aborted by the client")
         return cbserve_pb2.AbortResponse(found=found)
+
+    async def abort_request(self, request_id: str, reason: str) -> bool:
+        """Abort in the engine (idempotent, frees blocks) and end the request's open RPC."""
+        return await asyncio.wrap_future(self.abort_request_nowait(request_id, reason))
+
+    def abort_request_nowait(self, request_id: str, reason: str):
+        """As `abort_request`, without waiting (safe in `finally` of a cancelled handler)."""
+        future = self.loop.call(lambda e: e.abort(request_id))
+        self.loop.fail(request_id, RequestFailed(grpc.StatusCode.ABORTED, reason))
+        return future
 
     def load_report(self, since_step: int = -1) -> tuple[cbserve_pb2.LoadReport, int]:
         s, cfg = self.snapshot, self.engine

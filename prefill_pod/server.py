@@ -24,7 +24,7 @@ from kvtransfer.grpc_transport import KVSource
 from kvtransfer.layout import check_compatible
 from kvtransfer.leases import HeldKVTable
 from kvtransfer.progress import KVProgress
-from prefill_pod.runtime import PodRuntime, logprobs_to_pb
+from prefill_pod.runtime import PodRuntime, RequestFailed, logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.PrefillService"
@@ -102,6 +102,8 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
             try:
                 await rt.loop.run(lambda e: e.add_request(prompt, params, req_id, request.priority))
                 item = await asyncio.wait_for(outputs.get(), context.time_remaining())
+                if isinstance(item, RequestFailed):
+                    await context.abort(item.code, str(item))
                 if isinstance(item, BaseException):
                     raise item
                 done = True
@@ -116,7 +118,7 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
                 rt.loop.unsubscribe(req_id)
                 if not done:   # cancelled or failed: nothing will be pulled
                     self._forget(req_id, "prefill cancelled")
-                    await rt.loop.run(lambda e: e.abort(req_id))
+                    rt.loop.call(lambda e: e.abort(req_id))
         req_times = await rt.loop.run(lambda e: _times(e, req_id))
         ttft = time.monotonic() - arrival
         rt.metrics.ttft.observe(ttft)
@@ -171,9 +173,9 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
                 self.pulling.discard(req_id)
                 self._forget(req_id, "pull finished" if completed else "pull cancelled")
                 if completed:
-                    await rt.loop.run(lambda e: e.scheduler.release_request(req_id))
+                    rt.loop.call(lambda e: e.scheduler.release_request(req_id))
                 else:
-                    await rt.loop.run(lambda e: e.abort(req_id))
+                    rt.abort_request_nowait(req_id, "the decode pod's KV pull ended early")
 
     async def _wait_for_prefill(self, req_id: str, context) -> KVProgress:
         """Concurrent dispatch: the pull may arrive before the Prefill call it belongs to."""
