@@ -77,7 +77,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
         tracker.add_listener(admission.wake)
         policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second)
-        dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries)
+        dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries,
+                                config.kv_transport)
         app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN)
         discovery.subscribe(tracker.set_endpoints)
         await discovery.start()

@@ -46,6 +46,7 @@ class RouterConfig:
     max_queue_seconds: float = 5.0
     max_queue_size: int = 1024
     max_retries: int = 2                     # extra attempts on other pods, before the first token only
+    kv_transport: str = ""                   # GenerateRequest.kv_transport: "" (grpc), "grpc" or "nccl"
     # Serving.
     api_key_env: str | None = "CBSERVE_API_KEY"
     api_key: str | None = None               # overrides the environment variable when set
@@ -70,6 +71,8 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+        if self.kv_transport not in ("", "grpc", "nccl"):
+            raise ValueError(f"kv_transport must be 'grpc' or 'nccl', got {self.kv_transport!r}")
         if self.discovery not in DISCOVERY_MODES:
             raise ValueError(f"discovery must be one of {DISCOVERY_MODES}, got {self.discovery!r}")
         if self.discovery == "static":

@@ -89,13 +89,15 @@ class Dispatcher:
     """Routes sequences with the policy and admission control, and runs them on the pods."""
 
     def __init__(self, tracker: LoadTracker, policy: Policy, admission: AdmissionController,
-                 prefix_index: PrefixIndex, metrics: RouterMetrics, max_retries: int = 2) -> None:
+                 prefix_index: PrefixIndex, metrics: RouterMetrics, max_retries: int = 2,
+                 kv_transport: str = "") -> None:
         self.tracker = tracker
         self.policy = policy
         self.admission = admission
         self.prefix_index = prefix_index
         self.metrics = metrics
         self.max_retries = max_retries
+        self.kv_transport = kv_transport
         self._background: set[asyncio.Task] = set()
 
     def pods_by_role(self) -> dict[str, list[PodState]]:
@@ -162,7 +164,8 @@ class Dispatcher:
         gen_call = decode_pod.client.generate(pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
             priority=spec.priority, prefill_from=prefill_pod.address if prefill_pod else "",
-            arrival_time=spec.arrival_time), timeout=timeout)
+            kv_transport=self.kv_transport if prefill_pod else "", arrival_time=spec.arrival_time),
+            timeout=timeout)
         prefill_call = None
         if prefill_pod is not None:
             prefill_call = prefill_pod.client.prefill(pb.PrefillRequest(

@@ -168,6 +168,9 @@ class LoadTracker:
         except grpc.aio.AioRpcError as exc:
             log.debug("probe of %s failed: %s", pod.address, exc.code())
             return False
+        except Exception:  # a malformed answer must not end tracking: the pod just stays out
+            log.exception("probe of %s failed", pod.address)
+            return False
         pod.model = handshake.model
         pod.apply_report(report, time.monotonic())
         return True
@@ -185,6 +188,8 @@ class LoadTracker:
                 await self._follow_load(pod)
             except grpc.aio.AioRpcError as exc:
                 log.warning("load stream of %s ended: %s", pod.address, exc.code())
+            except Exception:
+                log.exception("load stream of %s failed", pod.address)
             pod.healthy = False
             self._notify()
             await asyncio.sleep(self.probe_interval_seconds)

@@ -162,7 +162,8 @@ async def _execute(state: ServingState, http: Request, specs: list[SequenceSpec]
         async def work() -> Response:
             try:
                 results = await _collect(run, len(specs))
-            except APIError:
+            except BaseException:
+                run.cancel()       # the other choices, if one failed
                 state.metrics.request_finished("error")
                 raise
             state.metrics.request_finished("success")
@@ -172,8 +173,8 @@ async def _execute(state: ServingState, http: Request, specs: list[SequenceSpec]
     async def prime() -> None:
         try:
             await run.prime()
-        except APIError:
-            state.metrics.request_finished("rejected" if not any(run.num_output_tokens) else "error")
+        except APIError as exc:
+            state.metrics.request_finished("rejected" if exc.status in (429, 503) else "error")
             raise
     outcome = await _unless_disconnected(http, prime(), run)
     if isinstance(outcome, Response):
