@@ -170,6 +170,7 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}     # decode role: reserved, pulling
         self.held: dict[str, Request] = {}       # prefill role: FINISHED_PREFILLED, blocks kept
         self._finished_ids: list[str] = []       # since the last schedule()
+        self._pending_output: SchedulerOutput | None = None   # scheduled, not yet update()d
         self.num_preemptions = 0
         # Requests whose num_computed_tokens advanced in the last update(): the prefill pod
         # streams each finished chunk's KV from this (a second list rather than a richer return
@@ -261,8 +262,10 @@ class Scheduler:
             budget = self._admit_waiting(budget, batch)
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(tuple(batch.values()), self.config.max_num_batched_tokens - budget,
-                               tuple(preempted), tuple(reserved), tuple(finished))
+        out = SchedulerOutput(tuple(batch.values()), self.config.max_num_batched_tokens - budget,
+                              tuple(preempted), tuple(reserved), tuple(finished))
+        self._pending_output = out
+        return out
 
     @staticmethod
     def _seq(request: Request, num_new: int) -> ScheduledSeq:
@@ -333,6 +336,9 @@ class Scheduler:
         request whose `num_computed_tokens` advanced. Seqs of requests aborted between `schedule`
         and `update` are skipped.
         """
+        if output is not self._pending_output:
+            raise ValueError("update() takes the output of the latest schedule(), once")
+        self._pending_output = None
         requests, kv, block_size = self.requests, self.kv_manager, self.block_size
         prefill_role = self.role == "prefill"
         eos_ids, max_model_len = self.eos_token_ids, self.config.max_model_len

@@ -248,6 +248,19 @@ def test_abort_works_in_every_state_and_is_idempotent():
     assert set(s.schedule().finished_request_ids) == {"run", "part", "wait"}
 
 
+def test_update_takes_the_latest_output_exactly_once():
+    s = make_scheduler()
+    s.add_request(make_request("a"))
+    out = s.schedule()
+    s.update(out, {"a": 5})
+    with pytest.raises(ValueError, match="latest"):
+        s.update(out, {"a": 5})
+    stale, latest = s.schedule(), s.schedule()       # scheduling again without update is harmless
+    assert stale.scheduled == latest.scheduled
+    with pytest.raises(ValueError, match="latest"):
+        s.update(stale, {"a": 5})
+
+
 def test_abort_between_schedule_and_update_skips_the_request():
     s = make_scheduler(budget=32)
     s.add_request(make_request("a"))
