@@ -93,7 +93,7 @@ mounts the source claim read-only, since the router only reads tokenizer files.
       mkdir -p "{{ $vol.mountPath }}/.partial"
       cp -R "$src/." "{{ $vol.mountPath }}/.partial/"
       for entry in "{{ $vol.mountPath }}/.partial/"* "{{ $vol.mountPath }}/.partial/".[!.]*; do
-        [ -e "$entry" ] && mv "$entry" "{{ $vol.mountPath }}/"
+        if [ -e "$entry" ]; then mv "$entry" "{{ $vol.mountPath }}/"; fi
       done
       rmdir "{{ $vol.mountPath }}/.partial"
       touch "{{ $vol.mountPath }}/.cbserve-copied"

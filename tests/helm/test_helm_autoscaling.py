@@ -94,11 +94,14 @@ def test_behavior_scales_up_fast_and_down_slowly(pool):
     assert down["policies"][0]["periodSeconds"] >= 60
 
 
-def test_decode_scale_down_period_outlasts_its_drain_window():
-    manifests = render()
-    period = manifests.get("HorizontalPodAutoscaler", name("decode"))["spec"]["behavior"]["scaleDown"]["policies"][0]
-    grace = manifests.get("Deployment", name("decode"))["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert period["periodSeconds"] >= grace
+@pytest.mark.parametrize("values_set", sorted(VALUES_SETS))
+def test_scale_down_period_outlasts_the_grace_period(values_set):
+    """One pod per period, and each pod is gone before the next starts draining."""
+    manifests = render(VALUES_SETS[values_set])
+    for hpa in manifests.of_kind("HorizontalPodAutoscaler"):
+        (policy,) = hpa["spec"]["behavior"]["scaleDown"]["policies"]
+        pod = manifests.get("Deployment", hpa["spec"]["scaleTargetRef"]["name"])["spec"]["template"]["spec"]
+        assert policy["periodSeconds"] >= pod["terminationGracePeriodSeconds"], hpa["metadata"]["name"]
 
 
 @pytest.mark.parametrize("values_set", sorted(VALUES_SETS))
