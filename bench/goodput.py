@@ -1,0 +1,181 @@
+"""Goodput sweep: open-loop Poisson load against the router, P/D vs round-robin vs colocated.
+
+For each workload mix and each configuration, a fresh local cluster (`LocalCluster`, real processes,
+one torch thread per pod so every configuration uses the same two cores) takes a sweep of request
+rates; every rate replays the same seeded requests for every configuration. Per rate it reports
+offered and completed req/s, p50/p95 TTFT, p95 TPOT, p95 end-to-end, p95 router queue time (router
+histogram), error rate, preemptions (pods' counters), SLO attainment and goodput (see bench/stats.py).
+
+    python -m bench.goodput --quick                                  # smoke test, ~3 min on tiny
+    python -m bench.goodput --model tiny --rates 1 2 4 8 --duration 30 --json docs/goodput_tiny.json
+    python -m bench.goodput --model small --rates 0.25 0.5 1 2 --duration 60
+
+Pods cache prefixes only for the mix whose prompts share them (`--prefix-caching auto`); otherwise a
+benchmark that repeats prompts would measure the cache. Plots: docs/goodput_<model>_<mix>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import prom
+from bench.loadgen import run_open_loop
+from bench.plots import plot_mix
+from bench.report import format_table, goodput_ratios, print_ratios
+from bench.stats import Slo, summarize
+from bench.workloads import MIXES, Mix, build_requests
+from cbserve.cluster_spec import ClusterSpec
+from cbserve.local_cluster import LocalCluster
+
+# name -> ClusterSpec fields. Same two cores for all: each pod gets one torch thread.
+CONFIGS: dict[str, dict] = {
+    "pd-goodput": dict(num_prefill=1, num_decode=1, policy="goodput"),
+    "pd-round-robin": dict(num_prefill=1, num_decode=1, policy="round_robin"),
+    "colocated-2": dict(num_colocated=2, policy="goodput"),
+}
+QUICK = dict(mixes=["chat"], rates=[1.0, 4.0], duration=20.0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES))
+    p.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, 4], help="offered req/s")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads-per-pod", type=int, default=1)
+    p.add_argument("--prefix-caching", choices=["auto", "on", "off"], default="auto",
+                   help="auto: only for mixes whose prompts share prefixes")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--warmup", type=int, default=4, help="requests sent (and discarded) before the sweep")
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--stop-below-attainment", type=float, default=0.05,
+                   help="skip a config's higher rates once its attainment falls below this (0: never)")
+    p.add_argument("--out-dir", default="docs", help="where the PNGs go")
+    p.add_argument("--json", default=None, help="write every summary and the run's settings here")
+    p.add_argument("--log-dir", default=None, help="keep each process's log (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="one mix, two rates, 20 s each (smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    return args
+
+
+def cluster_spec(args: argparse.Namespace, config: str, mix: Mix) -> ClusterSpec:
+    caching = mix.prefix_caching if args.prefix_caching == "auto" else args.prefix_caching == "on"
+    return ClusterSpec(model=args.model, port=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                       threads_per_pod=args.threads_per_pod, prefix_caching=caching, device=args.device,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       drain_seconds=5, **CONFIGS[config])
+
+
+def scrape_all(cluster: LocalCluster) -> tuple[prom.Samples, prom.Samples]:
+    """(router samples, all pods' samples merged; pods' label sets differ by pod)."""
+    pods: prom.Samples = {}
+    for pod in cluster.pods:
+        for (name, labels), value in prom.scrape(pod.metrics_url).items():
+            pods[(name, labels + (("scraped_pod", pod.name),))] = value
+    return prom.scrape(cluster.metrics_url), pods
+
+
+def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix, rate: float, model_id: str) -> dict:
+    requests = build_requests(mix, rate, args.duration, args.seed)
+    router_before, pods_before = scrape_all(cluster)
+    results, elapsed = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=args.request_timeout,
+                                                 api_key=os.environ.get("CBSERVE_API_KEY")))
+    router_after, pods_after = scrape_all(cluster)
+    router = prom.delta(router_after, router_before)
+    queue_p95 = prom.histogram_quantile(0.95, router, "cbserve_request_phase_seconds", phase="router_queue")
+    preemptions = int(prom.total(prom.delta(pods_after, pods_before), "cbserve_preemptions_total")) if pods_after else None
+    summary = summarize(results, rate=rate, duration_s=args.duration, elapsed_s=elapsed,
+                        slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
+                        p95_router_queue_s=queue_p95 if router_after else None, preemptions=preemptions)
+    errors = sorted({r.error for r in results if r.error})[:3]
+    return summary.to_dict() | {"sample_errors": errors}
+
+
+def run_config(args: argparse.Namespace, config: str, mix: Mix, log_root: Path) -> list[dict]:
+    rows: list[dict] = []
+    spec = cluster_spec(args, config, mix)
+    with LocalCluster(spec, log_dir=log_root / f"{mix.name}-{config}") as cluster:
+        model_id = args.model
+        if args.warmup:
+            # A few short requests first, so the router has measured each pod's speed before the sweep.
+            warm = [replace(w, arrival_s=0.5 * w.index, max_tokens=8, cancel_after_tokens=None)
+                    for w in build_requests(mix, 2.0, 30.0, args.seed + 1000)[:args.warmup]]
+            asyncio.run(run_open_loop(cluster.url, model_id, warm, timeout_s=args.request_timeout,
+                                      api_key=os.environ.get("CBSERVE_API_KEY")))
+        for rate in args.rates:
+            cluster.check_alive("during the benchmark")
+            row = {"mix": mix.name, "config": config, **run_rate(cluster, args, mix, rate, model_id)}
+            rows.append(row)
+            print(format_table([row], header=False), flush=True)
+            if row["slo_attainment"] < args.stop_below_attainment:
+                print(f"# {config}: attainment {row['slo_attainment']:.0%} at {rate:g} req/s; "
+                      f"skipping higher rates", flush=True)
+                break
+            time.sleep(1.0)   # let cancelled and timed-out requests leave the pods
+    return rows
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(argv)
+    for name in args.mixes:
+        if MIXES[name].max_total_tokens > 2048 and args.model == "tiny":
+            raise SystemExit(f"mix {name} needs {MIXES[name].max_total_tokens} tokens; tiny's context is 2048")
+    log_root = Path(args.log_dir or tempfile.mkdtemp(prefix="cbserve-goodput-"))
+    print(f"# model {args.model}, SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms, "
+          f"{args.duration:g} s per rate, seed {args.seed}, logs in {log_root}", flush=True)
+    rows: list[dict] = []
+    for name in args.mixes:
+        mix = MIXES[name]
+        print(f"\n## mix {name}: {mix.description}\n{format_table([], header=True)}", flush=True)
+        mix_rows = [row for config in args.configs for row in run_config(args, config, mix, log_root)]
+        rows += mix_rows
+        path = plot_mix(mix_rows, model=args.model, mix=name, slo_ttft_ms=args.slo_ttft_ms,
+                        slo_tpot_ms=args.slo_tpot_ms, path=Path(args.out_dir) / f"goodput_{args.model}_{name}.png")
+        print(f"# plot: {path}", flush=True)
+    ratios = goodput_ratios(rows, baseline="pd-goodput")
+    print_ratios(ratios)
+    if args.json:
+        meta = {"model": args.model, "mixes": args.mixes, "rates": args.rates, "duration_s": args.duration,
+                "configs": {c: CONFIGS[c] for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
+                "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
+                "prefix_caching": args.prefix_caching, "git_commit": git_commit(), "cpu_count": os.cpu_count(),
+                "machine": platform.platform()}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=1) + "\n")
+        print(f"# json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
