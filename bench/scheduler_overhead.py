@@ -5,7 +5,7 @@ times whole steps with fake sampled tokens. Prints mean / p50 / p99 µs per step
 schedule() and update(), and what copying the block tables into `ScheduledSeq` costs on its own
 (the part of the contract whose cost grows with context length).
 
-    .venv/bin/python bench/scheduler_overhead.py [--num-requests 256] [--steps 2000]
+    .venv/bin/python bench/scheduler_overhead.py [--num-requests 256] [--rounds 10] [--steps 200] [--wall]
 """
 
 from __future__ import annotations
@@ -92,22 +92,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=10, help="fresh request sets, each timed for --steps")
+    parser.add_argument("--steps", type=int, default=200, help="decode steps per round (contexts grow by this)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of thread CPU time")
     args = parser.parse_args()
-    # Enough max_tokens that nobody finishes during warm-up + measurement.
-    max_tokens = args.steps + 200
-    scheduler = build(args.num_requests, args.block_size, max_tokens, args.seed)
-    for _ in range(100):   # warm-up
-        step(scheduler)
-    contexts = [r.num_tokens for r in scheduler.running]
-    print(f"{len(contexts)} running decodes, contexts {min(contexts)}..{max(contexts)} tokens, "
-          f"block size {args.block_size}, {args.steps} steps; calibration loop {calibration_ms():.1f} ms; "
-          f"{'wall' if args.wall else 'thread CPU'} time")
     clock = time.perf_counter if args.wall else time.thread_time
-    for label, times in measure(scheduler, args.steps, clock).items():
-        report(label, times)
+    times: dict[str, list[float]] = {}
+    contexts: list[int] = []
+    for round_ in range(args.rounds):
+        # Fresh requests each round keep contexts at a few hundred tokens; enough max_tokens that
+        # nobody finishes while timed.
+        scheduler = build(args.num_requests, args.block_size, args.steps + 20, args.seed + round_)
+        for _ in range(10):   # warm-up
+            step(scheduler)
+        contexts += [r.num_tokens for r in scheduler.running]
+        for label, samples in measure(scheduler, args.steps, clock).items():
+            times.setdefault(label, []).extend(samples)
+        contexts += [r.num_tokens for r in scheduler.running]
+    print(f"{args.num_requests} running decodes, contexts {min(contexts)}..{max(contexts)} tokens, "
+          f"block size {args.block_size}, {args.rounds}x{args.steps} steps; "
+          f"calibration loop {calibration_ms():.1f} ms; {'wall' if args.wall else 'thread CPU'} time")
+    for label, samples in times.items():
+        report(label, samples)
 
 
 if __name__ == "__main__":
