@@ -202,6 +202,14 @@ class PairGroup:
                              f"has {payload.numel()} bytes, expected {num_bytes}")
         return payload
 
+    def expect(self, request_id: str) -> None:
+        """A stream for `request_id` is about to start: accept its runs again, even if an earlier
+        stream of the same id was forgotten (a retried pull)."""
+        if self.rank != 1:
+            return
+        with self._lock:
+            self._forgotten.pop(request_key(request_id), None)
+
     def forget(self, request_id: str) -> None:
         """The request is done or gone here: drop its runs that arrived unclaimed and any that
         still come (the source may have queued them before it saw the cancellation)."""

@@ -217,6 +217,8 @@ class KVSink:
         self.num_bytes_received = 0
         self.num_computed_tokens = 0  # prompt tokens whose KV has landed
         self._staging: torch.Tensor | None = None
+        if group is not None:
+            group.expect(request_id)  # before the stream opens: its first run may come first
 
     async def consume(self, chunks: AsyncIterable[cbserve_pb2.KVChunk]) -> KVTransferResult:
         """Write every chunk into the destination blocks; return at the `last` message."""

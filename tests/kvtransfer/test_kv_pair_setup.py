@@ -52,6 +52,11 @@ def test_two_pairs_set_up_over_grpc_move_kv_concurrently():
                 for request_id in src_ids:
                     for s, d in zip(src_ids[request_id], dst_ids[request_id]):
                         assert same_bytes(src[s], dst[d])
+                # A retried pull of the same request on the same pair still gets its runs.
+                dst.zero_()
+                servicer.add_request("x", num_prompt_tokens=18).finish(5, src_ids["x"])
+                assert (await pull("x", groups[0])).num_blocks == 5
+                assert all(same_bytes(src[s], dst[d]) for s, d in zip(src_ids["x"], dst_ids["x"]))
                 for group in servicer.groups.values():
                     group.close()
         finally:
