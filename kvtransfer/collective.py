@@ -20,7 +20,9 @@ wedging the group. Heartbeats keep an idle receive from timing out; a dead peer 
 of the pending send/receive (at once on a closed connection, after `timeout_s` on a silent one),
 which breaks the group: every waiter gets `SourceLostError`, and the pods set up a new group.
 
-On CUDA (NCCL) the payload stays on the device end to end; the caller must make sure the KV it
+Gloo binds to the address the host name resolves to, or to the interface named by
+`GLOO_SOCKET_IFNAME` (set it in pods whose host name resolves to loopback). On CUDA (NCCL) the
+payload stays on the device end to end; the caller must make sure the KV it
 sends is computed (the prefill pod reports progress after the step's forward pass). NCCL keeps
 a receive kernel posted while idle; that is the price of a ready pair.
 """
@@ -31,6 +33,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import hashlib
+import os
 import queue
 import threading
 from collections import OrderedDict
@@ -65,7 +68,13 @@ def _new_process_group(store: dist.Store, group_name: str, rank: int, backend: s
                        timeout: datetime.timedelta) -> dist.ProcessGroup:
     prefixed = dist.PrefixStore(f"cbserve-kv/{group_name}", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        interface = os.environ.get("GLOO_SOCKET_IFNAME")
+        if not interface:  # Gloo binds to the address the host name resolves to
+            return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -259,12 +268,14 @@ class PairGroup:
     # ------------------------------------------------------------------------ both
 
     def close(self) -> None:
-        """Rank 0: send a close frame (the receiver ends cleanly). Rank 1: stop delivering.
-        Idempotent; the process group is aborted once its thread is done."""
+        """Rank 0: send what is queued, then a close frame (the receiver ends cleanly).
+        Rank 1: stop delivering; the receive thread ends at the next frame. Idempotent.
+        Waiters and later calls get `SourceLostError`."""
         if self.rank == 0 and not self.broken:
             self._outbox.put(([_CLOSE, 0, 0, 0], None, None))
             self._thread.join(self.timeout.total_seconds())
         self._break("closed")
+        self._fail_outbox()  # runs queued after the close frame will never go out
 
     def _break(self, reason: str) -> None:
         with self._lock:
