@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import binascii
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -53,6 +55,20 @@ def make_cache(layout: KVLayout, num_blocks: int) -> torch.Tensor:
     kv = torch.empty((num_blocks, *layout.block_shape), dtype=layout.dtype)
     kv.reshape(-1).view(torch.int16 if layout.dtype.itemsize == 2 else torch.int32).random_()
     return kv
+
+
+def bench_checksums(num_bytes: int = 4 << 20, repeats: int = 5) -> dict[str, float]:
+    """GB/s of the stdlib checksums over one default-sized message (`packing` uses zlib.crc32)."""
+    data = memoryview(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8).numpy())
+    speeds = {}
+    for name, fn in (("zlib.crc32", zlib.crc32), ("binascii.crc32", binascii.crc32),
+                     ("zlib.adler32 (not a crc)", zlib.adler32)):
+        fn(data)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn(data)
+        speeds[name] = num_bytes * repeats / (time.perf_counter() - start) / 1e9
+    return speeds
 
 
 def bench_copy(src: torch.Tensor, dst: torch.Tensor, ids: list[int], repeats: int) -> float:
@@ -194,9 +210,10 @@ def main() -> None:
         row["exposed_ratio"] = row["exposed_s"] / row["grpc_s"]
         rows.append(row)
 
+    checksums = bench_checksums()
     if args.json:
         print(json.dumps({"prefill_chunk_ms": args.prefill_chunk_ms, "chunk_tokens": args.chunk_tokens,
-                          "rows": rows}, indent=2))
+                          "checksum_gbps": checksums, "rows": rows}, indent=2))
         return
     print(f"KV of a {args.prompt_tokens}-token prompt; streamed prefill: {args.chunk_tokens} tokens "
           f"every {args.prefill_chunk_ms:g} ms")
@@ -207,6 +224,8 @@ def main() -> None:
         gloo = (f"{r['gloo_s']:>8.3f} {r['gloo_gbps']:>10.2f}" if "gloo_s" in r else f"{'-':>8} {'-':>10}")
         print(f"{r['shape']:<8} {r['dtype']:<8} {r['mib']:>7.1f} {r['copy_gbps']:>10.2f} {r['grpc_s']:>8.3f} "
               f"{r['grpc_gbps']:>10.2f} {gloo} {r['exposed_s']:>10.3f} {r['exposed_ratio']:>13.2f}")
+
+    print("checksum GB/s (4 MiB): " + ", ".join(f"{name} {gbps:.2f}" for name, gbps in checksums.items()))
 
 
 if __name__ == "__main__":

@@ -25,3 +25,4 @@ def test_bench_json_has_every_measurement():
     assert row["shape"] == "tiny" and row["mib"] == 64 * 4 * 2 * 2 * 64 * 4 / 2**20
     for key in ("copy_gbps", "grpc_gbps", "gloo_gbps", "exposed_s", "exposed_ratio"):
         assert row[key] > 0, key
+    assert report["checksum_gbps"]["zlib.crc32"] > 0
