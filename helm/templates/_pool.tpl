@@ -87,8 +87,14 @@ spec:
             {{- if not (kindIs "invalid" $pool.engine.numBlocks) }}
             - --num-blocks={{ $pool.engine.numBlocks }}
             {{- end }}
+            {{- if not (kindIs "invalid" $pool.engine.kvCacheMemoryMb) }}
+            - --kv-cache-memory-mb={{ $pool.engine.kvCacheMemoryMb }}
+            {{- end }}
             - --pod-id=$(POD_NAME)
-            {{- if and (eq $role "decode") $pool.disableLocalPrefillFallback $root.Values.prefill.enabled }}
+            {{- if and (eq $role "decode") (not $root.Values.prefill.enabled) }}
+            # No prefill pool: this pod prefills every request itself (role label "colocated").
+            - --colocated
+            {{- else if and (eq $role "decode") $pool.disableLocalPrefillFallback }}
             - --no-local-prefill-fallback
             {{- end }}
           env:

@@ -10,13 +10,14 @@ import yaml
 
 from helm_chart import CHART, VALUES_SETS, container, flags, name, render
 
-# Flags of the CLI contract (/tmp/cli_contract.md); the chart may pass nothing else.
+# Flags of the CLI contract plus the pods' argparse and RouterConfig fields (cbserve/cli.py,
+# router/config.py); the chart may pass nothing else.
 POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
-              "num-blocks", "pod-id"}
-DECODE_ONLY_FLAGS = {"no-local-prefill-fallback"}
-ROUTER_FLAGS = {"model", "host", "port", "discovery", "namespace", "prefill-service", "decode-service",
-                "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
+              "num-blocks", "kv-cache-memory-mb", "pod-id"}
+DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
+ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
+                "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
                 "api-key-env", "drain-seconds"}
 GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -184,3 +185,25 @@ def test_model_volume_copy_from_pvc_uses_an_init_copy_onto_local_disk():
 def test_startup_threshold_is_ceiling_of_load_time_over_period():
     main = container(render(sets=("model.loadTimeoutSeconds=95",)).get("Deployment", name("decode")))
     assert main["startupProbe"]["failureThreshold"] == math.ceil(95 / 10)
+
+
+def test_colocated_decode_pods_and_router_discovery():
+    manifests = render(VALUES_SETS["colocated-minimal"])
+    decode = flags(container(manifests.get("Deployment", name("decode")))["args"])
+    assert decode["colocated"] is True and "no-local-prefill-fallback" not in decode
+    router = flags(container(manifests.get("Deployment", name("router")))["args"])
+    assert router["colocated-service"] == name("decode")
+    assert not {"prefill-service", "decode-service", "kv-transport"} & set(router)
+    disaggregated = render(sets=("decode.disableLocalPrefillFallback=true",))
+    decode = flags(container(disaggregated.get("Deployment", name("decode")))["args"])
+    assert decode["no-local-prefill-fallback"] is True and "colocated" not in decode
+
+
+def test_engine_sizing_and_served_name_flags():
+    manifests = render(VALUES_SETS["gpu-llama3-8b"])
+    assert flags(container(manifests.get("Deployment", name("decode")))["args"])["kv-cache-memory-mb"] == "49152"
+    router = flags(container(manifests.get("Deployment", name("router")))["args"])
+    assert router["served-model-name"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert router["kv-transport"] == "nccl"
+    default = flags(container(render().get("Deployment", name("decode")))["args"])
+    assert "kv-cache-memory-mb" not in default and "num-blocks" not in default
