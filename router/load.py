@@ -44,6 +44,7 @@ class PodState:
     unreported: deque[tuple[float, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
+    poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
 
     @property
     def address(self) -> str:
@@ -58,12 +59,18 @@ class PodState:
         return self.healthy and not (self.report is not None and self.report.draining)
 
     def apply_report(self, report: pb.LoadReport, now: float) -> None:
+        # GetLoad (and the first message of WatchLoad) repeat the pod's recent samples; a sample seen
+        # in the previous report is the same step, so only the others are new.
+        previous = {(x.num_seqs, x.num_context_tokens, x.num_prefill_tokens, x.seconds)
+                    for x in self.report.step_samples} if self.report is not None else set()
         self.report = report
         self.report_time = now
         # What the report now includes is no longer the router's to count.
         while self.unreported and self.unreported[0][0] <= now:
             self.unreported.popleft()
         for sample in report.step_samples:
+            if (sample.num_seqs, sample.num_context_tokens, sample.num_prefill_tokens, sample.seconds) in previous:
+                continue
             self.step_model.add(sample.num_seqs, sample.num_context_tokens, sample.num_prefill_tokens,
                                 sample.seconds)
             self.last_context_tokens = sample.num_context_tokens
@@ -195,18 +202,24 @@ class LoadTracker:
             await asyncio.sleep(self.probe_interval_seconds)
 
     async def _follow_load(self, pod: PodState) -> None:
-        call = pod.client.watch_load(self.load_interval_seconds)
-        try:
-            async for report in call:
-                pod.apply_report(report, time.monotonic())
-                self._notify()
-            return
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-        finally:
-            call.cancel()
-        # No WatchLoad on this pod: poll at the same period.
+        if not pod.poll_load:
+            call = pod.client.watch_load(self.load_interval_seconds)
+            received = False
+            try:
+                async for report in call:
+                    received = True
+                    pod.apply_report(report, time.monotonic())
+                    self._notify()
+                return
+            except grpc.aio.AioRpcError as exc:
+                # The pod just answered a probe, so a stream that fails before its first report
+                # (UNIMPLEMENTED, or a broken handler: UNKNOWN) is the stream's fault, not the pod's.
+                if received or exc.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNKNOWN):
+                    raise
+                log.warning("pod %s has no working WatchLoad (%s); polling GetLoad", pod.address, exc.code())
+                pod.poll_load = True
+            finally:
+                call.cancel()
         while True:
             await asyncio.sleep(self.load_interval_seconds)
             report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)

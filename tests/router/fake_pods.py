@@ -46,6 +46,7 @@ class Script:
     fail_generate_after: int | None = None  # Generate breaks (UNAVAILABLE) after this many tokens
     fail_prefill: grpc.StatusCode | None = None
     down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
+    watch_broken: bool = False              # WatchLoad raises (UNKNOWN); GetLoad still works
     eos_at: int | None = None               # output index that is EOS
     logprob: float = -0.5
     max_model_len: int = 256
@@ -117,6 +118,8 @@ class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
 
     async def WatchLoad(self, request, context):
         interval = request.interval_seconds or 0.05
+        if self.script.watch_broken:
+            raise RuntimeError("scripted WatchLoad bug")
         while True:
             await self._check_up(context)
             yield self._report()
