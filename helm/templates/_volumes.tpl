@@ -17,7 +17,8 @@ mounts the source claim read-only, since the router only reads tokenizer files.
   valueFrom:
     fieldRef:
       fieldPath: metadata.namespace
-- name: POD_IP
+# The address a decode pod advertises for its KV TCPStore (nccl transport) to prefill pods.
+- name: CBSERVE_POD_IP
   valueFrom:
     fieldRef:
       fieldPath: status.podIP

@@ -60,6 +60,8 @@ def test_pool_args_and_ports_carry_the_values():
         assert {p["name"]: p["containerPort"] for p in main["ports"]} == {"grpc": 50051, "metrics": 9400}
         env = {e["name"]: e for e in main["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        # decode_pod/server.py advertises this address for its TCPStore (nccl transport).
+        assert env["CBSERVE_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     router = flags(container(manifests.get("Deployment", name("router")))["args"])
     assert (router["slo-ttft-ms"], router["slo-tpot-ms"], router["policy"], router["admission"]) == ("500", "50", "goodput", "queue")
 
