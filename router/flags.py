@@ -1,0 +1,61 @@
+"""`cbserve router` flags -> RouterConfig. The CLI adds these to its subparser and calls `run`.
+
+Flag names are the config field names with dashes (`--slo-ttft-ms` -> `slo_ttft_ms`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from router.config import ADMISSION_MODES, DISCOVERY_MODES, POLICIES, RouterConfig
+
+
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """Add every router flag to `p` (defaults come from RouterConfig)."""
+    d = RouterConfig()
+    p.add_argument("--model", default=d.model, help="preset (tiny, small) or model directory: tokenizer + config.json")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--prefill", type=_addresses, default=(), help="prefill pod addresses HOST:PORT,...")
+    p.add_argument("--decode", type=_addresses, default=(), help="decode pod addresses HOST:PORT,...")
+    p.add_argument("--colocated", type=_addresses, default=(), help="colocated pod addresses HOST:PORT,...")
+    p.add_argument("--discovery", choices=DISCOVERY_MODES, default=d.discovery)
+    p.add_argument("--namespace", default=d.namespace)
+    p.add_argument("--prefill-service", default=d.prefill_service)
+    p.add_argument("--decode-service", default=d.decode_service)
+    p.add_argument("--colocated-service", default=None, help="watch one Service of colocated pods instead")
+    p.add_argument("--grpc-port-name", default=d.grpc_port_name)
+    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
+    p.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms)
+    p.add_argument("--admission", choices=ADMISSION_MODES, default=d.admission)
+    p.add_argument("--max-queue-seconds", type=float, default=d.max_queue_seconds)
+    p.add_argument("--max-queue-size", type=int, default=d.max_queue_size)
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--kv-transport", choices=["grpc", "nccl"], default=None,
+                   help="KV transport decode pods use to pull from prefill pods (default: the pods' own)")
+    p.add_argument("--api-key-env", default=d.api_key_env, help="environment variable holding the API key")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--request-timeout-seconds", type=float, default=d.request_timeout_seconds)
+    p.add_argument("--drain-seconds", type=float, default=d.drain_seconds)
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from parsed flags; raises ValueError with a readable message on a bad combination."""
+    if args.discovery == "static" and not (args.prefill or args.decode or args.colocated):
+        raise ValueError("give --prefill and --decode, or --colocated, or --discovery kubernetes")
+    return RouterConfig(
+        model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        discovery=args.discovery, prefill=args.prefill, decode=args.decode, colocated=args.colocated,
+        namespace=args.namespace, prefill_service=args.prefill_service, decode_service=args.decode_service,
+        colocated_service=args.colocated_service, grpc_port_name=args.grpc_port_name, policy=args.policy,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, admission=args.admission,
+        max_queue_seconds=args.max_queue_seconds, max_queue_size=args.max_queue_size,
+        max_retries=args.max_retries, kv_transport=args.kv_transport or "", api_key_env=args.api_key_env or None,
+        max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
+        drain_seconds=args.drain_seconds)

@@ -1,0 +1,63 @@
+"""RouterConfig and the `cbserve router` flags of the CLI contract."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router.config import RouterConfig
+from router.flags import add_router_arguments, router_config_from_args
+
+
+def _parse(argv: str) -> RouterConfig:
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    return router_config_from_args(parser.parse_args(argv.split()))
+
+
+def test_contract_static_command_line():
+    config = _parse("--model tiny --host 0.0.0.0 --port 8000 --prefill 10.0.0.1:50051,10.0.0.2:50051 "
+                    "--decode 10.0.1.1:50052 --policy goodput --slo-ttft-ms 500 --slo-tpot-ms 50 "
+                    "--admission queue --max-queue-seconds 5 --api-key-env CBSERVE_API_KEY --drain-seconds 30")
+    assert config.prefill == ("10.0.0.1:50051", "10.0.0.2:50051") and config.decode == ("10.0.1.1:50052",)
+    assert (config.policy, config.slo_ttft_ms, config.slo_tpot_ms) == ("goodput", 500, 50)
+    assert (config.admission, config.max_queue_seconds, config.drain_seconds) == ("queue", 5, 30)
+    assert config.model_name == "tiny" and config.disaggregated
+
+
+def test_contract_kubernetes_and_colocated_command_lines():
+    config = _parse("--model tiny --discovery kubernetes --namespace serving --prefill-service p "
+                    "--decode-service d --grpc-port-name grpc --policy least_loaded --admission reject")
+    assert (config.discovery, config.namespace, config.prefill_service, config.decode_service) == (
+        "kubernetes", "serving", "p", "d")
+    colocated = _parse("--colocated 127.0.0.1:50052 --policy round_robin")
+    assert colocated.colocated == ("127.0.0.1:50052",) and not colocated.disaggregated
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "k1")
+    assert RouterConfig(api_key_env="MY_KEY").resolved_api_key() == "k1"
+    monkeypatch.setenv("MY_KEY", "")
+    assert RouterConfig(api_key_env="MY_KEY").resolved_api_key() is None
+    assert RouterConfig(api_key="direct", api_key_env="MY_KEY").resolved_api_key() == "direct"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"prefill": ("a:1",), "decode": ()}, "must both be given"),
+    ({"colocated": ("a:1",), "prefill": ("b:2",), "decode": ("c:3",)}, "either --colocated"),
+    ({"prefill": ("nohost",), "decode": ("c:3",)}, "HOST:PORT"),
+    ({"policy": "fastest"}, "policy"),
+    ({"admission": "maybe"}, "admission"),
+    ({"slo_ttft_ms": 0}, "slo_ttft_ms"),
+    ({"load_interval_seconds": 0.5}, "0.1"),
+    ({"kv_transport": "rdma"}, "kv_transport"),
+])
+def test_invalid_configs_fail_loudly(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kwargs)
+
+
+def test_static_router_without_pods_is_an_error():
+    with pytest.raises(ValueError, match="--colocated"):
+        _parse("--model tiny")
