@@ -30,7 +30,9 @@ from router.errors import APIError, unauthorized
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.policy import PrefixIndex, build_policy
-from router.serving import ServingState, create_chat_completion, create_completion
+from router.chat import create_chat_completion
+from router.completions import create_completion
+from router.serving import ServingState
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048

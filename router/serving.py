@@ -1,4 +1,4 @@
-"""The /v1/completions and /v1/chat/completions handlers: validate, tokenize, run, respond.
+"""What the /v1/completions and /v1/chat/completions handlers share: validate, run, respond.
 
 Order matters: the body is parsed and every parameter, the model name and the context length are
 checked before anything is routed, so a bad request never reaches a pod. A streaming response
@@ -22,15 +22,14 @@ from pydantic import BaseModel, ValidationError
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.tokenizer import Tokenizer
+from router import responses as R
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, SequenceSpec
 from router.errors import APIError, bad_request, not_found
-from router.generation import ChoiceEvent, RequestRun
+from router.generation import RequestRun
 from router.metrics import RouterMetrics
 from router.policy import RoutingRequest, block_hashes
-from router.prompts import Prompt, chat_prompt, check_context_length, completion_prompts
-from router.protocol import ChatCompletionRequest, CompletionRequest
-from router import responses as R
+from router.prompts import Prompt
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
@@ -72,7 +71,7 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
         raise bad_request(f"{where}: {error['msg']}", param=param) from None
 
 
-def _slo_seconds(request: Request, header: str, default_ms: float) -> float:
+def slo_seconds(request: Request, header: str, default_ms: float) -> float:
     raw = request.headers.get(header)
     if raw is None:
         return default_ms / 1000.0
@@ -85,23 +84,23 @@ def _slo_seconds(request: Request, header: str, default_ms: float) -> float:
     return value / 1000.0
 
 
-def _check_model(state: ServingState, name: str | None) -> None:
+def check_model(state: ServingState, name: str | None) -> None:
     if name is not None and name != state.config.model_name:
         raise not_found(f"The model '{name}' does not exist; this server serves '{state.config.model_name}'.",
                         code="model_not_found")
 
 
-def _sampling(build: Callable[[], SamplingParams]) -> SamplingParams:
+def sampling_or_400(build: Callable[[], SamplingParams]) -> SamplingParams:
     try:
         return build()
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from None
 
 
-def _specs(state: ServingState, http: Request, request_id: str, prompts: list[Prompt], n: int,
+def build_specs(state: ServingState, http: Request, request_id: str, prompts: list[Prompt], n: int,
            params: list[SamplingParams], priority: int) -> list[SequenceSpec]:
-    slo_ttft = _slo_seconds(http, SLO_TTFT_HEADER, state.config.slo_ttft_ms)
-    slo_tpot = _slo_seconds(http, SLO_TPOT_HEADER, state.config.slo_tpot_ms)
+    slo_ttft = slo_seconds(http, SLO_TTFT_HEADER, state.config.slo_ttft_ms)
+    slo_tpot = slo_seconds(http, SLO_TPOT_HEADER, state.config.slo_tpot_ms)
     deadline = time.monotonic() + state.config.request_timeout_seconds
     specs = []
     for p, prompt in enumerate(prompts):
@@ -153,7 +152,7 @@ async def _collect(run: RequestRun, count: int) -> list[R.ChoiceResult]:
     return results
 
 
-async def _execute(state: ServingState, http: Request, specs: list[SequenceSpec], stream: bool,
+async def execute(state: ServingState, http: Request, specs: list[SequenceSpec], stream: bool,
                    whole: Callable[[list[R.ChoiceResult], RequestRun], dict[str, Any]],
                    chunks: Callable[[RequestRun], AsyncIterator[str]]) -> Response:
     """Run the sequences; answer as one JSON body or as an SSE stream."""
@@ -198,127 +197,5 @@ async def _execute(state: ServingState, http: Request, specs: list[SequenceSpec]
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _request_id(prefix: str) -> str:
+def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-async def create_completion(state: ServingState, http: Request) -> Response:
-    request = await parse_body(http, CompletionRequest)
-    _check_model(state, request.model)
-    if request.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    if request.best_of is not None and request.best_of != request.n:
-        raise bad_request("best_of must equal n (best-of sampling is not supported)", param="best_of")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", param="echo")
-    _sampling(lambda: request.sampling_params(default_max_tokens=1))   # types and ranges first
-    prompts = await completion_prompts(request, state.tokenizer)
-    max_len = state.max_model_len()
-    params = []
-    for prompt in prompts:
-        max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens, max_len, "prompt", "max_tokens")
-        params.append(_sampling(lambda: request.sampling_params(default_max_tokens=max_tokens)))
-    request_id, created, model = _request_id("cmpl"), int(time.time()), state.config.model_name
-    specs = _specs(state, http, request_id, prompts, request.n, params, request.priority)
-    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    tokenizer = state.tokenizer
-
-    def echo_text(index: int) -> str:
-        prompt = prompts[index // request.n]
-        return (prompt.text if prompt.text is not None else tokenizer.decode(prompt.token_ids)) if request.echo else ""
-
-    def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:
-        choices = []
-        for i, result in enumerate(results):
-            prefix = echo_text(i)
-            logprobs = (R.completion_logprobs(tokenizer, result.token_ids[:len(result.logprobs)], result.logprobs,
-                                              len(prefix)) if request.logprobs is not None else None)
-            choices.append({"index": i, "text": prefix + result.text, "logprobs": logprobs,
-                            "finish_reason": result.finish_reason})
-        return R.completion_body(request_id, created, model, choices,
-                                 R.usage(num_prompt_tokens, sum(run.num_output_tokens)))
-
-    async def chunks(run: RequestRun) -> AsyncIterator[str]:
-        include_usage = request.wants_usage_in_stream()
-        offsets = [0] * len(specs)
-        if request.echo:
-            for i in range(len(specs)):
-                offsets[i] = len(echo_text(i))
-                yield R.sse(R.completion_body(request_id, created, model, [
-                    {"index": i, "text": echo_text(i), "logprobs": None, "finish_reason": None}],
-                    None) | ({"usage": None} if include_usage else {}))
-        async for event in run.events():
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = R.completion_logprobs(tokenizer, event.token_ids[:len(event.logprobs)], event.logprobs,
-                                                 offsets[event.index])
-            offsets[event.index] += len(event.text)
-            body = R.completion_body(request_id, created, model, [
-                {"index": event.index, "text": event.text, "logprobs": logprobs,
-                 "finish_reason": event.finish_reason}], None)
-            if not include_usage:
-                body.pop("usage")
-            yield R.sse(body)
-        if include_usage:
-            yield R.sse(R.completion_body(request_id, created, model, [],
-                                          R.usage(num_prompt_tokens, sum(run.num_output_tokens))))
-        yield R.sse("[DONE]")
-
-    return await _execute(state, http, specs, request.stream, whole, chunks)
-
-
-async def create_chat_completion(state: ServingState, http: Request) -> Response:
-    request = await parse_body(http, ChatCompletionRequest)
-    _check_model(state, request.model)
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    if request.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if request.top_logprobs is not None and not request.logprobs:
-        raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-    max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    _sampling(lambda: request.sampling_params(default_max_tokens=1))
-    prompt = await chat_prompt(request, state.tokenizer)
-    max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), state.max_model_len(),
-                                      "messages", max_tokens_param)
-    params = _sampling(lambda: request.sampling_params(default_max_tokens=max_tokens))
-    request_id, created, model = _request_id("chatcmpl"), int(time.time()), state.config.model_name
-    specs = _specs(state, http, request_id, [prompt], request.n, [params], request.priority)
-    tokenizer = state.tokenizer
-
-    def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": result.text},
-                    "logprobs": R.chat_logprobs(tokenizer, result.token_ids, result.logprobs) if request.logprobs else None,
-                    "finish_reason": result.finish_reason} for i, result in enumerate(results)]
-        return R.chat_body(request_id, created, model, choices,
-                           R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=False)
-
-    async def chunks(run: RequestRun) -> AsyncIterator[str]:
-        include_usage = request.wants_usage_in_stream()
-
-        def chunk(choice: dict[str, Any]) -> str:
-            body = R.chat_body(request_id, created, model, [choice], None, chunk=True)
-            if not include_usage:
-                body.pop("usage")
-            return R.sse(body)
-
-        for i in range(len(specs)):
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        async for event in run.events():
-            yield chunk(_chat_delta(tokenizer, event, request.logprobs))
-        if include_usage:
-            yield R.sse(R.chat_body(request_id, created, model, [],
-                                    R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=True))
-        yield R.sse("[DONE]")
-
-    return await _execute(state, http, specs, request.stream, whole, chunks)
-
-
-def _chat_delta(tokenizer: Tokenizer, event: ChoiceEvent, logprobs: bool) -> dict[str, Any]:
-    delta = {"content": event.text} if event.text or event.finish_reason is None else {}
-    return {"index": event.index, "delta": delta,
-            "logprobs": R.chat_logprobs(tokenizer, event.token_ids, event.logprobs) if logprobs else None,
-            "finish_reason": event.finish_reason}

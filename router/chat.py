@@ -1,0 +1,74 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n choices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.tokenizer import Tokenizer
+from router import responses as R
+from router.errors import bad_request
+from router.generation import ChoiceEvent, RequestRun
+from router.prompts import chat_prompt, check_context_length
+from router.protocol import ChatCompletionRequest
+from router.serving import (ServingState, build_specs, check_model, execute, new_request_id, parse_body,
+                            sampling_or_400)
+
+
+async def create_chat_completion(state: ServingState, http: Request) -> Response:
+    request = await parse_body(http, ChatCompletionRequest)
+    check_model(state, request.model)
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if request.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+    max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    sampling_or_400(lambda: request.sampling_params(default_max_tokens=1))
+    prompt = await chat_prompt(request, state.tokenizer)
+    max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), state.max_model_len(),
+                                      "messages", max_tokens_param)
+    params = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens))
+    request_id, created, model = new_request_id("chatcmpl"), int(time.time()), state.config.model_name
+    specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority)
+    tokenizer = state.tokenizer
+
+    def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:
+        choices = [{"index": i, "message": {"role": "assistant", "content": result.text},
+                    "logprobs": R.chat_logprobs(tokenizer, result.token_ids, result.logprobs) if request.logprobs else None,
+                    "finish_reason": result.finish_reason} for i, result in enumerate(results)]
+        return R.chat_body(request_id, created, model, choices,
+                           R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=False)
+
+    async def chunks(run: RequestRun) -> AsyncIterator[str]:
+        include_usage = request.wants_usage_in_stream()
+
+        def chunk(choice: dict[str, Any]) -> str:
+            body = R.chat_body(request_id, created, model, [choice], None, chunk=True)
+            if not include_usage:
+                body.pop("usage")
+            return R.sse(body)
+
+        for i in range(len(specs)):
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        async for event in run.events():
+            yield chunk(_chat_delta(tokenizer, event, request.logprobs))
+        if include_usage:
+            yield R.sse(R.chat_body(request_id, created, model, [],
+                                    R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=True))
+        yield R.sse("[DONE]")
+
+    return await execute(state, http, specs, request.stream, whole, chunks)
+
+
+def _chat_delta(tokenizer: Tokenizer, event: ChoiceEvent, logprobs: bool) -> dict[str, Any]:
+    delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+    return {"index": event.index, "delta": delta,
+            "logprobs": R.chat_logprobs(tokenizer, event.token_ids, event.logprobs) if logprobs else None,
+            "finish_reason": event.finish_reason}

@@ -1,0 +1,85 @@
+"""POST /v1/completions: one or more prompts (text or token ids), n choices each, optional echo."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from router import responses as R
+from router.errors import bad_request
+from router.generation import RequestRun
+from router.prompts import check_context_length, completion_prompts
+from router.protocol import CompletionRequest
+from router.serving import (ServingState, build_specs, check_model, execute, new_request_id, parse_body,
+                            sampling_or_400)
+
+
+async def create_completion(state: ServingState, http: Request) -> Response:
+    request = await parse_body(http, CompletionRequest)
+    check_model(state, request.model)
+    if request.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of must equal n (best-of sampling is not supported)", param="best_of")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    sampling_or_400(lambda: request.sampling_params(default_max_tokens=1))   # types and ranges first
+    prompts = await completion_prompts(request, state.tokenizer)
+    max_len = state.max_model_len()
+    params = []
+    for prompt in prompts:
+        max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens, max_len, "prompt", "max_tokens")
+        params.append(sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens)))
+    request_id, created, model = new_request_id("cmpl"), int(time.time()), state.config.model_name
+    specs = build_specs(state, http, request_id, prompts, request.n, params, request.priority)
+    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    tokenizer = state.tokenizer
+
+    def echo_text(index: int) -> str:
+        prompt = prompts[index // request.n]
+        return (prompt.text if prompt.text is not None else tokenizer.decode(prompt.token_ids)) if request.echo else ""
+
+    def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:
+        choices = []
+        for i, result in enumerate(results):
+            prefix = echo_text(i)
+            logprobs = (R.completion_logprobs(tokenizer, result.token_ids[:len(result.logprobs)], result.logprobs,
+                                              len(prefix)) if request.logprobs is not None else None)
+            choices.append({"index": i, "text": prefix + result.text, "logprobs": logprobs,
+                            "finish_reason": result.finish_reason})
+        return R.completion_body(request_id, created, model, choices,
+                                 R.usage(num_prompt_tokens, sum(run.num_output_tokens)))
+
+    async def chunks(run: RequestRun) -> AsyncIterator[str]:
+        include_usage = request.wants_usage_in_stream()
+        offsets = [0] * len(specs)
+        if request.echo:
+            for i in range(len(specs)):
+                offsets[i] = len(echo_text(i))
+                yield R.sse(R.completion_body(request_id, created, model, [
+                    {"index": i, "text": echo_text(i), "logprobs": None, "finish_reason": None}],
+                    None) | ({"usage": None} if include_usage else {}))
+        async for event in run.events():
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = R.completion_logprobs(tokenizer, event.token_ids[:len(event.logprobs)], event.logprobs,
+                                                 offsets[event.index])
+            offsets[event.index] += len(event.text)
+            body = R.completion_body(request_id, created, model, [
+                {"index": event.index, "text": event.text, "logprobs": logprobs,
+                 "finish_reason": event.finish_reason}], None)
+            if not include_usage:
+                body.pop("usage")
+            yield R.sse(body)
+        if include_usage:
+            yield R.sse(R.completion_body(request_id, created, model, [],
+                                          R.usage(num_prompt_tokens, sum(run.num_output_tokens))))
+        yield R.sse("[DONE]")
+
+    return await execute(state, http, specs, request.stream, whole, chunks)
