@@ -20,6 +20,7 @@ from router.serving import (ServingState, build_specs, check_model, execute, new
 
 
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
+    arrival = time.monotonic()
     request = await parse_body(http, ChatCompletionRequest)
     check_model(state, request.model)
     if request.logit_bias:
@@ -64,7 +65,7 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
                                     R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=True))
         yield R.sse("[DONE]")
 
-    return await execute(state, http, specs, request.stream, whole, chunks)
+    return await execute(state, http, arrival, specs, request.stream, whole, chunks)
 
 
 def _chat_delta(tokenizer: Tokenizer, event: ChoiceEvent, logprobs: bool) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from router.serving import (ServingState, build_specs, check_model, execute, new
 
 
 async def create_completion(state: ServingState, http: Request) -> Response:
+    arrival = time.monotonic()
     request = await parse_body(http, CompletionRequest)
     check_model(state, request.model)
     if request.suffix:
@@ -82,4 +83,4 @@ async def create_completion(state: ServingState, http: Request) -> Response:
                                           R.usage(num_prompt_tokens, sum(run.num_output_tokens))))
         yield R.sse("[DONE]")
 
-    return await execute(state, http, specs, request.stream, whole, chunks)
+    return await execute(state, http, arrival, specs, request.stream, whole, chunks)

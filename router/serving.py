@@ -98,7 +98,7 @@ def sampling_or_400(build: Callable[[], SamplingParams]) -> SamplingParams:
 
 
 def build_specs(state: ServingState, http: Request, request_id: str, prompts: list[Prompt], n: int,
-           params: list[SamplingParams], priority: int) -> list[SequenceSpec]:
+                params: list[SamplingParams], priority: int) -> list[SequenceSpec]:
     slo_ttft = slo_seconds(http, SLO_TTFT_HEADER, state.config.slo_ttft_ms)
     slo_tpot = slo_seconds(http, SLO_TPOT_HEADER, state.config.slo_tpot_ms)
     deadline = time.monotonic() + state.config.request_timeout_seconds
@@ -152,18 +152,29 @@ async def _collect(run: RequestRun, count: int) -> list[R.ChoiceResult]:
     return results
 
 
-async def execute(state: ServingState, http: Request, specs: list[SequenceSpec], stream: bool,
-                   whole: Callable[[list[R.ChoiceResult], RequestRun], dict[str, Any]],
-                   chunks: Callable[[RequestRun], AsyncIterator[str]]) -> Response:
-    """Run the sequences; answer as one JSON body or as an SSE stream."""
-    run = RequestRun(state.dispatcher, state.tokenizer, state.metrics, specs, time.monotonic())
+def _failure_status(exc: Exception) -> str:
+    """`cbserve_requests_total{status}` for a failed request: refused by admission, or an error."""
+    return "rejected" if isinstance(exc, APIError) and exc.status in (429, 503) else "error"
+
+
+async def execute(state: ServingState, http: Request, arrival: float, specs: list[SequenceSpec], stream: bool,
+                  whole: Callable[[list[R.ChoiceResult], RequestRun], dict[str, Any]],
+                  chunks: Callable[[RequestRun], AsyncIterator[str]]) -> Response:
+    """Run the sequences; answer as one JSON body or as an SSE stream.
+
+    `arrival` (monotonic) is when the HTTP request arrived: client-facing TTFT counts from there,
+    tokenization included.
+    """
+    run = RequestRun(state.dispatcher, state.tokenizer, state.metrics, specs, arrival)
     if not stream:
         async def work() -> Response:
             try:
                 results = await _collect(run, len(specs))
-            except BaseException:
+            except asyncio.CancelledError:
+                raise              # the client went away: counted by _unless_disconnected
+            except Exception as exc:
                 run.cancel()       # the other choices, if one failed
-                state.metrics.request_finished("error")
+                state.metrics.request_finished(_failure_status(exc))
                 raise
             state.metrics.request_finished("success")
             return JSONResponse(whole(results, run))
@@ -172,8 +183,8 @@ async def execute(state: ServingState, http: Request, specs: list[SequenceSpec],
     async def prime() -> None:
         try:
             await run.prime()
-        except APIError as exc:
-            state.metrics.request_finished("rejected" if exc.status in (429, 503) else "error")
+        except Exception as exc:
+            state.metrics.request_finished(_failure_status(exc))
             raise
     outcome = await _unless_disconnected(http, prime(), run)
     if isinstance(outcome, Response):
