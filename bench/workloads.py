@@ -4,9 +4,11 @@ Prompts are random lowercase letters and spaces. The built-in presets' tokenizer
 token per byte, plus bos), so a prompt of B bytes is exactly B + 1 prompt tokens and input lengths
 are controlled; requests set `ignore_eos` and `max_tokens`, so output lengths are controlled too.
 
-Arrivals are Poisson at the offered rate. A share of them (`burst_fraction`) instead arrives in
-bursts of `burst_size` requests at one instant, the bursts themselves Poisson, so the mean offered
-rate stays the nominal one while the queue sees spikes. A share of requests (`cancel_fraction`)
+Arrivals are a Poisson process conditioned on its count: exactly round(rate x duration) requests at
+independent uniform instants (given its number of arrivals in a window, a Poisson process is exactly
+that), so gaps are exponential but every run offers its nominal rate, and a short run is not
+offered 30% less than its label by an unlucky draw. A share of the requests (`burst_fraction`)
+arrives in bursts of `burst_size` at one instant, the bursts placed the same way. A share of requests (`cancel_fraction`)
 closes its stream after a few tokens, as a user who navigates away.
 """
 
@@ -80,20 +82,14 @@ def random_text(rng: random.Random, num_bytes: int) -> str:
 
 def arrival_times(rate: float, duration_s: float, rng: random.Random, burst_fraction: float = 0.0,
                   burst_size: int = 1) -> list[float]:
-    """Sorted arrival instants in [0, duration_s): Poisson background plus Poisson bursts, mean `rate`/s."""
+    """Sorted arrival instants in [0, duration_s): round(rate x duration_s) of them, singles and bursts."""
     if rate <= 0 or duration_s <= 0:
         raise ValueError(f"rate and duration must be > 0, got {rate}, {duration_s}")
-    times: list[float] = []
-    streams = [(rate * (1.0 - burst_fraction), 1)]
-    if burst_fraction > 0:
-        streams.append((rate * burst_fraction / burst_size, burst_size))
-    for event_rate, size in streams:
-        t = 0.0
-        while event_rate > 0:
-            t += rng.expovariate(event_rate)
-            if t >= duration_s:
-                break
-            times.extend([t] * size)
+    total = max(1, round(rate * duration_s))
+    num_bursts = round(total * burst_fraction / burst_size)
+    times = [rng.uniform(0.0, duration_s) for _ in range(total - num_bursts * burst_size)]
+    for _ in range(num_bursts):
+        times.extend([rng.uniform(0.0, duration_s)] * burst_size)
     return sorted(times)
 
 

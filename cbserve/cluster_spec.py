@@ -100,7 +100,8 @@ class ClusterSpec:
     def router_argv(self, port: int, addresses: dict[str, list[str]]) -> list[str]:
         argv = ["router", "--model", self.model, "--host", self.host, "--port", str(port),
                 "--policy", self.policy, "--slo-ttft-ms", _number(self.slo_ttft_ms),
-                "--slo-tpot-ms", _number(self.slo_tpot_ms), "--drain-seconds", _number(self.drain_seconds)]
+                "--slo-tpot-ms", _number(self.slo_tpot_ms), "--drain-seconds", _number(self.drain_seconds),
+                "--kv-transport", self.kv_transport]
         if self.colocated:
             argv += ["--colocated", ",".join(addresses["colocated"])]
         else:
