@@ -15,6 +15,13 @@ Roles change only the edges (`docs/architecture.md`): `prefill` ends a request a
 token and keeps its blocks referenced until `release_request`; `decode` reserves a prompt's blocks
 before its KV is pulled from a prefill pod (`add_remote_request`, `remote_kv_landed`,
 `remote_kv_failed`) and can still prefill locally (`add_request`, and after a failed pull).
+
+Blocks and transfers: a prefill pod streams `request.block_ids[:num_computed_tokens // block_size]`
+of every request in `last_progressed` after each `update`; a request in `preempted_request_ids`
+lost its blocks (its KV will be recomputed into new ones). Freeing is immediate in
+`abort_request`, `release_request` and `remote_kv_failed`, so a pod must stop (or fence) any
+transfer that reads or writes those blocks before calling them, or a block reused by another
+request could be read stale or overwritten.
 """
 
 from __future__ import annotations
