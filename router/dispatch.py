@@ -79,10 +79,11 @@ class SequenceTrace:
 
 
 class _AttemptFailed(Exception):
-    def __init__(self, pod: PodState, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{pod.role} pod {pod.address}: {error.code().name} {error.details()}")
+    def __init__(self, pod: PodState, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{pod.role} pod {pod.address}: {code.name} {details}")
         self.pod = pod
-        self.error = error
+        self.code = code
+        self.details = details
 
 
 class Dispatcher:
@@ -137,16 +138,18 @@ class Dispatcher:
                     yield event
                 return
             except _AttemptFailed as failed:
-                code = failed.error.code()
+                code = failed.code
                 if code in _POD_DOWN:
-                    self.tracker.mark_failed(failed.pod, f"{code.name}: {failed.error.details()}")
+                    self.tracker.mark_failed(failed.pod, f"{code.name}: {failed.details}")
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise timeout_error("The request's deadline passed before it finished.") from None
                 if emitted[0] or code in _NOT_RETRYABLE or attempt >= self.max_retries:
                     raise upstream_error(f"Generation failed: {failed}") from None
                 log.warning("request %s: %s; retrying on another pod", spec.request_id, failed)
                 self.metrics.retries.inc()
-                routing = replace(routing, exclude=routing.exclude | {failed.pod.address})
+                # Admission already accepted this request: a retry goes to any other pod, SLO or not.
+                routing = replace(routing, exclude=routing.exclude | {failed.pod.address},
+                                  slo_ttft_seconds=float("inf"), slo_tpot_seconds=float("inf"))
                 decision = self._try_route(routing)
                 if isinstance(decision, NoRoute):
                     raise unavailable(f"Generation failed and no other pod is ready: {failed}") from None
@@ -186,7 +189,7 @@ class Dispatcher:
                         self.tracker.mark_failed(prefill_pod, f"Prefill: {item.code().name}")
                     continue
                 if kind == "gen_error":
-                    raise _AttemptFailed(decode_pod, item)
+                    raise _AttemptFailed(decode_pod, item.code(), item.details() or "")
                 if kind == "gen_end":
                     if not finished:
                         raise upstream_error(f"decode pod {decode_pod.address} ended the stream early")
@@ -198,6 +201,9 @@ class Dispatcher:
                     event = TokenEvent(0, [item.first_token_id], [item.first_token_logprobs],
                                        item.finished, item.finish_reason or None)
                 else:
+                    if item.finished and item.finish_reason == "abort":
+                        # The pod gave the request up (draining, out of room): like a failed call.
+                        raise _AttemptFailed(decode_pod, grpc.StatusCode.ABORTED, "the pod aborted the request")
                     if item.index == 0 and item.token_ids:
                         self._record_generate_trace(item, trace)
                     event = TokenEvent(item.index, list(item.token_ids), list(item.logprobs),

@@ -44,6 +44,7 @@ class Script:
     token_delay: float = 0.0                # between decode tokens
     fail_generate: grpc.StatusCode | None = None
     fail_generate_after: int | None = None  # Generate breaks (UNAVAILABLE) after this many tokens
+    abort_generate: bool = False            # Generate ends at once with finish_reason "abort"
     fail_prefill: grpc.StatusCode | None = None
     down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
     watch_broken: bool = False              # WatchLoad raises (UNKNOWN); GetLoad still works
@@ -163,6 +164,9 @@ class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
             await self._check_up(context)
             if s.fail_generate is not None:
                 await context.abort(s.fail_generate, "scripted generate failure")
+            if s.abort_generate:
+                yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="abort")
+                return
             # A real D waits for the KV pull, which ends with P's first token; local prefill takes as long.
             await asyncio.sleep(s.first_token_delay)
             tokens = expected_tokens(request.prompt_token_ids, request.sampling.max_tokens,

@@ -118,3 +118,15 @@ async def test_prefill_pod_failure_falls_back_to_the_decode_pod(tokenizer):
         assert response.choices[0].text == tokenizer.decode(tokens[:-1])
         assert response.choices[0].finish_reason == "stop"
         await _wait_for(lambda: not h.state.dispatcher.tracker.pods[h.prefill[0].address].routable)
+
+
+async def test_pod_aborting_a_request_before_the_first_token_is_retried_elsewhere(tokenizer):
+    async with running_router(tokenizer, colocated=[Script(abort_generate=True), Script(abort_generate=True)],
+                              policy="round_robin", probe_interval_seconds=30) as h:
+        first, second = sorted(h.colocated, key=lambda p: p.address)
+        second.script.abort_generate = False
+        response = await h.http().post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
+        assert response.status_code == 200
+        assert len(first.records.generate_requests) == 1 and len(second.records.generate_requests) == 1
+        # ABORTED is not a crash: the pod stays in routing.
+        assert h.state.dispatcher.tracker.pods[first.address].routable
