@@ -24,7 +24,9 @@ from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup, host_store
-from kvtransfer.errors import ChecksumError, KVTransferError, LayoutError, SourceLostError
+from kvtransfer.pair_setup import open_pair
+from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
+                               SourceLostError)
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
 from prefill_pod.runtime import PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
@@ -92,14 +94,12 @@ class DecodeServicer(cbserve_pb2_grpc.DecodeServiceServicer):
             pod = self.rt.pod
             if self._store is None:
                 self._store = await asyncio.to_thread(host_store, "0.0.0.0", pod.kv_store_port)
-            name = f"{self.rt.pod_id}/{address}/{next(self._group_ids)}"
-            backend = "nccl" if self.rt.engine.device.type == "cuda" else "gloo"
             advertise = os.environ.get("CBSERVE_POD_IP") or (pod.host if pod.host != "0.0.0.0" else "127.0.0.1")
-            setup = self._stub(address).SetupTransport(cbserve_pb2.SetupTransportRequest(
-                group=name, store_host=advertise, store_port=self._store.port, backend=backend), timeout=timeout)
-            joined = PairGroup.create(self._store, name, 1, backend, device=self.rt.engine.device,
-                                      setup_timeout_s=timeout)
-            _, group = await asyncio.gather(setup, joined)
+            group = await open_pair(
+                self._stub(address), self._store, advertise_host=advertise,
+                group_name=f"{self.rt.pod_id}->{address}#{next(self._group_ids)}",
+                backend="nccl" if self.rt.engine.device.type == "cuda" else "gloo",
+                device=self.rt.engine.device, setup_timeout_s=timeout)
             self._groups[address] = group
             return group
 
@@ -122,7 +122,7 @@ class DecodeServicer(cbserve_pb2_grpc.DecodeServiceServicer):
                 rt.loop.publish([out])
         except asyncio.CancelledError:
             raise
-        except (SourceLostError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+        except (SourceLostError, SourceAbortedError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
             await self._fall_back(req_id, job, f"prefill pod {job.prefill_from} lost: {e}")
         except ChecksumError as e:
             self._fail(req_id, RequestFailed(grpc.StatusCode.DATA_LOSS, f"KV from {job.prefill_from} is corrupt: {e}"))

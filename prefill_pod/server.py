@@ -18,7 +18,8 @@ import grpc
 from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
 from engine.outputs import RequestOutput
-from kvtransfer.collective import PairGroup, connect_store
+from kvtransfer.collective import PairGroup
+from kvtransfer.pair_setup import accept_pair
 from kvtransfer.errors import KVTransferError, LayoutError, SourceAbortedError
 from kvtransfer.grpc_transport import KVSource
 from kvtransfer.layout import check_compatible
@@ -206,9 +207,9 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
         if old is not None:
             old.close()
         try:
-            store = await asyncio.to_thread(connect_store, request.store_host, request.store_port)
-            self.groups[request.group] = await PairGroup.create(
-                store, request.group, 0, request.backend or "gloo", device=self.rt.engine.device)
+            self.groups[request.group] = await accept_pair(request, device=self.rt.engine.device)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (KVTransferError, RuntimeError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"process group setup failed: {e}")
         return cbserve_pb2.SetupTransportResponse()
