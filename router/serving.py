@@ -57,17 +57,36 @@ class ServingState:
         return min(reported) if reported else self.default_max_model_len
 
 
+# What a field that accepts several shapes expects, for a readable message when none fits.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "TextPart", "function-after", "json-or-python"}
+
+
+def _is_type_tag(part: str) -> bool:
+    # pydantic names the union member it tried: "str", "list[int]", "list[list[int]]", ...
+    return part in _TYPE_TAGS or "[" in part
+
+
 async def parse_body(request: Request, model: type[Model]) -> Model:
+    """The validated body, or a 400 naming the first offending field (OpenAI's `param`)."""
     body = await request.body()
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = [str(part) for part in error["loc"]]
+        errors = exc.errors()
+        error = errors[0]
         if error["type"] == "json_invalid":
             raise bad_request(f"Invalid JSON body: {error['msg']}", code="invalid_json") from None
+        loc = [str(part) for part in error["loc"] if not _is_type_tag(str(part))]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
+        same_field = [e for e in errors if [str(p) for p in e["loc"] if not _is_type_tag(str(p))] == loc]
+        if len(same_field) > 1 and loc and loc[-1] in _UNION_FIELDS:
+            raise bad_request(f"{where}: must be {_UNION_FIELDS[loc[-1]]}", param=param) from None
         raise bad_request(f"{where}: {error['msg']}", param=param) from None
 
 
