@@ -42,10 +42,6 @@ class PrefixIndex:
         while len(self._pods_by_hash) > self.max_entries:
             self._pods_by_hash.popitem(last=False)
 
-    def forget_pod(self, address: str) -> None:
-        for pods in self._pods_by_hash.values():
-            pods.discard(address)
-
     def matched_blocks(self, hashes: Sequence[int], address: str) -> int:
         """How many leading blocks of the prompt `address` probably holds."""
         matched = 0

@@ -130,3 +130,14 @@ async def test_pod_aborting_a_request_before_the_first_token_is_retried_elsewher
         assert len(first.records.generate_requests) == 1 and len(second.records.generate_requests) == 1
         # ABORTED is not a crash: the pod stays in routing.
         assert h.state.dispatcher.tracker.pods[first.address].routable
+
+
+async def test_ready_needs_a_prefill_and_a_decode_pod(tokenizer):
+    async with running_router(tokenizer, prefill=[Script()], decode=[Script()], probe_interval_seconds=30) as h:
+        client = h.http()
+        assert (await client.get("/ready")).status_code == 200
+        h.decode[0].script.down = True
+        await _wait_for(lambda: not h.state.dispatcher.tracker.pods[h.decode[0].address].routable)
+        ready = await client.get("/ready")
+        assert ready.status_code == 503 and ready.json() == {"status": "no ready pods"}
+        assert (await client.get("/health")).status_code == 200          # alive, just not ready
