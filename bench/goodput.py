@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--cpus", default=None, help="pin the benchmark and every process to these cores, e.g. 0,1")
     p.add_argument("--warmup", type=int, default=4, help="requests sent (and discarded) before the sweep")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--stop-below-attainment", type=float, default=0.05,
@@ -128,12 +129,21 @@ def run_config(args: argparse.Namespace, config: str, mix: Mix, log_root: Path) 
             row = {"mix": mix.name, "config": config, **run_rate(cluster, args, mix, rate, model_id)}
             rows.append(row)
             print(format_table([row], header=False), flush=True)
+            if row["sample_errors"]:
+                print(f"#   errors, e.g.: {' | '.join(row['sample_errors'])}", flush=True)
             if row["slo_attainment"] < args.stop_below_attainment:
                 print(f"# {config}: attainment {row['slo_attainment']:.0%} at {rate:g} req/s; "
                       f"skipping higher rates", flush=True)
                 break
             time.sleep(1.0)   # let cancelled and timed-out requests leave the pods
     return rows
+
+
+def model_context_length(model: str) -> int:
+    from engine.presets import resolve_model_dir
+
+    config = json.loads((resolve_model_dir(model, create_weights=False) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
 
 
 def git_commit() -> str | None:
@@ -148,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     args = parse_args(argv)
+    context = model_context_length(args.model)
     for name in args.mixes:
-        if MIXES[name].max_total_tokens > 2048 and args.model == "tiny":
-            raise SystemExit(f"mix {name} needs {MIXES[name].max_total_tokens} tokens; tiny's context is 2048")
+        if MIXES[name].max_total_tokens > context:
+            raise SystemExit(f"mix {name} needs {MIXES[name].max_total_tokens} tokens; {args.model} has {context}")
     log_root = Path(args.log_dir or tempfile.mkdtemp(prefix="cbserve-goodput-"))
+    if args.cpus:   # children inherit the affinity: every configuration runs on the same cores
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     print(f"# model {args.model}, SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms, "
           f"{args.duration:g} s per rate, seed {args.seed}, logs in {log_root}", flush=True)
     rows: list[dict] = []
@@ -169,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": args.model, "mixes": args.mixes, "rates": args.rates, "duration_s": args.duration,
                 "configs": {c: CONFIGS[c] for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
-                "prefix_caching": args.prefix_caching, "git_commit": git_commit(), "cpu_count": os.cpu_count(),
-                "machine": platform.platform()}
+                "cpus": args.cpus, "prefix_caching": args.prefix_caching, "git_commit": git_commit(),
+                "cpu_count": os.cpu_count(), "machine": platform.platform()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=1) + "\n")
         print(f"# json: {args.json}")

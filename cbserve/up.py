@@ -89,8 +89,9 @@ def run_demo(cluster: LocalCluster) -> None:
     """One completion and one chat request through the router with the real `openai` client."""
     import openai
 
+    # Retries honour the router's Retry-After on a 429 (a busy machine can make the first request wait).
     client = openai.OpenAI(base_url=cluster.base_url, api_key=os.environ.get("CBSERVE_API_KEY") or "unused",
-                           max_retries=0, timeout=120)
+                           max_retries=3, timeout=120)
     model = client.models.list().data[0].id
     completion = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16,
                                            temperature=0.0)
