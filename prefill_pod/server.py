@@ -166,7 +166,9 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
             except SourceAbortedError as e:
                 await context.abort(grpc.StatusCode.ABORTED, str(e))
             except LayoutError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                # The request's blocks moved under the stream (preempted by recompute): the puller
+                # cannot use what it has; ABORTED makes it prefill locally instead.
+                await context.abort(grpc.StatusCode.ABORTED, str(e))
             except KVTransferError as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             finally:
