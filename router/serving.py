@@ -45,7 +45,7 @@ class ServingState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     default_max_model_len: int
-    block_size: int = 16
+    default_block_size: int = 16
     draining: bool = False
 
     def max_model_len(self) -> int:
@@ -55,6 +55,13 @@ class ServingState:
         reported = [p.model.max_model_len for p in self.dispatcher.tracker.pods.values()
                     if p.model is not None and p.model.max_model_len > 0]
         return min(reported) if reported else self.default_max_model_len
+
+    def block_size(self) -> int:
+        """The pods' KV block size (prefix affinity hashes whole blocks, as the pods' caches do)."""
+        for pod in self.dispatcher.tracker.pods.values():
+            if pod.model is not None and pod.model.block_size > 0:
+                return pod.model.block_size
+        return self.default_block_size
 
 
 # What a field that accepts several shapes expects, for a readable message when none fits.
@@ -122,8 +129,9 @@ def build_specs(state: ServingState, http: Request, request_id: str, prompts: li
     slo_tpot = slo_seconds(http, SLO_TPOT_HEADER, state.config.slo_tpot_ms)
     deadline = time.monotonic() + state.config.request_timeout_seconds
     specs = []
+    block_size = state.block_size()
     for p, prompt in enumerate(prompts):
-        hashes = block_hashes(prompt.token_ids, state.block_size)
+        hashes = block_hashes(prompt.token_ids, block_size)
         for j in range(n):
             index = p * n + j
             sampling = params[p]
@@ -131,7 +139,7 @@ def build_specs(state: ServingState, http: Request, request_id: str, prompts: li
                 # Same seed for every choice would give n identical samples.
                 sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
             routing = RoutingRequest(f"{request_id}-{index}", len(prompt.token_ids), sampling.max_tokens,
-                                     slo_ttft, slo_tpot, hashes, state.block_size)
+                                     slo_ttft, slo_tpot, hashes, block_size)
             specs.append(SequenceSpec(f"{request_id}-{index}", prompt.token_ids, sampling, routing,
                                       time.time(), deadline, priority))
     return specs
