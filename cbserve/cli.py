@@ -102,6 +102,19 @@ def cmd_pod(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from router.app import run
+    from router.flags import router_config_from_args
+
+    try:
+        config = router_config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -128,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--colocated", action="store_true",
                      help="label this pod a colocated engine (it prefills every request itself)")
     dec.set_defaults(func=cmd_pod)
+
+    rtr = sub.add_parser("router", help="run the OpenAI-compatible router (HTTP)")
+    from router.flags import add_router_arguments
+    add_router_arguments(rtr)
+    rtr.set_defaults(func=cmd_router)
 
     from cbserve.up import add_up_command  # `cbserve up`: cbserve/up.py
     add_up_command(sub)
