@@ -30,11 +30,12 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    sampling_or_400(lambda: request.sampling_params(default_max_tokens=1))
+    rename = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
+    sampling_or_400(lambda: request.sampling_params(default_max_tokens=1), rename)
     prompt = await chat_prompt(request, state.tokenizer)
     max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), state.max_model_len(),
                                       "messages", max_tokens_param)
-    params = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens))
+    params = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), rename)
     request_id, created, model = new_request_id("chatcmpl"), int(time.time()), state.config.model_name
     specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority)
     tokenizer = state.tokenizer

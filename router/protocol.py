@@ -50,7 +50,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)   # int32 on the wire
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this body; raises SamplingParamsError naming the bad field."""

@@ -116,11 +116,13 @@ def check_model(state: ServingState, name: str | None) -> None:
                         code="model_not_found")
 
 
-def sampling_or_400(build: Callable[[], SamplingParams]) -> SamplingParams:
+def sampling_or_400(build: Callable[[], SamplingParams], rename: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from `build`, or a 400 naming the field as the client spelled it (`rename`)."""
     try:
         return build()
     except SamplingParamsError as exc:
-        raise bad_request(str(exc), param=exc.param) from None
+        param = (rename or {}).get(exc.param, exc.param)
+        raise bad_request(f"{param}: {exc.message}", param=param) from None
 
 
 def build_specs(state: ServingState, http: Request, request_id: str, prompts: list[Prompt], n: int,

@@ -56,6 +56,13 @@ CASES = [
      400, "max_completion_tokens"),
     ("unknown model", COMPLETIONS, {"model": "gpt-9", "prompt": "a"}, {}, 404, None),
     ("logit_bias unsupported", COMPLETIONS, {"prompt": "a", "logit_bias": {"5": 1.0}}, {}, 400, "logit_bias"),
+    ("top_logprobs too many", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, {}, 400,
+     "top_logprobs"),
+    ("chat max_completion_tokens zero", CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, {}, 400,
+     "max_completion_tokens"),
+    ("priority beyond int32", COMPLETIONS, {"prompt": "a", "priority": 1 << 40}, {}, 400, "priority"),
+    ("n above limit", CHAT, {"messages": MESSAGES, "n": 1000}, {}, 400, "n"),
+    ("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, 400, "messages"),
     ("bad SLO header", COMPLETIONS, {"prompt": "a"}, {"x-slo-ttft-ms": "soon"}, 400, "x-slo-ttft-ms"),
 ]
 
