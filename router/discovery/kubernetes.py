@@ -127,7 +127,15 @@ class KubernetesDiscovery(Discovery):
                             self._hand_over(role, {name: None})
                         else:
                             self._hand_over(role, {name: endpoints_of_slice(obj, role, self.port_name)})
-            except Exception as exc:  # relist after any failure (410 Gone, connection loss, ...)
+            except ApiException as exc:
+                if self._stop.is_set():
+                    return
+                if exc.status == 410:     # history compacted past our version: relist at once
+                    log.info("EndpointSlice watch of %s/%s expired; relisting", self.namespace, service)
+                    continue
+                log.warning("EndpointSlice watch of %s/%s failed (%s); relisting", self.namespace, service, exc)
+                self._stop.wait(_RETRY_SECONDS)
+            except Exception as exc:  # relist after any other failure (connection loss, ...)
                 if self._stop.is_set():
                     return
                 log.warning("EndpointSlice watch of %s/%s failed (%s); relisting", self.namespace, service, exc)

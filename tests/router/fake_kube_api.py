@@ -33,6 +33,7 @@ class FakeKubeAPI:
         self.requests: list[str] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self._expire_before = 0          # watches from an older resourceVersion get 410 Gone
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -69,6 +70,12 @@ class FakeKubeAPI:
             self.resource_version += 1
             obj = self.slices.pop(name)
             self.events.append((self.resource_version, "DELETED", obj))
+            self._cond.notify_all()
+
+    def expire_history(self) -> None:
+        """Compact history, as etcd does: open and new watches from older versions get 410 Gone."""
+        with self._cond:
+            self._expire_before = self.resource_version + 1
             self._cond.notify_all()
 
     def _matching(self, query: dict) -> str | None:
@@ -122,6 +129,13 @@ class FakeKubeAPI:
                     while time.monotonic() < deadline:
                         with api._cond:
                             if api._stopping:
+                                break
+                            if sent < api._expire_before:
+                                gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+                                                                    "status": "Failure", "reason": "Expired",
+                                                                    "code": 410, "message": "too old resource version"}}
+                                line = json.dumps(gone).encode() + b"\n"
+                                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                                 break
                             pending = [(rv, kind, obj) for rv, kind, obj in api.events if rv > sent
                                        and obj["metadata"]["labels"][SERVICE_LABEL] == service]

@@ -68,6 +68,21 @@ async def test_lists_then_watches_only_ready_endpoints(kube_api):
         await discovery.stop()
 
 
+async def test_relists_after_410_gone(kube_api):
+    kube_api.put_slice("cbserve-decode", "d1", 50052, [endpoint("10.0.1.1", "decode-0")])
+    discovery = KubernetesDiscovery("serving", {"decode": "cbserve-decode"}, "grpc", api_client=_api_client(kube_api))
+    await discovery.start()
+    try:
+        await _until(lambda: len(kube_api.requests) >= 2)        # the list, then the watch
+        kube_api.expire_history()
+        kube_api.put_slice("cbserve-decode", "d1", 50052, [endpoint("10.0.1.7", "decode-7")])
+        await _until(lambda: {e.address for e in discovery.endpoints()} == {"10.0.1.7:50052"})
+        lists = [r for r in kube_api.requests if "watch=true" not in r]
+        assert len(lists) >= 2                                     # recovered by listing again
+    finally:
+        await discovery.stop()
+
+
 async def test_router_routes_to_discovered_pods_and_drops_deleted_ones(kube_api, tokenizer):
     prefill = await start_pods("prefill", [Script()])
     decode = await start_pods("decode", [Script()])
