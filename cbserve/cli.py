@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):  # one line per readiness probe otherwise
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     return args.func(args) or 0
 
 

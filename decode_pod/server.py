@@ -154,8 +154,9 @@ class DecodeServicer(cbserve_pb2_grpc.DecodeServiceServicer):
     async def GetLoad(self, request, context):
         return await self.rt.get_load(request, context)
 
-    def WatchLoad(self, request, context):
-        return self.rt.watch_load(request, context)
+    async def WatchLoad(self, request, context):
+        async for report in self.rt.watch_load(request, context):
+            yield report
 
     async def Abort(self, request, context):
         return await self.rt.abort(request, context)

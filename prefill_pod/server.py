@@ -75,8 +75,9 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
     async def GetLoad(self, request, context):
         return await self.rt.get_load(request, context)
 
-    def WatchLoad(self, request, context):
-        return self.rt.watch_load(request, context)
+    async def WatchLoad(self, request, context):
+        async for report in self.rt.watch_load(request, context):
+            yield report
 
     async def Abort(self, request, context):
         self._forget(request.request_id, "aborted")

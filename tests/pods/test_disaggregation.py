@@ -104,3 +104,20 @@ def test_metrics_exported(pods):
             assert name in text, f"{pod.role} lacks {name}"
     decode_text = urllib.request.urlopen(f"http://127.0.0.1:{pods[1].metrics_port}/metrics").read().decode()
     assert 'cbserve_kv_transfer_bytes_total{role="decode"} 0.0' not in decode_text
+
+
+def test_watch_load_streams_reports(pods):
+    async def watch():
+        async with grpc.aio.insecure_channel(pods[0].address) as ch:
+            stream = pb_grpc.PrefillServiceStub(ch).WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02), timeout=5)
+            reports = []
+            async for report in stream:
+                reports.append(report)
+                if len(reports) == 3:
+                    stream.cancel()
+                    break
+            return reports
+
+    reports = run(watch())
+    assert [r.role for r in reports] == ["prefill"] * 3
+    assert reports[0].num_total_blocks > 0 and reports[-1].timestamp > reports[0].timestamp
