@@ -71,3 +71,35 @@ async def test_drain_gives_up_after_drain_seconds(tokenizer):
     finally:
         sock.close()
         await pods[0].stop()
+
+
+def test_router_process_exits_cleanly_on_sigterm(tmp_path):
+    """The real signal path: `router.app.run` in a process, SIGTERM, exit code 0 (nothing in flight)."""
+    import os
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = ("from router.app import run; from router.config import RouterConfig; "
+            f"run(RouterConfig(model='tiny', port={port}, colocated=('127.0.0.1:1',), api_key_env=None, "
+            "drain_seconds=5))")
+    env = {**os.environ, "CBSERVE_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "router did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 503   # no pod answers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
