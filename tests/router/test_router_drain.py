@@ -87,7 +87,11 @@ def test_router_process_exits_cleanly_on_sigterm(tmp_path):
             f"run(RouterConfig(model='tiny', port={port}, colocated=('127.0.0.1:1',), api_key_env=None, "
             "drain_seconds=5))")
     env = {**os.environ, "CBSERVE_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL) as proc:
+        _sigterm_and_wait(proc, port)
+
+
+def _sigterm_and_wait(proc, port: int) -> None:
     try:
         deadline = time.monotonic() + 60
         while True:
