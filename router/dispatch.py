@@ -179,6 +179,7 @@ class Dispatcher:
         if prefill_call is not None:
             pumps.append(asyncio.create_task(self._pump_prefill(prefill_call, inbox)))
         finished = False
+        finished_by_prefill = False    # the first token ended it: D's call is cut short
         next_index = 0
         try:
             while True:
@@ -200,6 +201,7 @@ class Dispatcher:
                     trace.num_cached_tokens = item.num_cached_tokens
                     event = TokenEvent(0, [item.first_token_id], [item.first_token_logprobs],
                                        item.finished, item.finish_reason or None)
+                    finished_by_prefill = item.finished and next_index == 0
                 else:
                     if item.finished and item.finish_reason == "abort":
                         # The pod gave the request up (draining, out of room): like a failed call.
@@ -228,7 +230,8 @@ class Dispatcher:
             gen_call.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
-            if not finished:
+            if not finished or finished_by_prefill:
+                # Cut short: make sure neither pod keeps state (P may hold the KV for a pull).
                 for pod in (prefill_pod, decode_pod):
                     if pod is not None:
                         self._spawn(pod.client.abort(request_id))

@@ -141,3 +141,13 @@ async def test_ready_needs_a_prefill_and_a_decode_pod(tokenizer):
         ready = await client.get("/ready")
         assert ready.status_code == 503 and ready.json() == {"status": "no ready pods"}
         assert (await client.get("/health")).status_code == 200          # alive, just not ready
+
+
+async def test_request_ended_by_the_first_token_frees_both_pods(tokenizer):
+    async with running_router(tokenizer, prefill=[Script()], decode=[Script(first_token_delay=1.0)]) as h:
+        response = await h.http().post("/v1/completions", json={"prompt": "abc", "max_tokens": 1})
+        assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+        request_id = h.prefill[0].records.prefill_requests[0].request_id
+        await _wait_for(lambda: request_id in h.prefill[0].records.aborted
+                        and request_id in h.decode[0].records.aborted)
+        await asyncio.wait_for(h.decode[0].records.cancel_seen.wait(), 5.0)
