@@ -29,7 +29,7 @@ from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, Sour
                                SourceLostError)
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
-from prefill_pod.runtime import PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
+from prefill_pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.DecodeService"
@@ -49,7 +49,7 @@ class Job:
         return max(0.0, self.deadline - time.monotonic())
 
 
-class DecodeServicer(cbserve_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
     def __init__(self, runtime: PodRuntime) -> None:
         self.rt = runtime
         self.jobs: dict[str, Job] = {}
@@ -148,19 +148,6 @@ class DecodeServicer(cbserve_pb2_grpc.DecodeServiceServicer):
         self.rt.loop.fail(req_id, error)
 
     # ------------------------------------------------------------------ RPCs
-    async def Handshake(self, request, context):
-        return await self.rt.handshake(request, context)
-
-    async def GetLoad(self, request, context):
-        return await self.rt.get_load(request, context)
-
-    async def WatchLoad(self, request, context):
-        async for report in self.rt.watch_load(request, context):
-            yield report
-
-    async def Abort(self, request, context):
-        return await self.rt.abort(request, context)
-
     async def Generate(self, request: cbserve_pb2.GenerateRequest, context):
         rt, req_id = self.rt, request.request_id
         if rt.draining:

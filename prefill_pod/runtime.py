@@ -222,6 +222,25 @@ class PodRuntime:
         log.info("drained; exiting")
 
 
+class CommonRPCs:
+    """The RPCs both pod services have, answered by the pod's runtime (`self.rt`)."""
+
+    rt: PodRuntime
+
+    async def Handshake(self, request, context):
+        return await self.rt.handshake(request, context)
+
+    async def GetLoad(self, request, context):
+        return await self.rt.get_load(request, context)
+
+    async def WatchLoad(self, request, context):
+        async for report in self.rt.watch_load(request, context):
+            yield report
+
+    async def Abort(self, request, context):
+        return await self.rt.abort(request, context)
+
+
 class _Inflight:
     """Counts an RPC as in flight for the drain (`async with runtime.track():`)."""
 

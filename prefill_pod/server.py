@@ -25,13 +25,13 @@ from kvtransfer.grpc_transport import KVSource
 from kvtransfer.layout import check_compatible
 from kvtransfer.leases import HeldKVTable
 from kvtransfer.progress import KVProgress
-from prefill_pod.runtime import PodRuntime, RequestFailed, logprobs_to_pb
+from prefill_pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.PrefillService"
 
 
-class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runtime: PodRuntime) -> None:
         self.rt = runtime
         self.progress: dict[str, KVProgress] = {}         # request id -> prefill progress
@@ -69,19 +69,9 @@ class PrefillServicer(cbserve_pb2_grpc.PrefillServiceServicer):
         self.rt.refresh(engine, self.held.num_held)
 
     # ------------------------------------------------------------------ RPCs
-    async def Handshake(self, request, context):
-        return await self.rt.handshake(request, context)
-
-    async def GetLoad(self, request, context):
-        return await self.rt.get_load(request, context)
-
-    async def WatchLoad(self, request, context):
-        async for report in self.rt.watch_load(request, context):
-            yield report
-
     async def Abort(self, request, context):
         self._forget(request.request_id, "aborted")
-        return await self.rt.abort(request, context)
+        return await super().Abort(request, context)
 
     async def Prefill(self, request: cbserve_pb2.PrefillRequest, context) -> cbserve_pb2.PrefillResponse:
         rt, req_id = self.rt, request.request_id
