@@ -49,7 +49,12 @@ class LatencyPredictor:
 
 
 class SLOFilter:
-    """Keeps only pods predicted to meet the request's SLO."""
+    """Keeps only pods predicted to meet the request's SLO, and idle pods.
+
+    An idle pod always stays: if even an idle pod would miss, the request's own size or the pod's
+    speed is the cause and waiting cannot help; and refusing work to an idle pod whose measured rate
+    is stale (low) would starve it of the very work that refreshes the measurement.
+    """
 
     name = "slo"
 
@@ -57,7 +62,11 @@ class SLOFilter:
         self.predictor = predictor
 
     def filter(self, request: RoutingRequest, pods: list[PodState]) -> list[PodState]:
-        return [p for p in pods if self.predictor.headroom(request, p) >= 0.0]
+        return [p for p in pods if _idle(p) or self.predictor.headroom(request, p) >= 0.0]
+
+
+def _idle(pod: PodState) -> bool:
+    return pod.num_requests == 0 and pod.queued_prefill_tokens == 0
 
 
 class SLOHeadroomScorer:

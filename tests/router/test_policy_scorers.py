@@ -89,6 +89,7 @@ GOODPUT_PREFILL_CASES = [
     ("idle pod: headroom 0.8", [pod("a")], {"a": pytest.approx(0.8)}, ["a"]),
     ("queue 300: 0.4 s, still meets", [pod("a", queued_tokens=300)], {"a": pytest.approx(0.2)}, ["a"]),
     ("queue 500: 0.6 s misses", [pod("a", queued_tokens=500)], {"a": pytest.approx(-0.2)}, []),
+    ("prompt alone misses on an idle pod: kept", [pod("a", rate=100)], {"a": pytest.approx(-1.0)}, ["a"]),
     ("faster pod has more headroom", [pod("a", queued_tokens=300), pod("b", queued_tokens=300, rate=4000)],
      {"a": pytest.approx(0.2), "b": pytest.approx(0.8)}, ["a", "b"]),
 ]
@@ -117,7 +118,9 @@ def test_goodput_prefix_cache_lowers_predicted_ttft():
 GOODPUT_DECODE_CASES = [
     # decode TPOT from the step-time EWMA until the online model has samples; SLO 50 ms
     ("fast pod", [pod("a", "decode", step=0.01)], {"a": pytest.approx(0.8)}, ["a"]),
-    ("slow pod misses", [pod("a", "decode", step=0.06)], {"a": pytest.approx(-0.2)}, []),
+    ("slow busy pod misses", [pod("a", "decode", step=0.06, running=3)], {"a": pytest.approx(-0.2)}, []),
+    ("slow idle pod is kept: waiting cannot help", [pod("a", "decode", step=0.06)], {"a": pytest.approx(-0.2)},
+     ["a"]),
     ("colocated takes the worse of ttft and tpot", [pod("a", "colocated", step=0.04, queued_tokens=0)],
      {"a": pytest.approx(0.2)}, ["a"]),
 ]
