@@ -9,6 +9,7 @@ policy, admission and dispatch together. Routes: `/v1/completions`, `/v1/chat/co
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -64,6 +65,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
     """The FastAPI app for `config`; `tokenizer`/`discovery` may be injected (tests, embedding)."""
     metrics = RouterMetrics()
     api_key = config.resolved_api_key()
+    api_key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else b""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,8 +104,10 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
             return
         header = request.headers.get("authorization", "")
         scheme, _, presented = header.partition(" ")
-        # Compare in constant time, so response timing does not reveal how much of a guess matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), api_key.encode()):
+        # Compare digests in constant time: timing reveals neither how much of a guess matched nor
+        # the key's length.
+        presented_digest = hashlib.sha256(presented.strip().encode()).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented_digest, api_key_digest):
             raise unauthorized()
 
     @app.exception_handler(APIError)
