@@ -180,16 +180,22 @@ class Dispatcher:
             pumps.append(asyncio.create_task(self._pump_prefill(prefill_call, inbox)))
         finished = False
         finished_by_prefill = False    # the first token ended it: D's call is cut short
+        prefill_failure: grpc.aio.AioRpcError | None = None
         next_index = 0
         try:
             while True:
                 kind, item = await inbox.get()
                 if kind == "prefill_error":
                     # D pulls the KV from P; with P gone, D prefills locally or fails on its own.
+                    prefill_failure = item
                     if item.code() in _POD_DOWN:
                         self.tracker.mark_failed(prefill_pod, f"Prefill: {item.code().name}")
                     continue
                 if kind == "gen_error":
+                    if prefill_failure is not None and prefill_failure.code() in _POD_DOWN:
+                        # D failed because its source died (no local fallback): P's fault, not D's.
+                        raise _AttemptFailed(prefill_pod, prefill_failure.code(),
+                                             f"{prefill_failure.details()}; decode: {item.details()}")
                     raise _AttemptFailed(decode_pod, item.code(), item.details() or "")
                 if kind == "gen_end":
                     if not finished:

@@ -45,6 +45,7 @@ class Script:
     fail_generate: grpc.StatusCode | None = None
     fail_generate_after: int | None = None  # Generate breaks (UNAVAILABLE) after this many tokens
     abort_generate: bool = False            # Generate ends at once with finish_reason "abort"
+    lost_source: str | None = None          # Generate fails (UNAVAILABLE) when pulling from this address
     fail_prefill: grpc.StatusCode | None = None
     down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
     watch_broken: bool = False              # WatchLoad raises (UNKNOWN); GetLoad still works
@@ -164,6 +165,9 @@ class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
             await self._check_up(context)
             if s.fail_generate is not None:
                 await context.abort(s.fail_generate, "scripted generate failure")
+            if s.lost_source is not None and request.prefill_from == s.lost_source:
+                await asyncio.sleep(0.1)          # the source's failure reaches the router first
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill source lost, no local fallback")
             if s.abort_generate:
                 yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="abort")
                 return

@@ -151,3 +151,20 @@ async def test_request_ended_by_the_first_token_frees_both_pods(tokenizer):
         await _wait_for(lambda: request_id in h.prefill[0].records.aborted
                         and request_id in h.decode[0].records.aborted)
         await asyncio.wait_for(h.decode[0].records.cancel_seen.wait(), 5.0)
+
+
+async def test_decode_failing_because_its_prefill_pod_died_blames_the_prefill_pod(tokenizer):
+    # P dies; this D has no local fallback and fails too. The retry avoids P and keeps D.
+    async with running_router(tokenizer, prefill=[Script(), Script()], decode=[Script()],
+                              policy="round_robin", probe_interval_seconds=30) as h:
+        dead = sorted(h.prefill, key=lambda p: p.address)[0]
+        dead.script.fail_prefill = grpc.StatusCode.UNAVAILABLE
+        decode = h.decode[0]
+        decode.script.lost_source = dead.address
+        response = await h.http().post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        tracker = h.state.dispatcher.tracker
+        assert not tracker.pods[dead.address].routable
+        assert tracker.pods[decode.address].routable                 # D was not blamed
+        assert [r.prefill_from for r in decode.records.generate_requests] == [
+            dead.address, [p for p in h.prefill if p is not dead][0].address]
