@@ -76,7 +76,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
             tokenizer = Tokenizer.from_pretrained(model_dir)
             max_len = max_len or max_model_len_of(model_dir)
         discovery = discovery or build_discovery(config)
-        tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds)
+        tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds,
+                              close_grace_seconds=config.request_timeout_seconds)
         prefix_index = PrefixIndex(config.prefix_affinity_entries)
         admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
         tracker.add_listener(admission.wake)

@@ -112,11 +112,14 @@ class PodState:
 class LoadTracker:
     """Keeps one PodState per discovered endpoint, fed by its load stream and health probes."""
 
-    def __init__(self, load_interval_seconds: float = 0.05, probe_interval_seconds: float = 1.0) -> None:
+    def __init__(self, load_interval_seconds: float = 0.05, probe_interval_seconds: float = 1.0,
+                 close_grace_seconds: float = 600.0) -> None:
         self.load_interval_seconds = load_interval_seconds
         self.probe_interval_seconds = probe_interval_seconds
+        self.close_grace_seconds = close_grace_seconds   # longest wait for a removed pod's calls
         self.pods: dict[str, PodState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._closing: set[asyncio.Task] = set()
         self._listeners: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -144,9 +147,22 @@ class LoadTracker:
         self._notify()
 
     def _remove(self, address: str) -> None:
+        """Stop routing to a vanished pod; its channel closes once the calls already on it end.
+
+        A pod that Kubernetes marks not-ready is usually draining: its in-flight streams are meant
+        to finish, so closing the channel at once would cut them off.
+        """
         pod = self.pods.pop(address)
         self._tasks.pop(address).cancel()
-        asyncio.get_running_loop().create_task(pod.client.close())
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(pod))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_when_idle(self, pod: PodState) -> None:
+        deadline = time.monotonic() + self.close_grace_seconds
+        while pod.num_inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await pod.client.close()
 
     def mark_failed(self, pod: PodState, reason: str) -> None:
         """Take `pod` out of routing now; it comes back after a successful probe."""
@@ -160,6 +176,8 @@ class LoadTracker:
         self._notify()
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
         for address in list(self.pods):
             pod = self.pods.pop(address)
             task = self._tasks.pop(address)

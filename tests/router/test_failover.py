@@ -168,3 +168,19 @@ async def test_decode_failing_because_its_prefill_pod_died_blames_the_prefill_po
         assert tracker.pods[decode.address].routable                 # D was not blamed
         assert [r.prefill_from for r in decode.records.generate_requests] == [
             dead.address, [p for p in h.prefill if p is not dead][0].address]
+
+
+async def test_pod_leaving_discovery_mid_stream_finishes_the_stream(tokenizer):
+    # Kubernetes marks a draining pod not ready: no new work, but its open streams must finish.
+    async with running_router(tokenizer, colocated=[Script(token_delay=0.02)]) as h:
+        tracker = h.state.dispatcher.tracker
+        async with h.http().stream("POST", "/v1/completions",
+                                   json={"prompt": "abc", "max_tokens": 30, "stream": True}) as response:
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            tracker.set_endpoints(frozenset())                    # the pod left the EndpointSlice
+            assert tracker.pods == {}
+            rest = [line async for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert h.colocated[0].records.cancelled == []
