@@ -14,6 +14,7 @@ The Python API is `LocalCluster` (re-exported here).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -112,8 +113,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # SIGTERM takes the Ctrl-C path: drain the router, then the pods.
+    # SIGTERM takes the Ctrl-C path: drain the router, then the pods. SIGINT is set too, because a
+    # shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    for name in ("httpx", "httpcore", "openai"):   # not one line per readiness probe
+        logging.getLogger(name).setLevel(logging.WARNING)
     cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir)
     try:
         cluster.start()
