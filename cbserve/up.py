@@ -117,7 +117,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
-    for name in ("httpx", "httpcore", "openai"):   # not one line per readiness probe
+    for name in ("httpx", "httpx2", "httpcore", "openai"):   # not one line per readiness probe
         logging.getLogger(name).setLevel(logging.WARNING)
     cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir)
     try:
