@@ -162,6 +162,7 @@ class LoadTracker:
         deadline = time.monotonic() + self.close_grace_seconds
         while pod.num_inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)    # let best-effort Aborts sent as the last calls ended go out
         await pod.client.close()
 
     def mark_failed(self, pod: PodState, reason: str) -> None:

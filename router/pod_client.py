@@ -72,6 +72,8 @@ class PodClient:
             await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             log.debug("abort %s on %s failed: %s", request_id, self.address, exc.code())
+        except grpc.aio.UsageError:
+            log.debug("abort %s on %s skipped: channel closed", request_id, self.address)
 
     def __repr__(self) -> str:
         return f"PodClient({self.role}@{self.address})"
