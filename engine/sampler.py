@@ -1,25 +1,31 @@
 """Turn one step's logits into one token per sequence, honouring each request's `SamplingParams`.
 
 Order (as vLLM): logprobs are taken from the raw logits first; then repetition/presence/frequency
-penalties, the min_tokens mask, and for non-greedy rows temperature, top-k, top-p, min-p and a draw.
-Every stage runs once over all the rows that need it, so the cost does not grow with the number of
-distinct settings in the batch; an all-greedy batch is one argmax.
+penalties, the min_tokens mask, and for non-greedy rows temperature, top-k, top-p, min-p and a draw
+(`engine.random_sampling`). Every stage runs once over all the rows that need it, so the cost does
+not grow with the number of distinct settings in the batch; an all-greedy batch is one argmax.
+Penalties touch only the (row, token) pairs that occur, never a whole `[rows, vocab]` pass.
 
 Seeded requests are deterministic per (seed, output position): the draw uses the exponential-race
-trick, `argmax(probs / E)` with `E ~ Exp(1)` drawn over the whole vocabulary from a generator seeded
-by a hash of (seed, position). Each row's noise depends on nothing else in the batch, so a request
-gets the same token whether it runs alone, batched, reordered, or split across a prefill and a
-decode pod (on the same kind of device: CPU and CUDA generators produce different streams).
+trick, `argmax(probs / E)` with `E ~ Exp(1)` from a generator seeded by a hash of (seed, position),
+one draw per top-k survivor in token-id order (the whole vocabulary when top-k is off). Each row's
+noise and probabilities depend on nothing else in the batch, so a request gets the same token
+whether it runs alone, batched, reordered, or split across a prefill and a decode pod (on the same
+kind of device: CPU and CUDA generators produce different streams).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.random_sampling import MAX_SLICE_TOP_K, nucleus_threshold, row_argmax, sample_full, \
+    sample_sliced, sort_descending
+from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,17 +82,19 @@ class Sampler:
         logits = self._apply_penalties(raw_logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 
-        greedy = [p.is_greedy for p in params]
-        if all(greedy):
-            token_ids = logits.argmax(dim=-1)  # [num_seqs]
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE_EPS]
+        if not random_rows:
+            token_ids = row_argmax(logits)  # [num_seqs]
+        elif len(random_rows) == len(requests):
+            token_ids = self._sample_random(logits, params, [len(r.output_token_ids) for r in requests])
         else:
-            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-            greedy_rows = [i for i, g in enumerate(greedy) if g]
-            random_rows = [i for i, g in enumerate(greedy) if not g]
-            if greedy_rows:
-                rows = torch.tensor(greedy_rows, device=logits.device)
-                token_ids[rows] = logits[rows].argmax(dim=-1)
-            rows = torch.tensor(random_rows, device=logits.device)
+            device = logits.device
+            random_set = set(random_rows)
+            greedy_rows = [i for i in range(len(requests)) if i not in random_set]
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=device)
+            rows = torch.tensor(greedy_rows, device=device)
+            token_ids[rows] = row_argmax(logits[rows]).to(device)
+            rows = torch.tensor(random_rows, device=device)
             token_ids[rows] = self._sample_random(
                 logits[rows], [params[i] for i in random_rows],
                 [len(requests[i].output_token_ids) for i in random_rows])
@@ -98,30 +106,39 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
         """Repetition penalty over prompt+output tokens (HF/vLLM), presence/frequency over output
-        tokens (OpenAI: `logit -= frequency * count + presence * (count > 0)`)."""
+        tokens (OpenAI: `logit -= frequency * count + presence * (count > 0)`).
+
+        Works on flat `row * vocab + token` keys of the tokens that occur, so the cost follows the
+        number of tokens, not `rows x vocab`."""
         rows = [i for i, r in enumerate(requests) if _has_penalty(r.sampling_params)]
         if not rows:
             return logits
         device = logits.device
         vocab = logits.shape[1]
-        row_index = torch.tensor(rows, device=device)
-        sub = logits[row_index]  # [n, vocab] (a copy: advanced indexing)
         params = [requests[i].sampling_params for i in rows]
-        output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab, device)  # [n, vocab]
+        logits = logits.clone()
+        flat = logits.view(-1)  # [num_seqs * vocab]
+        output_keys = _token_keys([requests[i].output_token_ids for i in rows], rows, vocab)
 
         if any(p.repetition_penalty != 1.0 for p in params):
-            repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-            prompt_counts = _token_counts([requests[i].prompt_token_ids for i in rows], vocab, device)
-            seen = (prompt_counts > 0) | (output_counts > 0)
-            penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
-            sub = torch.where(seen, penalised, sub)
+            prompt_keys = _token_keys([requests[i].prompt_token_ids for i in rows], rows, vocab)
+            # Repeated keys read the same value and write the same result: no dedup needed.
+            seen = torch.from_numpy(np.concatenate([prompt_keys, output_keys])).to(device)
+            repetition = torch.ones(len(requests), device=device)
+            repetition[rows] = torch.tensor([p.repetition_penalty for p in params], device=device)
+            values, factor = flat[seen], repetition[seen // vocab]
+            flat[seen] = torch.where(values > 0, values / factor, values * factor)
 
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        sub = sub - frequency * output_counts - presence * (output_counts > 0).float()
-
-        logits = logits.clone()
-        logits[row_index] = sub
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            keys, counts = _count_keys(output_keys)
+            keys = torch.from_numpy(keys).to(device)
+            frequency = torch.zeros(len(requests), device=device)
+            presence = torch.zeros(len(requests), device=device)
+            frequency[rows] = torch.tensor([p.frequency_penalty for p in params], device=device)
+            presence[rows] = torch.tensor([p.presence_penalty for p in params], device=device)
+            row_of = keys // vocab
+            counts = torch.from_numpy(counts).to(device=device, dtype=flat.dtype)
+            flat[keys] = flat[keys] - frequency[row_of] * counts - presence[row_of]
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
@@ -150,43 +167,37 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, params: list[SamplingParams],
                        positions: list[int]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+        """Temperature, then top-k, top-p, min-p and one draw per row (`engine.random_sampling`).
+
+        Rows with a small top-k work on their `topk` slice; the others on the whole row."""
         device = logits.device
         vocab = logits.shape[1]
         temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        logits = logits / temperature  # [n, vocab]
+        scaled = logits / temperature  # [n, vocab]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        seeds = [None if p.seed is None else derive_seed(p.seed, position) for p, position in zip(params, positions)]
+        generator = self._generator(device)
+        sliced = [j for j, k in enumerate(top_k) if 0 < k <= MAX_SLICE_TOP_K]
+        if len(sliced) == len(params):
+            return sample_sliced(scaled, *self._knobs(params, top_k, range(len(params)), device), seeds, generator)
+        if not sliced:
+            return sample_full(scaled, *self._knobs(params, top_k, range(len(params)), device), seeds, generator)
+        tokens = torch.empty(len(params), dtype=torch.long, device=device)
+        sliced_set = set(sliced)
+        for group, sample in ((sliced, sample_sliced),
+                              ([j for j in range(len(params)) if j not in sliced_set], sample_full)):
+            rows = torch.tensor(group, device=device)
+            tokens[rows] = sample(scaled[rows], *self._knobs(params, top_k, group, device),
+                                  [seeds[j] for j in group], generator)
+        return tokens
 
-        # Each mask runs only on the rows that use it: a full-vocab sort (top-p) costs ~10x a top-k.
-        k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
-        if k_rows:
-            rows = torch.tensor(k_rows, device=device)
-            logits[rows] = _apply_top_k(logits[rows], torch.tensor([params[j].top_k for j in k_rows], device=device))
-        p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
-        if p_rows:
-            rows = torch.tensor(p_rows, device=device)
-            logits[rows] = _apply_top_p(logits[rows], torch.tensor([params[j].top_p for j in p_rows], device=device))
-        if any(p.min_p > 0.0 for p in params):
-            probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-
-        probs = logits.softmax(dim=-1)  # [n, vocab]
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, p in enumerate(params) if p.seed is None]
-        if len(unseeded) == len(params):
-            noise.exponential_()
-        else:
-            generator = self._generator(device)
-            for j, (p, position) in enumerate(zip(params, positions)):
-                if p.seed is not None:
-                    generator.manual_seed(derive_seed(p.seed, position))
-                    noise[j].exponential_(generator=generator)
-            if unseeded:
-                noise[torch.tensor(unseeded, device=device)] = torch.empty(
-                    len(unseeded), vocab, device=device).exponential_()
-        # Exp(1) can return exactly 0; a masked token (prob 0) over 0 would be NaN, which argmax picks.
-        return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+    @staticmethod
+    def _knobs(params: list[SamplingParams], top_k: list[int], rows: Sequence[int],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top_k, top_p, min_p) of `rows` as `[len(rows)]` tensors; top_k 0 means off."""
+        return (torch.tensor([top_k[j] for j in rows], dtype=torch.long, device=device),
+                torch.tensor([params[j].top_p for j in rows], dtype=torch.float32, device=device),
+                torch.tensor([params[j].min_p for j in rows], dtype=torch.float32, device=device))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -199,16 +210,21 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _token_counts(token_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """`[len(token_lists), vocab]` float counts; ids >= vocab are dropped (they land in a spare column)."""
-    max_len = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), max_len), vocab, dtype=torch.long)
-    for i, tokens in enumerate(token_lists):
-        if len(tokens):
-            padded[i, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long).clamp_(max=vocab)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+def _token_keys(token_lists: list[Sequence[int]], rows: list[int], vocab: int) -> np.ndarray:
+    """Flat `row * vocab + token` keys (int64) of every token of `token_lists[j]` in row `rows[j]`;
+    ids outside the vocabulary are dropped (a model may have more embeddings than logits)."""
+    lengths = [len(tokens) for tokens in token_lists]
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
+    keys = tokens + np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lengths)
+    return keys[(tokens >= 0) & (tokens < vocab)]
+
+
+def _count_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys and how often each occurs (a sort: ~10x `np.unique`'s hashing for a few
+    thousand keys)."""
+    keys = np.sort(keys)
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    return keys[starts], np.diff(np.append(starts, len(keys)))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -222,11 +238,9 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Drop the low tail whose total probability is at most `1 - top_p[i]`; the top token stays."""
-    sorted_logits = logits.sort(dim=-1).values  # [n, vocab] ascending
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    num_dropped = (cumulative <= (1.0 - top_p)[:, None]).sum(dim=-1).clamp_(max=logits.shape[1] - 1)
-    threshold = sorted_logits.gather(1, num_dropped[:, None])  # [n, 1]: smallest kept logit
+    """Drop the low tail whose total probability is at most `1 - top_p[i]`; the top token stays.
+    (The sampler applies the same `nucleus_threshold` without materialising masked logits.)"""
+    threshold = nucleus_threshold(sort_descending(logits), torch.zeros_like(top_p, dtype=torch.long), top_p)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -237,9 +251,12 @@ def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     result: list[TokenLogprobs | None] = [None] * len(params)
     if not rows:
         return result
-    row_index = torch.tensor(rows, device=raw_logits.device)
-    logprobs = raw_logits[row_index].log_softmax(dim=-1)  # [n, vocab]
-    sampled = logprobs.gather(1, token_ids[row_index][:, None]).squeeze(1).tolist()
+    if len(rows) == len(params):
+        logprobs, sampled_ids = raw_logits.log_softmax(dim=-1), token_ids  # [n, vocab], [n]
+    else:
+        row_index = torch.tensor(rows, device=raw_logits.device)
+        logprobs, sampled_ids = raw_logits[row_index].log_softmax(dim=-1), token_ids[row_index]
+    sampled = logprobs.gather(1, sampled_ids[:, None]).squeeze(1).tolist()
     max_top = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
     top_ids: list[list[int]] = [[] for _ in rows]
     top_values: list[list[float]] = [[] for _ in rows]
