@@ -1,10 +1,14 @@
 """Pure-torch paged attention: the reference for the Triton kernels and the CPU runtime path.
 
-Design: the math is fp32. Decode rows (query_len == 1) of all sequences are padded to the
-longest context and done in one batched SDPA call; sequences with several query tokens (prefill
-chunks) get one SDPA call each with an explicit bottom-right causal mask. GQA is packed the same
-way as in the kernel: the query heads of one KV group become extra query rows, so K/V are never
-repeated per query head.
+Design: the math is fp32. K/V are gathered block-wise with one ``index_select`` on the block dim
+of the (strided) per-layer cache view: every block is one contiguous run of
+``block_size * num_kv_heads * head_dim`` elements, so the gather is a handful of memcpys, where
+``cache[table]`` fancy indexing went element-wise. Decode rows (query_len == 1) of all sequences
+are padded to the longest context and done in one batched SDPA call (no mask when all contexts
+are equal); sequences with several query tokens (prefill chunks) get one SDPA call each, causal
+(``is_causal``) when the chunk has no earlier context and with a bottom-right mask otherwise.
+GQA never repeats K/V per query head: decode packs the query heads of one KV group as extra
+query rows, prefill broadcasts K/V over the group with a stride-0 ``expand``.
 """
 
 from __future__ import annotations
@@ -12,33 +16,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Decode K/V gathered per SDPA call, at most (about): small enough to stay in cache and to be
+# served from the malloc heap, big enough that per-call overhead is noise.
+DECODE_CHUNK_BYTES = 8 << 20
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """Gather the first ``length`` tokens of one sequence: -> [num_kv_heads, length, head_dim] fp32."""
-    # cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_ids: [n_blocks] int64
-    kv = cache[block_ids].flatten(0, 1)[:length]  # [length, num_kv_heads, head_dim]
-    return kv.transpose(0, 1).float()
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows of ``table`` -> ``[n, num_kv_heads, length, head_dim]`` fp32 (a strided view of one copy).
+
+    cache: [num_blocks, block_size, num_kv_heads, head_dim], any block stride;
+    table: [n, n_blocks] int64 with ``n_blocks * block_size >= length``.
+    """
+    n, n_blocks = table.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, table.reshape(-1))  # [n * n_blocks, block_size, KVH, D] contiguous
+    kv = blocks.view(n, n_blocks * block_size, num_kv_heads, head_dim)[:, :length]
+    return kv.transpose(1, 2).float()  # no copy when the cache is already fp32
 
 
 def _prefill_one(
     q: torch.Tensor,  # [query_len, num_heads, head_dim]
-    k: torch.Tensor,  # [num_kv_heads, seq_len, head_dim] fp32
-    v: torch.Tensor,  # [num_kv_heads, seq_len, head_dim] fp32
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [n_blocks] int64: the sequence's blocks, in order
+    seq_len: int,
     scale: float,
 ) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
-    num_kv_heads, seq_len, _ = k.shape
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     context_len = seq_len - query_len
-    # rows = (head_in_group, q_pos): [num_kv_heads, group * query_len, head_dim]
+    k = _gather(key_cache, blocks[None], seq_len)[0]  # [KVH, seq_len, D]
+    v = _gather(value_cache, blocks[None], seq_len)[0]
+    # [KVH, group, query_len, D] queries over [KVH, group (stride 0), seq_len, D] keys.
     qg = q.float().view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(num_kv_heads, group * query_len, head_dim)
-    q_pos = torch.arange(query_len, device=q.device).repeat(group)  # [group * query_len]
-    k_pos = torch.arange(seq_len, device=q.device)
-    mask = k_pos[None, :] <= (context_len + q_pos)[:, None]  # [group * query_len, seq_len]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    out = out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(query_len, num_heads, head_dim)
+    k = k[:, None].expand(num_kv_heads, group, seq_len, head_dim)
+    v = v[:, None].expand(num_kv_heads, group, seq_len, head_dim)
+    if context_len == 0:  # square causal: SDPA's top-left diagonal is the right one
+        out = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale)
+    else:  # query i sits at position context_len + i: bottom-right aligned mask
+        q_pos = torch.arange(context_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
 
 def _decode_batch(
@@ -46,7 +66,8 @@ def _decode_batch(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [n, max_blocks] int32
-    seq_lens: torch.Tensor,  # [n] int64, on q's device
+    seq_lens: torch.Tensor,  # [n] int32, on q's device
+    min_len: int,
     max_len: int,
     scale: float,
 ) -> torch.Tensor:
@@ -55,19 +76,36 @@ def _decode_batch(
     group = num_heads // num_kv_heads
     n_blocks = -(-max_len // block_size)
     table = block_tables[:, :n_blocks].long()
-    # Entries past a sequence's last block may hold anything: point them at block 0 (masked anyway).
-    used = torch.arange(n_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
-    table = torch.where(used, table, torch.zeros_like(table))
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [n, num_kv_heads, n_blocks*block_size, head_dim]
-        return cache[table].flatten(1, 2).transpose(1, 2).float()
-
-    k, v = gather(key_cache), gather(value_cache)
-    qg = q.float().view(n, num_kv_heads, group, head_dim)
-    k_pos = torch.arange(n_blocks * block_size, device=q.device)
-    mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [n, 1, 1, padded_len]
+    if min_len != max_len:
+        # Entries past a sequence's last block may hold anything: point them at block 0 (masked).
+        unused = torch.arange(n_blocks, device=q.device)[None, :] * block_size >= seq_lens[:, None]
+        table = table.masked_fill(unused, 0)
+    k = _gather(key_cache, table, max_len)  # [n, KVH, max_len, D]
+    v = _gather(value_cache, table, max_len)
+    qg = q.float().view(n, num_kv_heads, group, head_dim)  # the group's heads as query rows
+    mask = None
+    if min_len != max_len:
+        k_pos = torch.arange(max_len, device=q.device)
+        mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [n, 1, 1, max_len]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
+
+
+def _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens: list[int], scale: float) -> torch.Tensor:
+    """Decode rows in chunks of sequences whose gathered K/V stay within ``DECODE_CHUNK_BYTES``."""
+    n = q.shape[0]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    max_len = max(lens)
+    per_seq = 2 * -(-max_len // block_size) * block_size * num_kv_heads * head_dim * 4  # K + V fp32 bytes
+    step = max(1, DECODE_CHUNK_BYTES // per_seq)
+    if step >= n:
+        return _decode_batch(q, key_cache, value_cache, block_tables, seq_lens, min(lens), max_len, scale)
+    parts = []
+    for a in range(0, n, step):
+        chunk = lens[a: a + step]
+        parts.append(_decode_batch(q[a: a + step], key_cache, value_cache, block_tables[a: a + step],
+                                   seq_lens[a: a + step], min(chunk), max(chunk), scale))
+    return torch.cat(parts)
 
 
 def paged_attention_ref(
@@ -82,23 +120,24 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Paged causal attention in fp32 torch: ``[num_tokens, num_heads, head_dim]`` in ``out_dtype``
     (default q's dtype; tests ask for fp32 to compare half-precision kernels without rounding)."""
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out_dtype = out_dtype or q.dtype
     block_size = key_cache.shape[1]
-    starts = query_start_loc.tolist()
+    starts = query_start_loc.tolist()  # num_seqs + 1 ints: the per-sequence plan is host-side
     lens = seq_lens.tolist()
-    decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    num_seqs = len(lens)
+    decode_seqs = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
+    if decode_seqs and len(decode_seqs) == num_seqs == q.shape[0]:  # pure decode: no scatter
+        return _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens, scale).to(out_dtype)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if decode_seqs:
         idx = torch.tensor(decode_seqs, device=q.device)
         rows = query_start_loc.long()[idx]
-        dec_lens = seq_lens.long()[idx]
-        out[rows] = _decode_batch(q[rows], key_cache, value_cache, block_tables[idx], dec_lens,
-                                  max(lens[i] for i in decode_seqs), scale)
+        out[rows] = _decode_chunked(q[rows], key_cache, value_cache, block_tables[idx], seq_lens[idx],
+                                    [lens[i] for i in decode_seqs], scale)
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         if end - start <= 1:  # decode rows done above; empty sequences produce nothing
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = _gather_kv(key_cache, blocks, seq_len)
-        v = _gather_kv(value_cache, blocks, seq_len)
-        out[start:end] = _prefill_one(q[start:end], k, v, scale)
-    return out.to(out_dtype or q.dtype)
+        out[start:end] = _prefill_one(q[start:end], key_cache, value_cache, blocks, seq_len, scale)
+    return out.to(out_dtype)

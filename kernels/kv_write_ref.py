@@ -5,6 +5,33 @@ from __future__ import annotations
 import torch
 
 
+def _as_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A contiguous 2-D alias ``[rows, num_kv_heads * head_dim]`` of the storage under ``cache``
+    and the row distance between blocks, or None if one token's heads are not one dense row.
+
+    The engine's per-layer views (``kv[:, l, 0]``) are strided over blocks but dense within a
+    block; through this alias one ``index_copy_`` scatters all tokens. Rows between this layer's
+    blocks (other layers, the value half) are never indexed.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    row = num_kv_heads * head_dim
+    if cache.stride()[1:] != (row, head_dim, 1) or cache.stride(0) % row:
+        return None
+    block_rows = cache.stride(0) // row
+    num_rows = (num_blocks - 1) * block_rows + block_size  # ends at the view's last element
+    return cache.as_strided((num_rows, row), (row, 1)), block_rows
+
+
+def _write(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+    # blocks, offsets: [T] int64; x: [T, num_kv_heads, head_dim]
+    alias = _as_rows(cache)
+    if alias is None:  # unusual layout: advanced indexing (slower, but any strides)
+        cache[blocks, offsets] = x
+        return
+    rows, block_rows = alias
+    rows.index_copy_(0, blocks * block_rows + offsets, x.reshape(x.shape[0], -1))
+
+
 def write_kv_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -14,9 +41,10 @@ def write_kv_ref(
 ) -> None:
     """Scatter each token's K/V into its slot; tokens with slot -1 (padding) are skipped."""
     block_size = key_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Advanced indexing on the (possibly strided) view writes through to the shared allocation.
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    # Padding is rare (the engine never pads): only then pay for the boolean selection.
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    _write(key_cache, blocks, offsets, key)
+    _write(value_cache, blocks, offsets, value)
