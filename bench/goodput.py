@@ -24,7 +24,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` importable
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip a config's higher rates once its attainment falls below this (0: never)")
     p.add_argument("--out-dir", default="docs", help="where the PNGs go")
     p.add_argument("--json", default=None, help="write every summary and the run's settings here")
+    p.add_argument("--save-requests", action="store_true", help="also put every request's timings in the JSON")
     p.add_argument("--log-dir", default=None, help="keep each process's log (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="one mix, two rates, 20 s each (smoke test)")
     args = p.parse_args(argv)
@@ -109,8 +110,10 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix, rate: fl
     summary = summarize(results, rate=rate, duration_s=args.duration, elapsed_s=elapsed,
                         slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                         p95_router_queue_s=queue_p95 if router_after else None, preemptions=preemptions)
-    errors = sorted({r.error for r in results if r.error})[:3]
-    return summary.to_dict() | {"sample_errors": errors}
+    row = summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3]}
+    if args.save_requests:
+        row["requests"] = [asdict(r) for r in results]
+    return row
 
 
 def run_config(args: argparse.Namespace, config: str, mix: Mix, log_root: Path) -> list[dict]:
