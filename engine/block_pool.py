@@ -125,6 +125,18 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         return True
 
+    def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, stop: int) -> None:
+        """`cache_full_block(block_ids[i], block_hashes[i])` for `i` in `[start, stop)`, in one call
+        (the manager caches a block per request every `block_size` decode steps: the hot path)."""
+        if not self.enable_prefix_caching:
+            return
+        block_hash, cached_blocks = self.block_hash, self.cached_blocks
+        for i in range(start, stop):
+            block_id, content_hash = block_ids[i], block_hashes[i]
+            if block_hash[block_id] is None and content_hash not in cached_blocks:
+                cached_blocks[content_hash] = block_id
+                block_hash[block_id] = content_hash
+
     def _evict(self, block_id: int) -> None:
         del self.cached_blocks[self.block_hash[block_id]]
         self.block_hash[block_id] = None

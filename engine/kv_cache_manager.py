@@ -1,9 +1,10 @@
 """Maps requests onto the block pool: prefix lookup, growing block tables, caching, freeing.
 
-The manager owns no request state beyond two per-request caches keyed by request id — the hash
-chain of the request's full blocks (computed incrementally, so caching costs O(new blocks)) and how
-many of its blocks are already registered in the prefix cache. A request's block table is
-`request.block_ids`; block `i` holds the KV of `token_ids[i * block_size:(i + 1) * block_size]`.
+The manager owns no request state beyond per-request caches keyed by request id — the hash chain
+of the request's full blocks (computed incrementally, so caching costs O(new blocks)), how many of
+its blocks are already registered in the prefix cache, and an immutable copy of its block table. A
+request's block table is `request.block_ids`, which only this manager changes; block `i` holds the
+KV of `token_ids[i * block_size:(i + 1) * block_size]`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class KVCacheManager:
         self.enable_prefix_caching = block_pool.enable_prefix_caching
         self._block_hashes: dict[str, list[int]] = {}   # request id -> chained hashes of its full blocks
         self._num_cached_blocks: dict[str, int] = {}    # request id -> blocks registered in the cache
+        # request id -> tuple(request.block_ids), dropped whenever the table changes: the scheduler
+        # hands every running request's table to the runner each step, and a table changes only
+        # once per block_size decode steps.
+        self.block_tables: dict[str, tuple[int, ...]] = {}
         # Prefix-cache statistics: one query per admission that allocated (see allocate_slots).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -50,12 +55,15 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix lookup
     def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """The request's block-hash chain, extended to at least `num_full_blocks` blocks."""
-        hashes = self._block_hashes.setdefault(request.request_id, [])
-        bs, tokens = self.block_size, request.token_ids
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
-        for i in range(len(hashes), num_full_blocks):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
-            hashes.append(parent)
+        hashes = self._block_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self._block_hashes[request.request_id] = []
+        if len(hashes) < num_full_blocks:
+            bs, tokens, chain = self.block_size, request.token_ids, hash_block_tokens
+            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            for i in range(len(hashes), num_full_blocks):
+                parent = chain(parent, tokens[i * bs:(i + 1) * bs])
+                hashes.append(parent)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -79,6 +87,13 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     # ------------------------------------------------------------------ allocation
+    def block_table(self, request: Request) -> tuple[int, ...]:
+        """`tuple(request.block_ids)`, built once per change of the table."""
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            table = self.block_tables[request.request_id] = tuple(request.block_ids)
+        return table
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[int] = ()) -> bool:
         """Grow `request.block_ids` to cover `num_computed_tokens + computed hits + num_new_tokens`.
@@ -105,6 +120,7 @@ class KVCacheManager:
             num_evictable_hits = 0
         if max(num_needed, 0) + num_evictable_hits > pool.num_free_blocks:
             return False
+        self.block_tables.pop(request.request_id, None)
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             block_ids.extend(new_computed_blocks)
@@ -126,6 +142,7 @@ class KVCacheManager:
         if num_needed > self.block_pool.num_free_blocks:
             return False
         request.block_ids.extend(self.block_pool.get_new_blocks(num_needed))
+        self.block_tables.pop(request.request_id, None)
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -137,10 +154,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
-        hashes = self._hashes(request, num_full)
-        block_ids, cache_full_block = request.block_ids, self.block_pool.cache_full_block
-        for i in range(start, num_full):
-            cache_full_block(block_ids[i], hashes[i])
+        self.block_pool.cache_full_blocks(request.block_ids, self._hashes(request, num_full), start, num_full)
         self._num_cached_blocks[request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -150,5 +164,6 @@ class KVCacheManager:
         """
         self.block_pool.free_blocks(reversed(request.block_ids))
         request.block_ids.clear()
+        self.block_tables.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)

@@ -1,0 +1,43 @@
+"""The scheduler's per-step plan: a plain value (no tensors, no I/O) the runner executes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+new_scheduled_seq = tuple.__new__   # builds a ScheduledSeq without NamedTuple's Python-level __new__
+
+
+class ScheduledSeq(NamedTuple):
+    """One request's share of a step. A NamedTuple (immutable, ~5x cheaper to build than a frozen
+    dataclass) because one is built per running request per step; the hot path builds it with
+    `new_scheduled_seq(ScheduledSeq, (...))`, skipping even NamedTuple's `__new__`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]      # the tokens whose KV this step computes
+    start_position: int             # = num_computed_tokens before this step
+    block_ids: tuple[int, ...]      # the request's whole block table
+    sample: bool                    # all tokens computed after this step: sample a new one
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What one step computes; a plain value (no tensors). `scheduled` is in batch order."""
+
+    scheduled: tuple[ScheduledSeq, ...]
+    num_batched_tokens: int
+    preempted_request_ids: tuple[str, ...] = ()
+    reserved_request_ids: tuple[str, ...] = ()   # decode role: blocks reserved, start the KV pull
+    finished_request_ids: tuple[str, ...] = ()   # finished/aborted since the last step: drop state
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
