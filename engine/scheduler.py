@@ -52,8 +52,7 @@ class Scheduler(SchedulerState):
         scheduled: list[Request] = []           # seqs[i] belongs to scheduled[i]
         preempted: list[str] = []
         partial: list[Request] = []             # running prefills, continued after the decodes
-        num_running = len(self.running)
-        if num_running <= max_tokens and num_running <= self.kv_manager.num_free_blocks:
+        if self._decodes_cannot_run_short(max_tokens):
             budget = max_tokens - self._schedule_decodes_fast(seqs, scheduled, partial)
         else:
             budget = self._schedule_decodes(max_tokens, seqs, scheduled, partial, preempted)
@@ -82,12 +81,17 @@ class Scheduler(SchedulerState):
         self._pending_output, self._pending_requests = out, scheduled
         return out
 
+    def _decodes_cannot_run_short(self, budget: int) -> bool:
+        """Every running request can have a token and a new block: a decode needs at most one of
+        each, and the partial prefills that might need more are scheduled after the decodes."""
+        num_running = len(self.running)
+        return num_running <= budget and num_running <= self.kv_manager.num_free_blocks
+
     def _schedule_decodes_fast(self, seqs: list[ScheduledSeq], scheduled: list[Request],
                                partial: list[Request]) -> int:
-        """Schedule every running decode when nothing can run short (the caller checked that the
-        budget and the free blocks cover one token and one block per running request): no status
-        checks, no copy of `running`, no budget test, one comprehension (~2x a `for` loop with
-        appends). Returns the number of tokens scheduled."""
+        """Schedule every running decode when `_decodes_cannot_run_short`: no status checks, no copy
+        of `running`, no budget test, no preemption, one comprehension. Returns the number of
+        tokens scheduled."""
         block_size, grow, new_seq, seq_type = self.block_size, self._grow_by_one_block, new_scheduled_seq, ScheduledSeq
         running, table_of, tables = self.running, self.kv_manager.block_table, self.kv_manager.block_tables
         # The tables are the manager's cached tuples: copying a table would touch every block-id

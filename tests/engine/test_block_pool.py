@@ -132,3 +132,18 @@ def test_check_invariants_catches_a_double_free_and_a_stale_cache_entry():
     pool.block_hash[block] = 8
     with pytest.raises(AssertionError):
         pool.check_invariants()
+
+
+def test_cache_full_blocks_registers_a_range_like_single_calls():
+    pool, single = BlockPool(8), BlockPool(8)
+    blocks = pool.get_new_blocks(4)
+    assert single.get_new_blocks(4) == blocks
+    hashes = [11, 12, 11, 13]                  # block 2 repeats block 0's content: not cached
+    pool.cache_full_blocks(blocks, hashes, 0, 4)
+    for block_id, content_hash in zip(blocks, hashes):
+        single.cache_full_block(block_id, content_hash)
+    assert pool.cached_blocks == single.cached_blocks == {11: blocks[0], 12: blocks[1], 13: blocks[3]}
+    assert pool.block_hash == single.block_hash
+    off = BlockPool(4, enable_prefix_caching=False)
+    off.cache_full_blocks(off.get_new_blocks(2), [1, 2], 0, 2)
+    assert off.num_cached_blocks == 0

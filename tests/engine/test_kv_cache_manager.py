@@ -134,3 +134,20 @@ def test_reserve_allocates_a_whole_prompt_or_nothing():
     assert not manager.reserve(other, 2) and other.block_ids == []
     manager.free(request)
     assert manager.usage == 0.0
+
+
+def test_block_table_tuple_follows_every_change_of_the_table():
+    manager = make_manager(block_size=4)
+    request = make_request("a", range(8))
+    assert manager.allocate_slots(request, 8)
+    first = manager.block_table(request)
+    assert first == tuple(request.block_ids) and manager.block_table(request) is first   # built once
+    assert manager.allocate_slots(request, 0)                    # no growth: the same tuple
+    assert manager.block_table(request) is first
+    request.num_computed_tokens = 8
+    assert manager.allocate_slots(request, 1)                    # a ninth token: one more block
+    assert manager.block_table(request) == tuple(request.block_ids) and len(request.block_ids) == 3
+    manager.free(request)
+    assert "a" not in manager.block_tables
+    assert manager.reserve(request, 5)
+    assert manager.block_table(request) == tuple(request.block_ids) and len(request.block_ids) == 2
