@@ -216,7 +216,7 @@ class Scheduler(SchedulerState):
         scheduled, self._pending_output, self._pending_requests = self._pending_requests, None, []
         kv, block_size = self.kv_manager, self.block_size
         prefill_role = self.role == "prefill"
-        eos_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
+        eos_ids = self.eos_token_ids
         # The usual step skips nobody and samples everybody: its lists are `scheduled` itself, so
         # the loop only notes the exceptions.
         skipped: list[Request] = []
@@ -254,7 +254,8 @@ class Scheduler(SchedulerState):
                 continue
             params = request.sampling_params
             # Cheap screen first (the usual answer is "no stop"); _check_stop decides exactly.
-            if (len(outputs) < params.max_tokens and len(tokens) < max_model_len
+            # No max_model_len test here: admission guarantees prompt + max_tokens <= max_model_len.
+            if (len(outputs) < params.max_tokens
                     and token_id not in eos_ids and token_id not in params.stop_token_ids):
                 continue
             if self._check_stop(request, token_id):
