@@ -26,9 +26,9 @@ class KVCacheManager:
         self.enable_prefix_caching = block_pool.enable_prefix_caching
         self._block_hashes: dict[str, list[int]] = {}   # request id -> chained hashes of its full blocks
         self._num_cached_blocks: dict[str, int] = {}    # request id -> blocks registered in the cache
-        # request id -> tuple(request.block_ids), dropped whenever the table changes: the scheduler
-        # hands every running request's table to the runner each step, and a table changes only
-        # once per block_size decode steps.
+        # request id -> tuple(request.block_ids), rebuilt whenever the table changes, so every
+        # request holding blocks has one: the scheduler hands every running request's table to the
+        # runner each step, and a table changes only once per block_size decode steps.
         self.block_tables: dict[str, tuple[int, ...]] = {}
         # Prefix-cache statistics: one query per admission that allocated (see allocate_slots).
         self.num_queried_tokens = 0
@@ -88,7 +88,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def block_table(self, request: Request) -> tuple[int, ...]:
-        """`tuple(request.block_ids)`, built once per change of the table."""
+        """`tuple(request.block_ids)`, built once per change of the table (`block_tables[id]`
+        directly is the same for a request that holds blocks)."""
         table = self.block_tables.get(request.request_id)
         if table is None:
             table = self.block_tables[request.request_id] = tuple(request.block_ids)
@@ -120,13 +121,13 @@ class KVCacheManager:
             num_evictable_hits = 0
         if max(num_needed, 0) + num_evictable_hits > pool.num_free_blocks:
             return False
-        self.block_tables.pop(request.request_id, None)
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             block_ids.extend(new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
         if num_needed > 0:
             block_ids.extend(pool.get_new_blocks(num_needed))
+        self.block_tables[request.request_id] = tuple(block_ids)
         if fresh_admission:
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += num_hit_tokens
@@ -142,7 +143,7 @@ class KVCacheManager:
         if num_needed > self.block_pool.num_free_blocks:
             return False
         request.block_ids.extend(self.block_pool.get_new_blocks(num_needed))
-        self.block_tables.pop(request.request_id, None)
+        self.block_tables[request.request_id] = tuple(request.block_ids)
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -93,9 +93,10 @@ class Scheduler(SchedulerState):
         of `running`, no budget test, no preemption, one comprehension. Returns the number of
         tokens scheduled."""
         block_size, grow, new_seq, seq_type = self.block_size, self._grow_by_one_block, new_scheduled_seq, ScheduledSeq
-        running, table_of, tables = self.running, self.kv_manager.block_table, self.kv_manager.block_tables
-        # The tables are the manager's cached tuples: copying a table would touch every block-id
-        # int (a refcount write each), which costs more than the rest of the request's work.
+        running, tables = self.running, self.kv_manager.block_tables
+        # The tables are the manager's tuples (every running request holds blocks, so has one):
+        # copying a table would touch every block-id int (a refcount write each), which costs more
+        # than the rest of the request's work.
         seqs += [
             new_seq(seq_type, (request_id, (tokens[start],), start,
                                table if start < len(table) * block_size else grow(request), True))
@@ -104,7 +105,7 @@ class Scheduler(SchedulerState):
             for tokens in [request.token_ids]
             if len(tokens) - start < 2                      # a decode; prefills continue below
             for request_id in [request.request_id]
-            for table in [tables.get(request_id) or table_of(request)]
+            for table in [tables[request_id]]
         ]
         if len(seqs) == len(running):
             scheduled += running
