@@ -32,7 +32,7 @@ _CHUNK = 256   # tokens per first-stage chunk of the unseeded inverse-CDF draw
 def sort_descending(x: torch.Tensor) -> torch.Tensor:
     """Values of each row of `x` in descending order (indices are not needed here)."""
     if x.device.type == "cpu":
-        return torch.from_numpy(np.ascontiguousarray(np.sort(x.numpy(), axis=-1)[:, ::-1]))
+        return torch.from_numpy(np.sort(x.numpy(), axis=-1)[:, ::-1].copy())
     return x.sort(dim=-1, descending=True).values
 
 

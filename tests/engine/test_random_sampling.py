@@ -128,3 +128,12 @@ def test_penalties_skip_tokens_outside_the_vocabulary_and_other_rows():
     got = Sampler([EOS])._apply_penalties(logits, requests)
     assert got.tolist() == [[0.5, 1.0, 1.0, 1.0], [1.0] * 4, [1.0, 1.0, 1.0, 1.0 - 2.0 - 0.5]]
     assert torch.equal(logits, torch.ones(3, 4))
+
+
+def test_degenerate_rows_draw_their_only_possible_token():
+    one_token = torch.full((4, 8), float("-inf")).index_fill_(1, torch.tensor([3]), 0.0)
+    settings = [dict(top_k=5), dict(top_p=0.9, seed=4), dict(top_k=5, seed=2), dict(min_p=0.5)]
+    requests = [Request(f"r{i}", [1], SamplingParams(**kw)) for i, kw in enumerate(settings)]
+    assert Sampler([EOS]).sample(one_token, requests).token_ids == [3] * 4
+    single_vocab = torch.randn(2, 1)
+    assert Sampler([EOS]).sample(single_vocab, requests[:2]).token_ids == [0, 0]
