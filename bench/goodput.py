@@ -24,7 +24,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` importable
@@ -35,7 +35,7 @@ from bench.loadgen import run_open_loop
 from bench.plots import plot_mix
 from bench.report import format_table, goodput_ratios, print_ratios
 from bench.stats import Slo, summarize
-from bench.workloads import MIXES, Mix, build_requests
+from bench.workloads import MIXES, Mix, build_requests, warmup_requests
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 
@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--cpus", default=None, help="pin the benchmark and every process to these cores, e.g. 0,1")
-    p.add_argument("--warmup", type=int, default=4, help="requests sent (and discarded) before the sweep")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="short requests sent (and discarded) before the sweep; at least one per shared prefix")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--stop-below-attainment", type=float, default=0.05,
                    help="skip a config's higher rates once its attainment falls below this (0: never)")
@@ -122,11 +123,8 @@ def run_config(args: argparse.Namespace, config: str, mix: Mix, log_root: Path) 
     with LocalCluster(spec, log_dir=log_root / f"{mix.name}-{config}") as cluster:
         model_id = args.model
         if args.warmup:
-            # A few short requests first, so the router has measured each pod's speed before the sweep.
-            warm = [replace(w, arrival_s=0.5 * w.index, max_tokens=8, cancel_after_tokens=None)
-                    for w in build_requests(mix, 2.0, 30.0, args.seed + 1000)[:args.warmup]]
-            asyncio.run(run_open_loop(cluster.url, model_id, warm, timeout_s=args.request_timeout,
-                                      api_key=os.environ.get("CBSERVE_API_KEY")))
+            asyncio.run(run_open_loop(cluster.url, model_id, warmup_requests(mix, args.seed, args.warmup),
+                                      timeout_s=args.request_timeout, api_key=os.environ.get("CBSERVE_API_KEY")))
         for rate in args.rates:
             cluster.check_alive("during the benchmark")
             row = {"mix": mix.name, "config": config, **run_rate(cluster, args, mix, rate, model_id)}

@@ -93,12 +93,27 @@ def arrival_times(rate: float, duration_s: float, rng: random.Random, burst_frac
     return sorted(times)
 
 
+def shared_prefixes(mix: Mix, seed: int) -> list[str]:
+    """The mix's shared prefixes: the same for every rate of a seed, as a corpus of hot documents is."""
+    return [random_text(random.Random(f"{seed}:{mix.name}:prefix:{i}"), mix.prefix_bytes)
+            for i in range(mix.num_prefixes)]
+
+
+def warmup_requests(mix: Mix, seed: int, count: int, max_tokens: int = 8) -> list[RequestSpec]:
+    """At least `count` short requests, 0.5 s apart, that use every shared prefix once, so every rate
+    of a sweep (the first included) meets a warm prefix cache and a router that has measured its pods."""
+    rng = random.Random(f"{seed}:{mix.name}:warmup")
+    prefixes = shared_prefixes(mix, seed)
+    return [RequestSpec(i, 0.5 * i, (prefixes[i] if i < len(prefixes) else "")
+                        + random_text(rng, rng.randint(*mix.prompt_bytes)), max_tokens)
+            for i in range(max(count, len(prefixes)))]
+
+
 def build_requests(mix: Mix, rate: float, duration_s: float, seed: int) -> list[RequestSpec]:
     """The run's requests; the same (mix, rate, duration, seed) always gives the same list, so
     every configuration of a comparison sees identical traffic."""
     rng = random.Random(f"{seed}:{mix.name}:{rate}:{duration_s}")
-    prefixes = [random_text(random.Random(f"{seed}:{mix.name}:prefix:{i}"), mix.prefix_bytes)
-                for i in range(mix.num_prefixes)]
+    prefixes = shared_prefixes(mix, seed)
     # Popular prefixes are reused more (Zipf-like weights), as hot documents or agent system prompts are.
     weights = [1.0 / (i + 1) for i in range(mix.num_prefixes)]
     requests = []

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from bench.workloads import MIXES, Mix, arrival_times, build_requests
+from bench.workloads import MIXES, Mix, arrival_times, build_requests, shared_prefixes, warmup_requests
 from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
 
 
@@ -75,3 +75,13 @@ def test_mix_validation():
         Mix("x", "", prompt_bytes=(1, 2), output_tokens=(1, 2), num_prefixes=2)
     with pytest.raises(ValueError, match="rate"):
         arrival_times(0.0, 10.0, random.Random(0))
+
+
+def test_warmup_touches_every_shared_prefix_and_no_measured_prompt():
+    mix = MIXES["shared-prefix"]
+    warm = warmup_requests(mix, seed=0, count=4)
+    assert len(warm) == mix.num_prefixes
+    assert {w.prompt[:mix.prefix_bytes] for w in warm} == set(shared_prefixes(mix, 0))
+    measured = {r.prompt for r in build_requests(mix, 2.0, 30.0, seed=0)}
+    assert not measured & {w.prompt for w in warm}
+    assert len(warmup_requests(MIXES["chat"], seed=0, count=4)) == 4
