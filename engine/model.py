@@ -81,7 +81,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias,
-                                  dtype=dtype, device=device)
+                               dtype=dtype, device=device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, device=device)
         self.scale = cfg.head_dim ** -0.5
 
@@ -104,7 +104,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False,
-                                      dtype=dtype, device=device)
+                                   dtype=dtype, device=device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

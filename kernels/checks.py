@@ -1,7 +1,8 @@
 """Boundary checks shared by both backends: shapes, dtypes and devices, with clear errors.
 
 The public functions in ``kernels`` call these once per call; nothing here syncs with the device
-(only shapes, dtypes and strides are read), so they are safe on the CUDA hot path.
+(only shapes, dtypes and strides are read), so they are safe on the CUDA hot path. They run ~60
+times per model step, so every message is formatted only when its check fails.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
 def _same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    _require(len(set(devices.values())) == 1, f"tensors on different devices: {devices}")
+    # Runs once per kernel call, ~60 times a step: compare first, build the message only on failure.
+    values = iter(tensors.values())
+    device = next(values).device
+    if any(t.device != device for t in values):
+        devices = {name: t.device for name, t in tensors.items()}
+        raise ValueError(f"tensors on different devices: {devices}")
 
 
 def check_paged_attention(
@@ -30,28 +30,31 @@ def check_paged_attention(
     query_start_loc: torch.Tensor,
 ) -> None:
     """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels")."""
-    _require(q.dim() == 3, f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    _require(key_cache.dim() == 4,
-             f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)}")
-    _require(value_cache.shape == key_cache.shape,
-             f"value_cache shape {tuple(value_cache.shape)} != key_cache shape {tuple(key_cache.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape {tuple(key_cache.shape)}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
-    _require(key_cache.shape[3] == head_dim,
-             f"head_dim mismatch: q has {head_dim}, key_cache has {key_cache.shape[3]}")
-    _require(num_kv_heads > 0 and num_heads % num_kv_heads == 0,
-             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} not in {FLOAT_DTYPES}")
-    _require(key_cache.dtype == q.dtype and value_cache.dtype == q.dtype,
-             f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}")
-    _require(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
-             f"block_tables must be 2-D int32, got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, key_cache has {key_cache.shape[3]}")
+    if not (num_kv_heads > 0 and num_heads % num_kv_heads == 0):
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not in {FLOAT_DTYPES}")
+    if not (key_cache.dtype == q.dtype and value_cache.dtype == q.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}")
+    if not (block_tables.dim() == 2 and block_tables.dtype == torch.int32):
+        raise ValueError(f"block_tables must be 2-D int32, got {block_tables.dtype} {tuple(block_tables.shape)}")
     num_seqs = block_tables.shape[0]
-    _require(seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32,
-             f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    _require(query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32,
-             f"query_start_loc must be int32 [{num_seqs + 1}], got "
-             f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if not (seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32):
+        raise ValueError(f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if not (query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32):
+        raise ValueError(f"query_start_loc must be int32 [{num_seqs + 1}], got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
     _same_device(q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                  seq_lens=seq_lens, query_start_loc=query_start_loc)
 
@@ -64,30 +67,35 @@ def check_write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Validate the inputs of ``write_kv``."""
-    _require(key.dim() == 3 and value.shape == key.shape,
-             f"key/value must both be [num_tokens, num_kv_heads, head_dim], got "
-             f"{tuple(key.shape)} and {tuple(value.shape)}")
-    _require(key_cache.dim() == 4 and value_cache.shape == key_cache.shape,
-             f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    _require(key_cache.shape[2:] == key.shape[1:],
-             f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key {tuple(key.shape[1:])}")
-    _require(slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype == torch.int64,
-             f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    _require(key.dtype == value.dtype == key_cache.dtype == value_cache.dtype,
-             f"dtype mismatch: key {key.dtype}, value {value.dtype}, caches {key_cache.dtype}/{value_cache.dtype}")
+    if not (key.dim() == 3 and value.shape == key.shape):
+        raise ValueError(f"key/value must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if not (key_cache.dim() == 4 and value_cache.shape == key_cache.shape):
+        raise ValueError(f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+                         f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key {tuple(key.shape[1:])}")
+    if not (slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype == torch.int64):
+        raise ValueError(f"slot_mapping must be int64 [{key.shape[0]}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, "
+                         f"caches {key_cache.dtype}/{value_cache.dtype}")
     _same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
 
 
 def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
     """Validate the inputs of ``rms_norm`` / ``fused_add_rms_norm``."""
-    _require(x.dim() >= 1 and x.shape[-1] > 0, f"x must have a non-empty last dim, got {tuple(x.shape)}")
-    _require(weight.shape == (x.shape[-1],), f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
-    _require(x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES,
-             f"x ({x.dtype}) and weight ({weight.dtype}) must be floating point")
+    if not (x.dim() >= 1 and x.shape[-1] > 0):
+        raise ValueError(f"x must have a non-empty last dim, got {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
+    if not (x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES):
+        raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must be floating point")
     if residual is not None:
-        _require(residual.shape == x.shape and residual.dtype == x.dtype,
-                 f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
+        if not (residual.shape == x.shape and residual.dtype == x.dtype):
+            raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match "
+                             f"x {x.dtype} {tuple(x.shape)}")
         _same_device(x=x, weight=weight, residual=residual)
     else:
         _same_device(x=x, weight=weight)
@@ -95,17 +103,20 @@ def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 
 def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Validate the inputs of ``apply_rope``."""
-    _require(q.dim() == 3 and k.dim() == 3,
-             f"q/k must be [num_tokens, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
-    _require(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2],
-             f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on num_tokens or head_dim")
-    _require(positions.shape == (q.shape[0],) and positions.dtype == torch.int64,
-             f"positions must be int64 [{q.shape[0]}], got {positions.dtype} {tuple(positions.shape)}")
-    _require(cos_sin_cache.dim() == 2, f"cos_sin_cache must be [max_position, rotary_dim], got "
-                                       f"{tuple(cos_sin_cache.shape)}")
+    if not (q.dim() == 3 and k.dim() == 3):
+        raise ValueError(f"q/k must be [num_tokens, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if not (q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on num_tokens or head_dim")
+    if not (positions.shape == (q.shape[0],) and positions.dtype == torch.int64):
+        raise ValueError(f"positions must be int64 [{q.shape[0]}], got {positions.dtype} {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2:
+        raise ValueError(f"cos_sin_cache must be [max_position, rotary_dim], got "
+                         f"{tuple(cos_sin_cache.shape)}")
     rotary_dim = cos_sin_cache.shape[1]
-    _require(rotary_dim % 2 == 0 and 0 < rotary_dim <= q.shape[2],
-             f"rotary_dim {rotary_dim} must be even and <= head_dim {q.shape[2]}")
-    _require(q.dtype == k.dtype and q.dtype in FLOAT_DTYPES, f"q ({q.dtype}) and k ({k.dtype}) dtype mismatch")
-    _require(cos_sin_cache.dtype in FLOAT_DTYPES, f"cos_sin_cache dtype {cos_sin_cache.dtype} not floating")
+    if not (rotary_dim % 2 == 0 and 0 < rotary_dim <= q.shape[2]):
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {q.shape[2]}")
+    if not (q.dtype == k.dtype and q.dtype in FLOAT_DTYPES):
+        raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) dtype mismatch")
+    if cos_sin_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"cos_sin_cache dtype {cos_sin_cache.dtype} not floating")
     _same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)

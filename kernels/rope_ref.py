@@ -10,8 +10,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = cos.shape[-1]
     rot = x[..., : 2 * half].float()
     x1, x2 = rot[..., :half], rot[..., half:]
-    # HF: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1)
-    out = torch.cat((x1 * cos + (-x2) * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    # HF: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1).
+    # Both halves are written straight into one buffer: four ops and no temporaries (per-step
+    # overhead matters on the CPU path, where this runs once per layer for q and for k).
+    out = torch.empty(rot.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    out = out.to(x.dtype)
     if 2 * half == x.shape[-1]:
         return out
     return torch.cat((out, x[..., 2 * half:]), dim=-1)  # partial rotary: the tail passes through

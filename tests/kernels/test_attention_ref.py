@@ -68,3 +68,33 @@ def test_transformers_does_not_mistake_us_for_hub_kernels() -> None:
     # transformers probes for a distribution providing `kernels`; ours must not pass its check.
     import_utils = pytest.importorskip("transformers.utils.import_utils")
     assert not import_utils.is_kernels_available()
+
+
+def test_reference_equal_length_decodes_skip_the_mask_and_stay_exact() -> None:
+    # Equal contexts take the unmasked path: the tail of the last block (garbage) must not leak.
+    case = make_case([(20, 1)] * 5, num_kv_heads=2, group=2, head_dim=32, block_size=16)
+    torch.testing.assert_close(paged_attention_ref(*case.args()).double(), naive_attention(case),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("specs", [[(40, 1), (3, 1), (17, 1), (29, 1), (0, 1)],
+                                   [(40, 1), (12, 6), (3, 1), (17, 1), (0, 9), (29, 1)]],
+                         ids=["decode-only", "mixed"])
+def test_reference_decode_chunks_match_one_batch(monkeypatch: pytest.MonkeyPatch, specs) -> None:
+    # A tiny chunk budget splits the decode rows into one sequence per SDPA call.
+    import kernels.attention_ref as attention_ref
+
+    case = make_case(specs, num_kv_heads=2, group=2, head_dim=32, block_size=8)
+    whole = paged_attention_ref(*case.args())
+    monkeypatch.setattr(attention_ref, "DECODE_CHUNK_BYTES", 1)
+    chunked = paged_attention_ref(*case.args())
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked.double(), naive_attention(case), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_reads_only_used_table_entries() -> None:
+    # Unequal decode contexts pad to the longest: entries past a sequence's blocks may hold any id.
+    case = make_case([(40, 1), (3, 1)], num_kv_heads=1, group=2, head_dim=16, block_size=8)
+    want = paged_attention_ref(*case.args())
+    case.block_tables[1, 1:] = 10**6  # would be out of range if gathered
+    torch.testing.assert_close(paged_attention_ref(*case.args()), want)

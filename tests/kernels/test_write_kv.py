@@ -69,3 +69,18 @@ def test_write_kv_rejects_bad_inputs(kwargs, message) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         kernels.write_kv(**args)
+
+
+def test_write_kv_reference_handles_caches_that_are_not_dense_per_token() -> None:
+    # A head-major view ([..., block_size, heads, D] over [..., heads, block_size, D] memory) has no
+    # dense per-token row: the reference falls back to advanced indexing and still scatters right.
+    from kernels.kv_write_ref import write_kv_ref
+
+    block_size, heads, head_dim = 4, 2, 8
+    base = torch.zeros((5, 2, heads, block_size, head_dim))
+    key_cache, value_cache = base[:, 0].transpose(1, 2), base[:, 1].transpose(1, 2)
+    key, value = torch.randn(3, heads, head_dim), torch.randn(3, heads, head_dim)
+    slots = torch.tensor([block_size + 1, -1, 4 * block_size + 3])
+    write_kv_ref(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache[1, 1], key[0]) and torch.equal(value_cache[4, 3], value[2])
+    assert int((base != 0).sum()) == 2 * 2 * heads * head_dim  # nothing else was written
