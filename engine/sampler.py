@@ -86,7 +86,9 @@ class Sampler:
         if not random_rows:
             token_ids = row_argmax(logits)  # [num_seqs]
         elif len(random_rows) == len(requests):
-            token_ids = self._sample_random(logits, params, [len(r.output_token_ids) for r in requests])
+            # A penalised / masked copy is ours to scale in place (a full-size temporary less).
+            token_ids = self._sample_random(logits, params, [len(r.output_token_ids) for r in requests],
+                                            in_place=logits is not raw_logits)
         else:
             device = logits.device
             random_set = set(random_rows)
@@ -97,7 +99,7 @@ class Sampler:
             rows = torch.tensor(random_rows, device=device)
             token_ids[rows] = self._sample_random(
                 logits[rows], [params[i] for i in random_rows],
-                [len(requests[i].output_token_ids) for i in random_rows])
+                [len(requests[i].output_token_ids) for i in random_rows], in_place=True)
 
         return SamplerOutput(token_ids=token_ids.tolist(),
                              logprobs=_gather_logprobs(raw_logits, token_ids, params))
@@ -166,14 +168,15 @@ class Sampler:
     # -- random sampling ---------------------------------------------------------------------------
 
     def _sample_random(self, logits: torch.Tensor, params: list[SamplingParams],
-                       positions: list[int]) -> torch.Tensor:
+                       positions: list[int], in_place: bool = False) -> torch.Tensor:
         """Temperature, then top-k, top-p, min-p and one draw per row (`engine.random_sampling`).
 
-        Rows with a small top-k work on their `topk` slice; the others on the whole row."""
+        Rows with a small top-k work on their `topk` slice; the others on the whole row.
+        `in_place`: `logits` is a private copy that may be overwritten."""
         device = logits.device
         vocab = logits.shape[1]
         temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        scaled = logits / temperature  # [n, vocab]
+        scaled = logits.div_(temperature) if in_place else logits / temperature  # [n, vocab]
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         seeds = [None if p.seed is None else derive_seed(p.seed, position) for p, position in zip(params, positions)]
         generator = self._generator(device)
@@ -222,6 +225,8 @@ def _token_keys(token_lists: list[Sequence[int]], rows: list[int], vocab: int) -
 def _count_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct keys and how often each occurs (a sort: ~10x `np.unique`'s hashing for a few
     thousand keys)."""
+    if not len(keys):   # no output yet: nothing to count
+        return keys, np.zeros(0, dtype=np.int64)
     keys = np.sort(keys)
     starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
     return keys[starts], np.diff(np.append(starts, len(keys)))

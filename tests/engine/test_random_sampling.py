@@ -116,6 +116,8 @@ def test_token_keys_drop_out_of_vocab_ids_and_count_repeats():
     assert keys.tolist() == [1, 9, 1, 40, 43]
     distinct, counts = _count_keys(keys)
     assert distinct.tolist() == [1, 9, 40, 43] and counts.tolist() == [2, 1, 1, 1]
+    distinct, counts = _count_keys(_token_keys([[], [12]], [0, 1], vocab=10))   # nothing generated yet
+    assert distinct.tolist() == [] and counts.tolist() == []
 
 
 def test_penalties_skip_tokens_outside_the_vocabulary_and_other_rows():
@@ -137,3 +139,15 @@ def test_degenerate_rows_draw_their_only_possible_token():
     assert Sampler([EOS]).sample(one_token, requests).token_ids == [3] * 4
     single_vocab = torch.randn(2, 1)
     assert Sampler([EOS]).sample(single_vocab, requests[:2]).token_ids == [0, 0]
+
+
+def test_sampling_never_writes_the_callers_logits():
+    torch.manual_seed(7)
+    logits = torch.randn(4, 50)
+    before = logits.clone()
+    settings = [dict(temperature=0.7, repetition_penalty=1.3), dict(temperature=0.0, presence_penalty=0.5),
+                dict(top_p=0.8, min_tokens=2, max_tokens=4), dict(top_k=3, logprobs=2)]
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(**kw)) for i, kw in enumerate(settings)]
+    for batch in (requests, requests[2:], requests[:1]):
+        Sampler([EOS]).sample(logits[: len(batch)], batch)
+        assert torch.equal(logits, before)
