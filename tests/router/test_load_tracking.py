@@ -42,6 +42,10 @@ async def test_reports_arrive_at_least_every_100ms(watch_broken):
                                          load=pb.LoadReport(num_running=3, prefill_queue_tokens=40)))
     try:
         state = tracker.pods[pod.address]
+        for _ in range(200):   # a broken watch is noticed after its first failed call
+            if state.poll_load == watch_broken:
+                break
+            await asyncio.sleep(0.01)
         assert state.routable and state.poll_load == watch_broken
         gaps = await _report_gaps(tracker, pod.address, 0.6)
         assert len(gaps) >= 5 and max(gaps) <= 0.1
