@@ -10,6 +10,7 @@ read from a snapshot the engine thread refreshes, never from live engine state.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -192,6 +193,10 @@ class PodRuntime:
                     pending_work=lambda: 0) -> None:
         """Run until SIGTERM/SIGINT, then drain: unready at once, finish streams and pulls, exit."""
         self.warm_up()
+        # Everything alive now (model, tokenizer, config) lives as long as the process: keep it out
+        # of the collector's generations so GC pauses stay short in the step loop.
+        gc.collect()
+        gc.freeze()
         loop = asyncio.get_running_loop()
         self.loop = EngineLoop(self.engine, loop, post_step=post_step, on_idle=on_idle)
         self.loop.start()
