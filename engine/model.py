@@ -9,7 +9,8 @@ On CPU, `pack_weights()` (the runner calls it once, after loading) moves every p
 oneDNN: each weight is reordered once into oneDNN's blocked layout, replacing the plain copy
 (memory-neutral), and the matmuls run oneDNN's brgemm kernels. For the small row counts of
 decode steps this is ~1.3-2x faster than `F.linear` (MKL) in fp32, and in bf16 it is the path
-that uses avx512_bf16 on half the weight bytes (see bench/step_time.py).
+that uses avx512_bf16 on half the weight bytes (see bench/step_time.py); bf16 prefill-sized
+matmuls run in fp32 instead (`BF16_UPCAST_ROWS`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from engine.rope import cos_sin_cache
 
 # Rows the packed layout is tuned for (oneDNN's hint); any row count runs on it.
 PACK_BATCH_HINT = 8
+# Without AMX, oneDNN's bf16 matmul is ~1.7x slower than fp32 once it is compute-bound; from this
+# many rows on, a bf16 layer unpacks its weight to fp32 for the call (costs one weight pass).
+BF16_UPCAST_ROWS = 256
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
@@ -59,9 +63,13 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
-            return _onednn_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        weight = self.weight
+        if not weight.is_mkldnn:
+            return F.linear(x, weight, self.bias)
+        if weight.dtype == torch.bfloat16 and x.shape[0] >= BF16_UPCAST_ROWS:  # prefill-sized
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), weight.to_dense().float(), bias).to(x.dtype)
+        return _onednn_linear(x, weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -29,9 +29,11 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     """
     n, n_blocks = table.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = cache.index_select(0, table.reshape(-1))  # [n * n_blocks, block_size, KVH, D] contiguous
+    # [n * n_blocks, block_size, KVH, D], contiguous: upcast here (no-op for fp32), where the
+    # conversion is one dense pass rather than a strided one.
+    blocks = cache.index_select(0, table.reshape(-1)).float()
     kv = blocks.view(n, n_blocks * block_size, num_kv_heads, head_dim)[:, :length]
-    return kv.transpose(1, 2).float()  # no copy when the cache is already fp32
+    return kv.transpose(1, 2)
 
 
 def _prefill_one(

@@ -103,3 +103,18 @@ def test_bf16_linear_packs_and_stays_close():
 def test_half_precision_linear_is_left_plain():
     layer = Linear(8, 8, dtype=torch.float16)
     assert not layer.pack() and not layer.weight.is_mkldnn
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
+def test_bf16_linear_prefill_rows_take_the_fp32_path():
+    from engine.model import BF16_UPCAST_ROWS
+
+    torch.manual_seed(0)
+    layer = Linear(32, 48, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(BF16_UPCAST_ROWS, 32, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer.pack()
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.to(torch.bfloat16))  # one fp32 matmul, rounded once
