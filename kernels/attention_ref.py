@@ -1,14 +1,15 @@
 """Pure-torch paged attention: the reference for the Triton kernels and the CPU runtime path.
 
 Design: the math is fp32. K/V are gathered block-wise with one ``index_select`` on the block dim
-of the (strided) per-layer cache view: every block is one contiguous run of
-``block_size * num_kv_heads * head_dim`` elements, so the gather is a handful of memcpys, where
-``cache[table]`` fancy indexing went element-wise. Decode rows (query_len == 1) of all sequences
-are padded to the longest context and done in one batched SDPA call (no mask when all contexts
-are equal); sequences with several query tokens (prefill chunks) get one SDPA call each, causal
-(``is_causal``) when the chunk has no earlier context and with a bottom-right mask otherwise.
-GQA never repeats K/V per query head: decode packs the query heads of one KV group as extra
-query rows, prefill broadcasts K/V over the group with a stride-0 ``expand``.
+of the (strided) per-layer cache view, into one dense buffer per call: every block is one
+contiguous run of ``block_size * num_kv_heads * head_dim`` elements, so the gather is a series of
+memcpys. Decode rows (query_len == 1) are padded to the longest context and done in batched SDPA
+calls over chunks of sequences (``DECODE_CHUNK_BYTES`` of K/V each, so a 256-sequence batch never
+materialises hundreds of MB per layer), with no mask when all contexts are equal. Sequences
+with several query tokens (prefill chunks) get one SDPA call each, causal (``is_causal``) when
+the chunk has no earlier context and with a bottom-right mask otherwise. GQA never repeats K/V
+per query head: decode packs the query heads of one KV group as extra query rows, prefill
+broadcasts K/V over the group with a stride-0 ``expand``.
 """
 
 from __future__ import annotations
