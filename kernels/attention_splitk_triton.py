@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile_triton import attend_tile, head_pad
+
 PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
 _MIN_PROGRAMS = 256  # below this many (seq, kv head) programs the unified kernel leaves SMs idle
 
@@ -72,34 +74,16 @@ def _split_k_partial_kernel(
     qk_scale = scale * 1.4426950408889634
     p_start = part * PARTITION_SIZE
     p_end = tl.minimum(p_start + PARTITION_SIZE, seq_len)  # the decode token sees every key
+    block_row_ptr = block_tables_ptr + seq * stride_bt
     for n_start in range(p_start, p_end, BLOCK_N):
-        k_pos = n_start + tl.arange(0, BLOCK_N)
+        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = k_pos < p_end
-        block_id = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE,
-                           mask=k_ok, other=0).to(tl.int64)
-        in_block = (k_pos % BLOCK_SIZE).to(tl.int64)
-        k_off = (block_id * stride_kb + in_block * stride_ks + kv_head * stride_kh)[None, :] \
-            + offs_d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
-        if IEEE_FP32:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(k_ok[None, :] & row_ok[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = (block_id * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] \
-            + offs_d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
-        if IEEE_FP32:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        visible = k_ok[None, :] & row_ok[:, None]
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
+                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                    stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd,
+                                    BLOCK_SIZE, IEEE_FP32)
 
     # Partial results are laid out contiguously: [num_seqs, num_heads, num_parts(, HEAD_PAD)].
     ml_off = (seq * num_heads + head).to(tl.int64) * num_parts + part  # [ROWS]
@@ -162,7 +146,7 @@ def launch_split_k(
         raise ValueError(f"block_n ({block_n}) must be a power of two >= 16 dividing partition ({partition})")
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    hpad = max(16, triton.next_power_of_2(head_dim))
+    hpad = head_pad(head_dim)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_splitk_triton import launch_split_k, use_split_k
+from kernels.attention_tile_triton import attend_tile, head_pad
 
 
 @triton.jit
@@ -97,47 +98,20 @@ def _unified_attention_kernel(
     # Keys this tile can see: up to the causal limit of its last valid query row.
     last_q = tl.minimum(query_len, (q_tile + 1) * BLOCK_Q) - 1
     kv_end = context_len + last_q + 1
+    block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n_start in range(0, kv_end, BLOCK_N):
         k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = k_pos < kv_end
-        block_id = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + k_pos // BLOCK_SIZE,
-                           mask=k_ok, other=0).to(tl.int64)
-        in_block = (k_pos % BLOCK_SIZE).to(tl.int64)
-        k_off = (block_id * stride_kb + in_block * stride_ks + kv_head * stride_kh)[None, :] \
-            + offs_d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
-        if IEEE_FP32:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = (k_pos[None, :] <= context_len + q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_off = (block_id * stride_vb + in_block * stride_vs + kv_head * stride_vh)[:, None] \
-            + offs_d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
-        if IEEE_FP32:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
+                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                    stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd,
+                                    BLOCK_SIZE, IEEE_FP32)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-def head_pad(head_dim: int) -> int:
-    """head_dim rounded up to a power of two, at least 16 (the smallest legal tl.dot K)."""
-    return max(16, triton.next_power_of_2(head_dim))
 
 
 def launch_unified(
