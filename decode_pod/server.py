@@ -148,20 +148,17 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
         self.rt.loop.fail(req_id, error)
 
     # ------------------------------------------------------------------ RPCs
+    def _check_transport(self, request: cbserve_pb2.GenerateRequest) -> None:
+        transport = request.kv_transport or "grpc"
+        if transport not in ("grpc", "nccl"):
+            raise ValueError(f"unknown kv_transport {transport!r}")
+        if transport == "nccl" and self.rt.pod.kv_transport != "nccl":
+            raise ValueError("this decode pod was not started with --kv-transport nccl")
+
     async def Generate(self, request: cbserve_pb2.GenerateRequest, context):
         rt, req_id = self.rt, request.request_id
-        if rt.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode pod is draining")
-        try:
-            prompt, params = rt.parse(request.prompt_token_ids, request.sampling, req_id)
-            transport = request.kv_transport or "grpc"
-            if transport not in ("grpc", "nccl"):
-                raise ValueError(f"unknown kv_transport {transport!r}")
-            if transport == "nccl" and rt.pod.kv_transport != "nccl":
-                raise ValueError("this decode pod was not started with --kv-transport nccl")
-        except ValueError as e:
-            rt.metrics.rejected("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt, params = await rt.intake(request, context, self._check_transport)
+        transport = request.kv_transport or "grpc"
         if req_id in self.jobs:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already here")
         remaining = context.time_remaining()

@@ -130,6 +130,20 @@ class PodRuntime:
             raise ValueError(str(e)) from None
         return list(prompt_token_ids), params
 
+    async def intake(self, request, context, check=None):
+        """The boundary of a Prefill/Generate call: refuse while draining, validate the request
+        (plus `check(request)`, which raises ValueError), or end the call with a clear status."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role_label} pod is draining")
+        try:
+            parsed = self.parse(request.prompt_token_ids, request.sampling, request.request_id)
+            if check is not None:
+                check(request)
+            return parsed
+        except ValueError as e:
+            self.metrics.rejected("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     def track(self) -> "_Inflight":
         return _Inflight(self)
 

@@ -75,13 +75,7 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: cbserve_pb2.PrefillRequest, context) -> cbserve_pb2.PrefillResponse:
         rt, req_id = self.rt, request.request_id
-        if rt.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill pod is draining")
-        try:
-            prompt, params = rt.parse(request.prompt_token_ids, request.sampling, req_id)
-        except ValueError as e:
-            rt.metrics.rejected("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt, params = await rt.intake(request, context)
         if req_id in self.progress:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already here")
         arrival = time.monotonic()
