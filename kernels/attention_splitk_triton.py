@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile_triton import attend_tile, head_pad
+from kernels.checks import paged_attention_sizes
 
 PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
 _MIN_PROGRAMS = 256  # below this many (seq, kv head) programs the unified kernel leaves SMs idle
@@ -138,33 +139,32 @@ def launch_split_k(
     block_n: int = 32,
 ) -> torch.Tensor:
     """Decode-only split-K attention: requires exactly one query token per sequence."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
-    if num_tokens != num_seqs:
-        raise ValueError(f"split-K decode needs one query token per sequence: {num_tokens} tokens, {num_seqs} seqs")
+    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    num_seqs, num_heads = sizes.num_seqs, sizes.num_heads
+    if sizes.num_tokens != num_seqs:
+        raise ValueError(f"split-K decode needs one query token per sequence: "
+                         f"{sizes.num_tokens} tokens, {num_seqs} seqs")
     if block_n < 16 or block_n & (block_n - 1) or partition % block_n:
         raise ValueError(f"block_n ({block_n}) must be a power of two >= 16 dividing partition ({partition})")
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    hpad = head_pad(head_dim)
+    hpad = head_pad(sizes.head_dim)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    num_parts = triton.cdiv(block_tables.shape[1] * block_size, partition)
+    num_parts = triton.cdiv(sizes.max_context, partition)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_out = torch.empty((num_seqs, num_heads, num_parts, hpad), **f32)
     part_max = torch.empty((num_seqs, num_heads, num_parts), **f32)
     part_sum = torch.empty((num_seqs, num_heads, num_parts), **f32)
-    _split_k_partial_kernel[(num_seqs, num_kv_heads, num_parts)](
+    _split_k_partial_kernel[(num_seqs, sizes.num_kv_heads, num_parts)](
         part_out, part_max, part_sum, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale, num_heads, num_parts,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_PAD=hpad, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, PARTITION_SIZE=partition,
+        HEAD_DIM=sizes.head_dim, HEAD_PAD=hpad, GROUP=sizes.group, ROWS=max(16, triton.next_power_of_2(sizes.group)),
+        BLOCK_N=block_n, BLOCK_SIZE=sizes.block_size, PARTITION_SIZE=partition,
         IEEE_FP32=q.dtype == torch.float32,
     )
     _split_k_reduce_kernel[(num_seqs, num_heads)](
         out, part_out, part_max, part_sum, query_start_loc, num_heads, num_parts, *out.stride(),
-        HEAD_DIM=head_dim, HEAD_PAD=hpad, PARTS_PAD=max(2, triton.next_power_of_2(num_parts)),
+        HEAD_DIM=sizes.head_dim, HEAD_PAD=hpad, PARTS_PAD=max(2, triton.next_power_of_2(num_parts)),
     )
     return out

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels.attention_splitk_triton import launch_split_k, use_split_k
 from kernels.attention_tile_triton import attend_tile, head_pad
+from kernels.checks import paged_attention_sizes
 
 
 @triton.jit
@@ -131,8 +132,8 @@ def launch_unified(
     the target rows per query tile (tokens x heads-in-group; default 16, or 64 on a GPU when the
     batch holds prefill tokens, so a K/V tile is reused by more query rows).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
+    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    num_tokens, num_seqs = sizes.num_tokens, sizes.num_seqs
     if block_n is None:
         block_n = 64 if q.is_cuda else 32
     if block_m is None:
@@ -140,21 +141,19 @@ def launch_unified(
     for name, value in (("block_n", block_n), ("block_m", block_m)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = triton.next_power_of_2(sizes.group)
     # Rows = BLOCK_Q tokens x GROUP_PAD heads, at least 16 (tl.dot needs M >= 16).
     block_q = max(1, block_m // group_pad)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (num_tokens // block_q + num_seqs, sizes.num_kv_heads)
     _unified_attention_kernel[grid](
         out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale, num_seqs,
         *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        HEAD_DIM=sizes.head_dim, HEAD_PAD=head_pad(sizes.head_dim), GROUP=sizes.group, GROUP_PAD=group_pad,
+        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=sizes.block_size,
         IEEE_FP32=q.dtype == torch.float32,
     )
     return out
@@ -174,8 +173,8 @@ def paged_attention_triton(
     Decode-only is read from shapes (one query token per sequence), the context bound from the
     block table width, so the choice never syncs with the device.
     """
-    num_seqs = block_tables.shape[0]
-    max_context = block_tables.shape[1] * key_cache.shape[1]
-    if q.shape[0] == num_seqs and use_split_k(num_seqs, key_cache.shape[2], max_context):
+    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    decode_only = sizes.num_tokens == sizes.num_seqs
+    if decode_only and use_split_k(sizes.num_seqs, sizes.num_kv_heads, sizes.max_context):
         return launch_split_k(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
     return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)

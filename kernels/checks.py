@@ -7,6 +7,8 @@ times per model step, so every message is formatted only when its check fails.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -21,6 +23,36 @@ def _same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors on different devices: {devices}")
 
 
+class PagedAttentionSizes(NamedTuple):
+    """The sizes of one ``paged_attention`` call, read from shapes alone (never syncs)."""
+
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    block_size: int
+    num_seqs: int
+    max_context: int  # block-table width x block size: the most keys any sequence can hold
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+
+def paged_attention_sizes(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+) -> PagedAttentionSizes:
+    """Sizes the attention launchers derive from their inputs; assumes the ranks are right."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, max_blocks_per_seq = block_tables.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    return PagedAttentionSizes(num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs,
+                               max_blocks_per_seq * block_size)
+
+
 def check_paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -28,28 +60,27 @@ def check_paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-) -> None:
-    """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels")."""
+) -> PagedAttentionSizes:
+    """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels"); return their sizes."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(key_cache.shape)}")
+    if not (block_tables.dim() == 2 and block_tables.dtype == torch.int32):
+        raise ValueError(f"block_tables must be 2-D int32, got {block_tables.dtype} {tuple(block_tables.shape)}")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape {tuple(key_cache.shape)}")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim mismatch: q has {head_dim}, key_cache has {key_cache.shape[3]}")
-    if not (num_kv_heads > 0 and num_heads % num_kv_heads == 0):
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    if key_cache.shape[3] != sizes.head_dim:
+        raise ValueError(f"head_dim mismatch: q has {sizes.head_dim}, key_cache has {key_cache.shape[3]}")
+    if not (sizes.num_kv_heads > 0 and sizes.num_heads % sizes.num_kv_heads == 0):
+        raise ValueError(f"num_heads ({sizes.num_heads}) must be a multiple of num_kv_heads ({sizes.num_kv_heads})")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not in {FLOAT_DTYPES}")
     if not (key_cache.dtype == q.dtype and value_cache.dtype == q.dtype):
         raise ValueError(f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}")
-    if not (block_tables.dim() == 2 and block_tables.dtype == torch.int32):
-        raise ValueError(f"block_tables must be 2-D int32, got {block_tables.dtype} {tuple(block_tables.shape)}")
-    num_seqs = block_tables.shape[0]
+    num_seqs = sizes.num_seqs
     if not (seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32):
         raise ValueError(f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if not (query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32):
@@ -57,6 +88,7 @@ def check_paged_attention(
                          f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
     _same_device(q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                  seq_lens=seq_lens, query_start_loc=query_start_loc)
+    return sizes
 
 
 def check_write_kv(

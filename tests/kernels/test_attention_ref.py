@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import checks
 from kernels.attention_ref import paged_attention_ref
 from paged_cases import make_case, naive_attention
 
@@ -62,6 +63,15 @@ def test_paged_attention_rejects_bad_inputs(mutate, message: str) -> None:
     mutate(args)
     with pytest.raises(ValueError, match=message):
         kernels.paged_attention(**args)
+
+
+def test_check_returns_the_sizes_the_launchers_use() -> None:
+    case = make_case([(3, 2), (20, 1)], num_kv_heads=2, group=3, head_dim=24, block_size=8)
+    sizes = checks.check_paged_attention(*case.args()[:-1])
+    assert sizes == checks.paged_attention_sizes(case.q, case.key_cache, case.block_tables)
+    assert (sizes.num_tokens, sizes.num_heads, sizes.head_dim) == (3, 6, 24)
+    assert (sizes.num_kv_heads, sizes.group, sizes.block_size, sizes.num_seqs) == (2, 3, 8, 2)
+    assert sizes.max_context == case.block_tables.shape[1] * 8 >= 21
 
 
 def test_transformers_does_not_mistake_us_for_hub_kernels() -> None:
