@@ -66,8 +66,14 @@ class AdmissionController:
         return rate_limited(messages[reason], no_route.retry_after_seconds)
 
     async def admit(self, try_route: TryRoute, deadline: float | None = None,
-                    release: Callable[[RoutingDecision], None] | None = None) -> RoutingDecision:
+                    release: Callable[[RoutingDecision], None] | None = None,
+                    slo_wait_seconds: float | None = None) -> RoutingDecision:
         """A routing decision, or raises APIError (429 / 503). `deadline` is monotonic seconds.
+
+        `slo_wait_seconds` (the request's TTFT SLO) bounds a wait for SLO headroom: a request
+        still waiting after it can no longer meet its TTFT, so admitting it then would only take
+        capacity from requests that still can. Shedding it keeps goodput near capacity under
+        overload instead of collapsing into a queue of late requests.
 
         `release` undoes a reservation made by `try_route` whose waiter went away (the client
         disconnected) in the instant it was released.
@@ -86,6 +92,8 @@ class AdmissionController:
 
         now = time.monotonic()
         queue_deadline = now + self.max_queue_seconds
+        if slo_wait_seconds is not None and first.reason != "no_pods":
+            queue_deadline = min(queue_deadline, now + slo_wait_seconds)
         if deadline is not None:
             queue_deadline = min(queue_deadline, deadline)
         waiter = _Waiter(queue_deadline, next(self._seq), try_route,

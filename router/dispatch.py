@@ -126,7 +126,7 @@ class Dispatcher:
         """Tokens of one sequence. Raises APIError before the first token if it cannot be served."""
         start = time.monotonic()
         decision = await self.admission.admit(lambda: self._try_route(spec.routing), spec.deadline,
-                                              self._release)
+                                              self._release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
         trace.router_queue_seconds = time.monotonic() - start
         self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
         routing = spec.routing
