@@ -30,23 +30,33 @@ def free_port() -> int:
 class Pod:
     def __init__(self, role: str, *args: str, env: dict | None = None) -> None:
         self.role = role
+        self.args = args
+        self.env = {**os.environ, "CBSERVE_NUM_THREADS": "1", **(env or {})}
+        self.log = Path(tempfile.mkstemp(prefix=f"cbserve-{role}-", suffix=".log")[1])
+        self._spawn()
+
+    def _spawn(self) -> None:
+        # Free ports are found, released, then bound by the child: another process can take one in
+        # between, so wait_ready() respawns on "Address already in use".
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.log = Path(tempfile.mkstemp(prefix=f"cbserve-{role}-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "cbserve.cli", "--log-level", "INFO", role, "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--max-num-batched-tokens", "64", *args]
-        full_env = {**os.environ, "CBSERVE_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log.open("w"),
+        cmd = [sys.executable, "-m", "cbserve.cli", "--log-level", "INFO", self.role, "--port", str(self.port),
+               "--metrics-port", str(self.metrics_port), "--max-num-batched-tokens", "64", *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def wait_ready(self, timeout: float = 90.0) -> "Pod":
+    def wait_ready(self, timeout: float = 90.0, retries: int = 3) -> "Pod":
         deadline = time.monotonic() + timeout
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
+                if self.proc.poll() is not None and "Address already in use" in self.log_tail() and retries:
+                    retries -= 1
+                    self._spawn()
+                    return self.wait_ready(timeout, retries)
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.role} pod exited ({self.proc.returncode}):\n{self.log_tail()}")
                 try:
