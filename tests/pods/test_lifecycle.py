@@ -24,7 +24,9 @@ from kvtransfer.progress import KVProgress
 from tests.pods.podproc import Pod, disaggregated, run, sampling
 
 pytestmark = pytest.mark.slow
-LONG = 1500  # prompt tokens: ~24 prefill steps of 64 tokens, long enough to act mid-prefill
+LONG = 1500  # prompt tokens
+# A small budget makes the long prompt ~94 prefill steps, so "mid-prefill" is wide enough to hit.
+SLOW = ("--max-num-batched-tokens", "16")
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -34,7 +36,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pods():
-    prefill, decode = Pod("prefill", "--kv-ttl-seconds", "2"), Pod("decode")
+    prefill, decode = Pod("prefill", "--kv-ttl-seconds", "2", *SLOW), Pod("decode", *SLOW)
     try:
         prefill.wait_ready(), decode.wait_ready()
         yield prefill, decode, prefill.load().num_free_blocks, decode.load().num_free_blocks
@@ -185,7 +187,7 @@ def test_abort_rpc_ends_a_generate_stream(pods):
 
 @pytest.fixture
 def fresh_pair():
-    prefill, decode = Pod("prefill"), Pod("decode")
+    prefill, decode = Pod("prefill", *SLOW), Pod("decode", *SLOW)
     try:
         prefill.wait_ready(), decode.wait_ready()
         yield prefill, decode
