@@ -31,11 +31,10 @@ from engine.presets import resolve_model_dir
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ROLES, Scheduler
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-ROLES = ("colocated", "prefill", "decode")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -209,7 +208,8 @@ class Engine:
             text_delta=text_delta, finished=req.is_finished, finish_reason=req.status.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             output_token_ids=req.output_token_ids, text=detok.output_text if detok else "",
-            first_token_time=req.first_token_time, stop_reason=req.stop_reason)
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time, stop_reason=req.stop_reason)
 
     def _record_step(self, out, seconds: float) -> None:
         num_prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)

@@ -22,6 +22,8 @@ class RequestOutput:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     first_token_time: float | None = None
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
 
 

@@ -105,11 +105,12 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
                 if not done:   # cancelled or failed: nothing will be pulled
                     self._forget(req_id, "prefill cancelled")
                     rt.loop.call(lambda e: e.abort(req_id))
-        req_times = await rt.loop.run(lambda e: _times(e, req_id))
         ttft = time.monotonic() - arrival
         rt.metrics.ttft.observe(ttft)
         rt.metrics.request_finished("prefilled")
-        queue_s, prefill_s = req_times or (0.0, ttft)
+        # Engine timestamps are monotonic, like `arrival`: no second trip to the engine thread.
+        scheduled = item.first_scheduled_time or item.first_token_time
+        queue_s, prefill_s = scheduled - item.arrival_time, item.first_token_time - scheduled
         lp = logprobs_to_pb(item.new_logprobs[0] if item.new_logprobs else None)
         response = cbserve_pb2.PrefillResponse(
             request_id=req_id, first_token_id=item.new_token_ids[0], num_cached_tokens=item.num_cached_tokens,
@@ -200,13 +201,6 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
         except (KVTransferError, RuntimeError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"process group setup failed: {e}")
         return cbserve_pb2.SetupTransportResponse()
-
-
-def _times(engine: Engine, req_id: str) -> tuple[float, float] | None:
-    req = engine.scheduler.get_request(req_id)
-    if req is None or req.first_scheduled_time is None or req.first_token_time is None:
-        return None
-    return req.first_scheduled_time - req.arrival_time, req.first_token_time - req.first_scheduled_time
 
 
 async def serve(runtime: PodRuntime) -> None:
