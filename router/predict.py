@@ -6,21 +6,36 @@ computed, both at the pod's measured prefill rate (tokens/s):
 TPOT: one decode step runs every sequence of the batch, so the time per output token is the step
 time at the batch the pod will have with this request added. The step time is fitted online from
 the (num_seqs, num_context_tokens, num_prefill_tokens, seconds) samples each pod reports:
-    seconds ≈ a + b * num_seqs + c * num_context_tokens + d * num_prefill_tokens
-by least squares over exponentially forgotten normal equations (old batches fade as the pod's
-behaviour drifts), with a small ridge term so a few collinear samples still give an answer.
+    seconds ≈ a + b·n + Σ_k c_k·max(0, n - k) + d·context_tokens + e·prefill_tokens
+a linear spline in the batch size n (knots k = 2, 4, …, 128: each batch-size range gets its own
+slope, since step time is not linear in n, e.g. convex on a CPU), fitted by least squares over
+exponentially forgotten normal equations (old batches fade as the pod's behaviour drifts), with a
+small ridge term so a few collinear samples still give an answer; the knot terms get a larger one,
+so a range without samples keeps the slope of the range below it.
+
+The step model predicts the mean model step; what a client sees is a high quantile of its whole
+TPOT, which also holds the gaps between steps (KV landing, loop overhead) and the batch growing
+after admission. `TpotCalibration` closes that gap per decode pod from the router's own
+measurements: a high quantile of observed / predicted TPOT over recent requests, a factor the
+prediction is multiplied by.
 """
 
 from __future__ import annotations
 
-NUM_FEATURES = 4
+from collections import deque
+
+SEQ_KNOTS = (2, 4, 8, 16, 32, 64, 128)
+NUM_FEATURES = 4 + len(SEQ_KNOTS)     # 1, n, one hinge per knot, context, prefill
 # Features are scaled to comparable magnitudes so the ridge term treats them alike.
 _CONTEXT_SCALE = 1e-3
 _PREFILL_SCALE = 1e-3
+_HINGES = range(2, 2 + len(SEQ_KNOTS))
 
 
 def _features(num_seqs: float, num_context_tokens: float, num_prefill_tokens: float) -> list[float]:
-    return [1.0, float(num_seqs), num_context_tokens * _CONTEXT_SCALE, num_prefill_tokens * _PREFILL_SCALE]
+    n = float(num_seqs)
+    return [1.0, n, *(max(0.0, n - k) for k in SEQ_KNOTS),
+            num_context_tokens * _CONTEXT_SCALE, num_prefill_tokens * _PREFILL_SCALE]
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
@@ -35,17 +50,21 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
         for r in range(n):
             if r != col:
                 factor = a[r][col] / a[col][col]
-                for c in range(col, n + 1):
-                    a[r][c] -= factor * a[col][c]
+                if factor:
+                    for c in range(col, n + 1):
+                        a[r][c] -= factor * a[col][c]
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
 class StepTimeModel:
-    """Online linear model of a pod's step time; `predict` returns seconds per step."""
+    """Online model of a pod's mean step time; `predict` returns seconds per step."""
 
-    def __init__(self, forgetting: float = 0.995, ridge: float = 1e-6, min_samples: int = 8) -> None:
+    def __init__(self, forgetting: float = 0.995, ridge: float = 1e-6, knot_ridge: float = 1.0,
+                 min_samples: int = 8) -> None:
         self.forgetting = forgetting
         self.ridge = ridge
+        # A knot's slope change is pulled to 0 unless about one sample a batch away supports it.
+        self.knot_ridge = knot_ridge
         self.min_samples = min_samples
         self.num_samples = 0
         self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
@@ -58,10 +77,11 @@ class StepTimeModel:
         x = _features(num_seqs, num_context_tokens, num_prefill_tokens)
         lam = self.forgetting
         for i in range(NUM_FEATURES):
-            self._xty[i] = lam * self._xty[i] + x[i] * seconds
+            xi = x[i]
+            self._xty[i] = lam * self._xty[i] + xi * seconds
             row = self._xtx[i]
             for j in range(NUM_FEATURES):
-                row[j] = lam * row[j] + x[i] * x[j]
+                row[j] = lam * row[j] + xi * x[j]
         self.num_samples += 1
         self.max_seconds = max(self.max_seconds * lam, seconds)
         self._dirty = True
@@ -74,18 +94,67 @@ class StepTimeModel:
         if self._dirty:
             matrix = [row[:] for row in self._xtx]
             for i in range(NUM_FEATURES):
-                matrix[i][i] += self.ridge
+                matrix[i][i] += self.knot_ridge if i in _HINGES else self.ridge
             self._coef = _solve(matrix, self._xty)
             self._dirty = False
         return self._coef
 
     def predict(self, num_seqs: int, num_context_tokens: int, num_prefill_tokens: int = 0) -> float | None:
-        """Predicted step seconds, or None until `min_samples` samples have been seen."""
+        """Predicted step seconds, or None until `min_samples` samples have been seen.
+
+        The batch-size part is integrated segment by segment with negative slopes read as 0: a
+        step never gets cheaper by adding sequences, so noise near a sparsely sampled knot cannot
+        make a busier pod look faster.
+        """
         coef = self.coefficients() if self.fitted else None
         if coef is None:
             return None
-        x = _features(num_seqs, num_context_tokens, num_prefill_tokens)
-        return max(0.0, sum(c * v for c, v in zip(coef, x)))
+        seconds = (coef[0] + coef[-2] * num_context_tokens * _CONTEXT_SCALE
+                   + coef[-1] * num_prefill_tokens * _PREFILL_SCALE)
+        slope, start = coef[1], 0.0
+        for i, knot in enumerate((*SEQ_KNOTS, float("inf"))):
+            end = min(float(num_seqs), knot)
+            if end > start:
+                seconds += max(0.0, slope) * (end - start)
+            if num_seqs <= knot:
+                break
+            slope += coef[2 + i]
+            start = knot
+        return max(0.0, seconds)
+
+
+class TpotCalibration:
+    """A high quantile of observed / predicted TPOT on one decode pod, over its recent requests.
+
+    `factor` is what the step model's TPOT is multiplied by to estimate the TPOT a client sees at
+    that quantile: 1 until `min_samples` requests have finished, then the `quantile` of the last
+    `window` ratios, clamped to [`min_factor`, `max_factor`] so one odd stretch (a pod paused by a
+    neighbour) cannot shut a pod out or let it be flooded.
+    """
+
+    def __init__(self, quantile: float = 0.95, window: int = 200, min_samples: int = 20,
+                 min_factor: float = 0.8, max_factor: float = 3.0) -> None:
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.min_factor = min_factor
+        self.max_factor = max_factor
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.factor = 1.0
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._ratios)
+
+    def observe(self, observed_tpot: float, predicted_tpot: float) -> None:
+        """One finished request: its measured TPOT and the (uncalibrated) TPOT predicted when admitted."""
+        if predicted_tpot <= 0.0:
+            return
+        self._ratios.append(observed_tpot / predicted_tpot)
+        if len(self._ratios) >= self.min_samples:
+            # Once per finished request, over at most `window` floats: cheap next to routing.
+            ordered = sorted(self._ratios)
+            value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+            self.factor = min(self.max_factor, max(self.min_factor, value))
 
 
 def predict_ttft(queued_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_second: float) -> float:
@@ -94,11 +163,12 @@ def predict_ttft(queued_prefill_tokens: int, uncached_tokens: int, prefill_token
 
 
 def predict_tpot(model: StepTimeModel, num_seqs: int, num_context_tokens: int,
-                 fallback_step_seconds: float) -> float:
+                 fallback_step_seconds: float, calibration: float = 1.0) -> float:
     """Seconds per output token with the batch at (`num_seqs`, `num_context_tokens`).
 
-    Before the model has enough samples, the pod's reported step-time EWMA stands in: it ignores
-    the extra request, which errs towards admitting while the pod is still cold.
+    `calibration` (a `TpotCalibration.factor`) turns the model's mean step time into the TPOT
+    quantile clients see. Before the model has enough samples, the pod's reported step-time EWMA
+    stands in: it ignores the extra request, which errs towards admitting while the pod is still cold.
     """
     predicted = model.predict(num_seqs, num_context_tokens)
-    return fallback_step_seconds if predicted is None else predicted
+    return (fallback_step_seconds if predicted is None else predicted) * calibration

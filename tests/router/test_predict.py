@@ -1,4 +1,4 @@
-"""Latency predictors: the TTFT formula and the online step-time model."""
+"""Latency predictors: the TTFT formula, the online step-time model and the TPOT calibration."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.predict import StepTimeModel, predict_tpot, predict_ttft
+from router.predict import StepTimeModel, TpotCalibration, predict_tpot, predict_ttft
 
 
 def test_ttft_is_queue_plus_uncached_over_rate():
@@ -40,3 +40,95 @@ def test_tpot_falls_back_to_reported_ewma_until_fitted():
     for i in range(8):
         model.add(i + 1, 100, 0, 0.001 * (i + 1))
     assert predict_tpot(model, 4, 100, fallback_step_seconds=0.02) == pytest.approx(0.004, abs=5e-4)
+
+
+# Step-time shapes that are not linear in the batch size (CPU decode is convex in it; a GPU is flat
+# while memory-bound, then steep). Context adds 0.1 µs per token on top.
+CONVEX_SHAPES = [
+    ("quadratic", lambda n: 0.003 + 0.0003 * n + 0.00002 * n * n),
+    ("flat then steep", lambda n: 0.008 + 0.0001 * n + 0.001 * max(0, n - 24)),
+    ("cubic", lambda n: 0.002 + 0.0001 * n + 1e-7 * n ** 3),
+]
+LARGE_BATCHES = (40, 48, 56, 64)
+
+
+def _fit_convex(step, knot_ridge: float = 1.0) -> StepTimeModel:
+    rng = random.Random(0)
+    model = StepTimeModel(knot_ridge=knot_ridge)
+    for _ in range(400):
+        seqs = rng.randint(1, 64)
+        ctx = seqs * rng.randint(100, 400)
+        model.add(seqs, ctx, 0, (step(seqs) + 1e-7 * ctx) * (1 + rng.uniform(-0.03, 0.03)))
+    return model
+
+
+def _worst_error(model: StepTimeModel, step) -> float:
+    return max(abs(model.predict(n, 250 * n) / (step(n) + 1e-7 * 250 * n) - 1) for n in LARGE_BATCHES)
+
+
+@pytest.mark.parametrize("name,step", CONVEX_SHAPES, ids=[c[0] for c in CONVEX_SHAPES])
+def test_step_model_follows_a_convex_step_time_at_large_batches(name, step):
+    error = _worst_error(_fit_convex(step), step)
+    assert error < 0.10
+    # A huge knot ridge pins every slope change to 0: the plain linear fit, which is visibly worse.
+    assert _worst_error(_fit_convex(step, knot_ridge=1e12), step) > error
+
+
+# (name, samples (num_seqs, context, seconds)) — too few, or too narrow, to pin the model down.
+FEW_SAMPLE_CASES = [
+    ("eight samples at one batch size", [(4, 400 + i, 0.010 + 0.0001 * (i % 3)) for i in range(8)]),
+    ("eight noisy samples, small batches", [(1 + i % 3, 100 * (1 + i % 3), 0.005 + 0.001 * (i % 2)) for i in range(8)]),
+    ("a few samples above a knot", [(n, 100 * n, 0.002 + 0.0002 * n) for n in range(1, 30)]
+     + [(65, 6500, 0.030), (66, 6600, 0.012)]),
+]
+
+
+@pytest.mark.parametrize("name,samples", FEW_SAMPLE_CASES, ids=[c[0] for c in FEW_SAMPLE_CASES])
+def test_step_model_stays_sane_with_few_samples(name, samples):
+    model = StepTimeModel()
+    for seqs, ctx, seconds in samples:
+        model.add(seqs, ctx, 0, seconds)
+    seen = [seconds for _, _, seconds in samples]
+    predictions = [model.predict(n, 100 * n) for n in range(1, 130)]
+    assert all(p is not None and p >= 0.0 for p in predictions)
+    assert predictions == sorted(predictions)            # never cheaper with more sequences
+    for seqs, ctx, _ in samples:                          # near what was seen where it was seen
+        assert min(seen) / 2 <= model.predict(seqs, ctx) <= 2 * max(seen)
+
+
+# (name, observed / predicted ratios fed in order, expected factor)
+CALIBRATION_CASES = [
+    ("no requests yet: 1", [], 1.0),
+    ("fewer than min_samples: still 1", [2.0] * 19, 1.0),
+    ("a constant ratio is learnt", [1.3] * 50, 1.3),
+    ("the 95th percentile of a spread", [1.0 + i / 100 for i in range(100)], 1.95),
+    ("clamped above", [10.0] * 30, 3.0),
+    ("clamped below", [0.2] * 30, 0.8),
+    ("old requests leave the window", [2.5] * 200 + [1.2] * 200, 1.2),
+]
+
+
+@pytest.mark.parametrize("name,ratios,expected", CALIBRATION_CASES, ids=[c[0] for c in CALIBRATION_CASES])
+def test_tpot_calibration_is_a_clamped_high_quantile(name, ratios, expected):
+    calibration = TpotCalibration()
+    for ratio in ratios:
+        calibration.observe(0.02 * ratio, 0.02)
+    assert calibration.factor == pytest.approx(expected, abs=0.011)
+
+
+def test_tpot_calibration_converges_on_noisy_requests():
+    # Observed TPOT = 1.5 x predicted x U(0.8, 1.2): the 95th percentile ratio is 1.5 x 1.18 = 1.77.
+    rng = random.Random(0)
+    calibration = TpotCalibration()
+    for _ in range(1000):
+        predicted = rng.uniform(0.005, 0.04)
+        calibration.observe(predicted * 1.5 * rng.uniform(0.8, 1.2), predicted)
+    assert calibration.factor == pytest.approx(1.77, rel=0.04)
+
+
+def test_tpot_is_scaled_by_the_calibration():
+    model = StepTimeModel(min_samples=8)
+    assert predict_tpot(model, 4, 100, fallback_step_seconds=0.02, calibration=1.5) == pytest.approx(0.03)
+    for i in range(8):
+        model.add(i + 1, 100, 0, 0.001 * (i + 1))
+    assert predict_tpot(model, 4, 100, 0.02, calibration=2.0) == pytest.approx(0.008, abs=1e-3)
