@@ -182,6 +182,7 @@ class Dispatcher:
         finished_by_prefill = False    # the first token ended it: D's call is cut short
         prefill_failure: grpc.aio.AioRpcError | None = None
         next_index = 0
+        first_token_at: float | None = None   # monotonic; for the pod's TPOT calibration
         try:
             while True:
                 kind, item = await inbox.get()
@@ -226,7 +227,12 @@ class Dispatcher:
                                 logprobs=event.logprobs[skip:])
                 next_index += len(event.token_ids)
                 emitted[0] = emitted[0] or bool(event.token_ids)
+                if first_token_at is None and event.token_ids:
+                    first_token_at = time.monotonic()
                 finished = event.finished
+                if finished and first_token_at is not None:
+                    # Before the yield: a consumer that stops at the last token never resumes us.
+                    self._observe_tpot(decision, time.monotonic() - first_token_at, next_index)
                 yield event
                 if finished:
                     return
@@ -242,6 +248,13 @@ class Dispatcher:
                     if pod is not None:
                         self._spawn(pod.client.abort(request_id))
             self._release(decision)
+
+    @staticmethod
+    def _observe_tpot(decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
+        """Feed the decode pod's calibration with the TPOT measured here, as the client sees it."""
+        if decision.predicted_tpot_seconds is not None and num_tokens > 1:
+            decision.decode.tpot_calibration.observe(decode_seconds / (num_tokens - 1),
+                                                     decision.predicted_tpot_seconds)
 
     @staticmethod
     def _record_generate_trace(item: pb.GenerateResponse, trace: SequenceTrace) -> None:

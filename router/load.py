@@ -22,7 +22,7 @@ import grpc
 from cbserve.pb import cbserve_pb2 as pb
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
-from router.predict import StepTimeModel
+from router.predict import StepTimeModel, TpotCalibration
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class PodState:
     # (monotonic send time, prompt tokens) of requests sent since the last report.
     unreported: deque[tuple[float, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
+    # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
+    tpot_calibration: TpotCalibration = field(default_factory=TpotCalibration)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
     poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
 

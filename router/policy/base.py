@@ -85,10 +85,15 @@ class Profile:
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """Where a request goes: `prefill` is None for a colocated pod (then `decode` is that pod)."""
+    """Where a request goes: `prefill` is None for a colocated pod (then `decode` is that pod).
+
+    `predicted_tpot_seconds` is the step model's uncalibrated TPOT on `decode` when the policy
+    predicted one; the dispatcher compares it with the TPOT it measures to calibrate that pod.
+    """
 
     prefill: PodState | None
     decode: PodState
+    predicted_tpot_seconds: float | None = None
 
 
 @dataclass(frozen=True)

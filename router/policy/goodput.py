@@ -5,12 +5,19 @@ queued at the router (or rejected with 429) than admitted to slow everyone else 
 units of the SLO: 1 - predicted / slo (1 = idle, 0 = exactly at the SLO, < 0 = a miss). A pair's
 headroom is the smaller of its prefill pod's TTFT headroom and its decode pod's TPOT headroom;
 TTFT depends only on P and TPOT only on D, so taking the best P and the best D maximises it.
+
+The TPOT compared with the SLO is the step model's prediction times the decode pod's calibration
+factor (a high quantile of observed / predicted TPOT there): the SLO is on the quantile clients
+see, not on the mean model step. Each decision carries the uncalibrated prediction so that the
+dispatcher can feed the calibration when the request finishes.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from router.load import PodState
-from router.policy.base import Policy, Profile, RoutingRequest
+from router.policy.base import NoRoute, Policy, Profile, RoutingDecision, RoutingRequest
 from router.policy.kv_cache import KVCacheScorer
 from router.policy.prefix_affinity import PrefixAffinityScorer, PrefixIndex
 from router.predict import predict_tpot, predict_ttft
@@ -34,9 +41,14 @@ class LatencyPredictor:
             rate = self.default_prefill_tokens_per_second
         return predict_ttft(pod.queued_prefill_tokens, self.uncached_tokens(request, pod), rate)
 
+    def model_tpot(self, request: RoutingRequest, pod: PodState, calibration: float = 1.0) -> float:
+        """The step model's TPOT with this request added to the pod's batch (uncalibrated by default)."""
+        return predict_tpot(pod.step_model, pod.num_requests + 1, pod.context_tokens + request.num_prompt_tokens,
+                            pod.step_seconds_ewma, calibration)
+
     def tpot(self, request: RoutingRequest, pod: PodState) -> float:
-        return predict_tpot(pod.step_model, pod.num_requests + 1,
-                            pod.context_tokens + request.num_prompt_tokens, pod.step_seconds_ewma)
+        """The TPOT quantile a client would see: the model's TPOT times the pod's calibration."""
+        return self.model_tpot(request, pod, pod.tpot_calibration.factor)
 
     def headroom(self, request: RoutingRequest, pod: PodState) -> float:
         """1 - predicted / SLO for what this pod decides (TTFT, TPOT, or both when colocated)."""
@@ -93,6 +105,13 @@ class GoodputPolicy(Policy):
             decode=Profile(filters=[slo_filter], scorers=[(headroom, 1.0), (KVCacheScorer(), 0.1)]),
             colocated=Profile(filters=[slo_filter], scorers=[(headroom, 1.0), (affinity, 0.25)]),
         )
+
+    def route(self, request: RoutingRequest, pods_by_role: dict[str, list[PodState]]) -> RoutingDecision | NoRoute:
+        decision = super().route(request, pods_by_role)
+        # Only a fitted model's prediction calibrates: the EWMA fallback means something else.
+        if isinstance(decision, RoutingDecision) and decision.decode.step_model.fitted:
+            decision = replace(decision, predicted_tpot_seconds=self.predictor.model_tpot(request, decision.decode))
+        return decision
 
     def retry_after(self, request: RoutingRequest, pods: list[PodState]) -> float:
         """How long until the least-late pod would meet the SLO: its predicted excess latency."""

@@ -1,10 +1,16 @@
-"""The three policies end to end over fake pods: which (prefill, decode) pair each one picks."""
+"""The three policies end to end over fake pods: which (prefill, decode) pair each one picks,
+and the goodput TPOT calibration fed by the router's own measurements."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from cbserve.pb import cbserve_pb2 as pb
+from fake_pods import Script
 from policy_pods import pod, request
+from router_harness import running_router
 from router.policy import NoRoute, PrefixIndex, RoutingDecision, build_policy, block_hashes
 
 
@@ -78,3 +84,60 @@ def test_goodput_retry_after_is_the_predicted_excess():
     decision = policy.route(request(100), _pods([pod("p1", queued_tokens=4900)], [pod("d1", "decode")]))
     assert isinstance(decision, NoRoute)
     assert decision.retry_after_seconds == pytest.approx(5.0 - 0.5)   # (4900 + 100) / 1000 - SLO
+
+
+def _fitted_decode(address: str, running: int, factor: float = 1.0):
+    """A decode pod whose step model is fitted (5 ms + 1 ms per sequence) and calibrated to `factor`."""
+    d = pod(address, "decode", running=running)
+    for seqs in range(1, 40):
+        d.step_model.add(seqs, 100 * seqs, 0, 0.005 + 0.001 * seqs)
+    for _ in range(d.tpot_calibration.min_samples):
+        d.tpot_calibration.observe(0.01 * factor, 0.01)
+    return d
+
+
+# (name, decode pods as (address, running, calibration factor), expected decode pod or NoRoute reason)
+CALIBRATED_CASES = [
+    ("equal calibration: the smaller batch", [("d1", 10, 1.0), ("d2", 2, 1.0)], "d2"),
+    ("the smaller batch whose clients see 3x the model loses", [("d1", 10, 1.0), ("d2", 2, 3.0)], "d1"),
+    ("calibrated past the SLO everywhere: refused", [("d1", 20, 2.0), ("d2", 25, 1.8)], "slo"),
+]
+
+
+@pytest.mark.parametrize("name,decode,expected", CALIBRATED_CASES, ids=[c[0] for c in CALIBRATED_CASES])
+def test_goodput_ranks_decode_pods_by_calibrated_tpot(name, decode, expected):
+    policy = build_policy("goodput", PrefixIndex())
+    pods = _pods([pod("p1")], [_fitted_decode(*d) for d in decode])
+    decision = policy.route(request(100), pods)
+    if expected == "slo":
+        assert isinstance(decision, NoRoute) and decision.reason == "slo"
+        return
+    assert decision.decode.address == expected
+    # The decision carries the uncalibrated prediction, for the dispatcher to calibrate with.
+    running = dict((a, r) for a, r, _ in decode)[expected]
+    assert decision.predicted_tpot_seconds == pytest.approx(0.005 + 0.001 * (running + 1), abs=1e-3)
+
+
+def test_goodput_decision_has_no_prediction_before_the_model_is_fitted():
+    decision = build_policy("goodput", PrefixIndex()).route(request(100), _pods([pod("p1")], [pod("d1", "decode")]))
+    assert decision.predicted_tpot_seconds is None
+
+
+@pytest.mark.anyio
+async def test_router_calibrates_a_decode_pod_from_the_tpot_it_measures(tokenizer):
+    # The pod reports 5 ms steps, but its tokens arrive every 12 ms (gaps the step does not show):
+    # after min_samples requests the router's factor for it is about 12 / 5.
+    samples = [pb.StepSample(num_seqs=n, num_context_tokens=100 * n, seconds=0.005) for n in range(1, 11)]
+    decode = Script(token_delay=0.012, load=pb.LoadReport(step_samples=samples, step_seconds_ewma=0.005))
+    async with running_router(tokenizer, prefill=[Script()], decode=[decode], policy="goodput",
+                              slo_tpot_ms=1000.0) as h:
+        client = h.http()
+        state = h.state.dispatcher.tracker.pods[h.decode[0].address]
+        assert state.step_model.fitted and state.tpot_calibration.factor == 1.0
+        for batch in range(3):
+            responses = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": f"q{batch}{i}",
+                                                                                 "max_tokens": 5})
+                                               for i in range(8)))
+            assert all(r.status_code == 200 for r in responses)
+        assert state.tpot_calibration.num_samples == 24
+        assert 12 / 5 * 0.95 <= state.tpot_calibration.factor <= 3.0

@@ -143,6 +143,45 @@ def test_goodput_decode_uses_fitted_step_model():
     assert predictor.tpot(request(), idle) == pytest.approx(0.005 + 0.001 * 2, abs=1e-3)
 
 
+def _fitted(p, step=lambda seqs: 0.005 + 0.001 * seqs):
+    for seqs in range(1, 40):
+        p.step_model.add(seqs, 100 * seqs, 0, step(seqs))
+    return p
+
+
+def _calibrated(p, factor: float):
+    for _ in range(p.tpot_calibration.min_samples):
+        p.tpot_calibration.observe(0.01 * factor, 0.01)
+    return p
+
+
+# Calibrated decode TPOT: model TPOT (5 ms + 1 ms per sequence, batch + 1) x factor; SLO 50 ms.
+GOODPUT_CALIBRATED_CASES = [
+    # (name, pods, expected headroom, kept by the SLO filter)
+    ("uncalibrated: the model's TPOT", [_fitted(pod("a", "decode", running=9))], {"a": pytest.approx(0.7, abs=0.02)},
+     ["a"]),
+    ("a pod whose clients see 2x the model: headroom halves, then some",
+     [_calibrated(_fitted(pod("a", "decode", running=9)), 2.0)], {"a": pytest.approx(0.4, abs=0.04)}, ["a"]),
+    ("model meets the SLO, calibrated misses", [_calibrated(_fitted(pod("a", "decode", running=29)), 1.5)],
+     {"a": pytest.approx(1 - 0.035 * 1.5 / 0.05, abs=0.04)}, []),
+    ("calibration ranks: busier but honest beats idler but slow",
+     [_calibrated(_fitted(pod("idle", "decode", running=4)), 3.0), _fitted(pod("busy", "decode", running=14))],
+     {"idle": pytest.approx(1 - 0.010 * 3 / 0.05, abs=0.03), "busy": pytest.approx(1 - 0.020 / 0.05, abs=0.03)},
+     ["idle", "busy"]),
+]
+
+
+@pytest.mark.parametrize("name,pods,headroom,kept", GOODPUT_CALIBRATED_CASES,
+                         ids=[c[0] for c in GOODPUT_CALIBRATED_CASES])
+def test_goodput_decode_headroom_uses_calibrated_tpot(name, pods, headroom, kept):
+    predictor = LatencyPredictor(PrefixIndex())
+    assert SLOHeadroomScorer(predictor).score(request(100), pods) == headroom
+    assert [p.address for p in SLOFilter(predictor).filter(request(100), pods)] == kept
+    for p in pods:
+        assert predictor.tpot(request(100), p) == pytest.approx(
+            predictor.model_tpot(request(100), p) * p.tpot_calibration.factor)
+
+
 PICK_CASES = [
     ("highest score wins", {"a": 0.2, "b": 0.9}, {"b"}),
     ("ties broken at random", {"a": 0.5, "b": 0.5, "c": 0.1}, {"a", "b"}),
