@@ -14,6 +14,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name (tiny, small) or a local HF directory")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: W8A8 linears (per-channel weights, per-token activations), CPU only")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -30,6 +32,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
 
     return EngineConfig(
         model=args.model, role=role, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_mb << 20,
                           enable_prefix_caching=not args.no_prefix_caching),

@@ -29,6 +29,7 @@ class ClusterSpec:
     # Engine flags passed to every pod (None: the pod's default).
     device: str | None = None
     dtype: str | None = None
+    quantization: str | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     num_blocks: int | None = None
@@ -78,6 +79,7 @@ class ClusterSpec:
     def engine_flags(self) -> list[str]:
         flags: list[str] = []
         for flag, value in (("--device", self.device), ("--dtype", self.dtype),
+                            ("--quantization", self.quantization),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
                             ("--max-num-seqs", self.max_num_seqs), ("--num-blocks", self.num_blocks)):
             if value is not None:

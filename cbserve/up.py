@@ -44,6 +44,8 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="grpc")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: W8A8 linears on every pod (CPU only)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -63,8 +65,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
         host=args.host, port=args.port, policy=args.policy, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, kv_transport=args.kv_transport, device=args.device, dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        num_blocks=args.num_blocks, prefix_caching=not args.no_prefix_caching,
+        quantization=args.quantization, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, prefix_caching=not args.no_prefix_caching,
         threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
         drain_seconds=args.drain_seconds)
 

@@ -24,6 +24,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.loader import load_model, model_fingerprint
+from engine.quant import QUANTIZATIONS, quantize_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput, StepSample
@@ -49,6 +50,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None            # None: float32 on CPU, the checkpoint's dtype on CUDA
     max_model_len: int | None = None    # None: the model's
+    quantization: str | None = None     # "int8": W8A8 linears on CPU (engine/quant.py); None: none
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -57,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 class Engine:
@@ -81,6 +85,10 @@ class Engine:
         self.eos_token_ids = eos or self.model_config.eos_token_ids
         self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1)
         self.fingerprint = model_fingerprint(self.model_dir)
+        if config.quantization:
+            quantize_model(self.model, config.quantization, self.device)
+            # A quantized model computes other K/V than the plain one: pods must not pair across.
+            self.fingerprint += f"+{config.quantization}"
         self.kv_cache = allocate_kv_cache(self.model_config, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device)
@@ -93,8 +101,9 @@ class Engine:
         self.num_steps = 0
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
         self.step_samples: collections.deque[StepSample] = collections.deque(maxlen=256)
-        log.info("engine ready: role=%s model=%s dtype=%s blocks=%d x %d", self.role, config.model,
-                 dtype_name, cache_cfg.num_blocks, cache_cfg.block_size)
+        log.info("engine ready: role=%s model=%s dtype=%s quantization=%s blocks=%d x %d", self.role,
+                 config.model, dtype_name, config.quantization or "none", cache_cfg.num_blocks,
+                 cache_cfg.block_size)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         if not (self.model_dir / "tokenizer.json").is_file():

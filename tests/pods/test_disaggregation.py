@@ -121,3 +121,28 @@ def test_watch_load_streams_reports(pods):
     reports = run(watch())
     assert [r.role for r in reports] == ["prefill"] * 3
     assert reports[0].num_total_blocks > 0 and reports[-1].timestamp > reports[0].timestamp
+
+
+def test_int8_pods_equal_the_int8_colocated_engine():
+    """`--quantization int8` on both pods: tokens equal an int8 colocated engine's, greedy and seeded.
+    Prompts fit one prefill step and prefix caching is off, so every prompt is computed in one chunk
+    on both sides (int8 amplifies the float noise of other chunk boundaries: engine/quant.py)."""
+    flags = ("--quantization", "int8", "--no-prefix-caching")
+    prefill, decode = Pod("prefill", *flags), Pod("decode", *flags)
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        reference = Engine(EngineConfig(model="tiny", quantization="int8",
+                                        cache=CacheConfig(num_blocks=512, enable_prefix_caching=False)))
+        prompts = [p for i, p in enumerate(_prompts()) if i != 4]  # no shared prefix
+        for mode, kw in sorted(PARAMS.items()):
+            expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**kw))]
+
+            async def all_at_once():
+                return await asyncio.gather(*(
+                    disaggregated(prefill, decode, f"int8-{mode}-{i}", p, sampling(**kw))
+                    for i, p in enumerate(prompts)))
+
+            assert [tokens for tokens, _ in run(all_at_once())] == expected, mode
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -297,7 +297,7 @@ def test_corrupted_chunk_is_refused(pods):
     assert_all_free(pods)
 
 
-@pytest.mark.parametrize("mismatch", [("--block-size", "32"), ("--model", "HF")])
+@pytest.mark.parametrize("mismatch", [("--block-size", "32"), ("--model", "HF"), ("--quantization", "int8")])
 def test_mismatched_prefill_pod_is_refused(pods, mismatch, tmp_path):
     _, decode, *_ = pods
     flag, value = mismatch
@@ -329,7 +329,7 @@ def test_mismatched_prefill_pod_is_refused(pods, mismatch, tmp_path):
 
         error = run(scenario())
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-        expected = "block_size" if flag == "--block-size" else "fingerprint"
+        expected = "block_size" if flag == "--block-size" else "fingerprint"  # int8 K/V differ too
         assert expected in error.details()
     finally:
         other.stop()
