@@ -51,7 +51,7 @@ QUICK = dict(mixes=["chat"], rates=[1.0, 4.0], duration=20.0)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES))
+    p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=["chat", "long-prompt", "shared-prefix"])
     p.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, 4], help="offered req/s")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--quantization", choices=["int8"], default=None, help="every pod's --quantization")
     p.add_argument("--cpus", default=None, help="pin the benchmark and every process to these cores, e.g. 0,1")
     p.add_argument("--warmup", type=int, default=4,
                    help="short requests sent (and discarded) before the sweep; at least one per shared prefix")
@@ -86,6 +87,7 @@ def cluster_spec(args: argparse.Namespace, config: str, mix: Mix) -> ClusterSpec
     caching = mix.prefix_caching if args.prefix_caching == "auto" else args.prefix_caching == "on"
     return ClusterSpec(model=args.model, port=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                        threads_per_pod=args.threads_per_pod, prefix_caching=caching, device=args.device,
+                       quantization=args.quantization,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        drain_seconds=5, **CONFIGS[config])
 
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": args.model, "mixes": args.mixes, "rates": args.rates, "duration_s": args.duration,
                 "configs": {c: CONFIGS[c] for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
+                "quantization": args.quantization,
                 "cpus": args.cpus, "prefix_caching": args.prefix_caching, "git_commit": git_commit(),
                 "cpu_count": os.cpu_count(), "machine": platform.platform()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

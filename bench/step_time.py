@@ -6,7 +6,7 @@ batches: `decode Bx<ctx>` is B sequences with `ctx - 1` cached tokens each compu
 `prefill N` one sequence computing N prompt tokens from scratch. The KV cache holds zeros: the
 timings do not depend on its values. Prints one table; min and median over `--iters` runs.
 
-    .venv/bin/python bench/step_time.py                        # fp32 + bf16, 1 and 2 threads
+    .venv/bin/python bench/step_time.py                        # fp32, bf16, int8; 1 and 2 threads
     .venv/bin/python bench/step_time.py --dtypes float32 --threads 1 --decode 8 --prefill 0
 """
 
@@ -27,9 +27,12 @@ from engine.loader import load_model  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.presets import resolve_model_dir  # noqa: E402
+from engine.quant import quantize_model  # noqa: E402
 from engine.scheduler import ScheduledSeq  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Pseudo-dtypes: (model dtype, --quantization).
+QUANTIZED = {"int8": (torch.float32, "int8")}
 
 
 def decode_batch(batch: int, context: int, block_size: int, vocab: int) -> list[ScheduledSeq]:
@@ -60,7 +63,8 @@ def time_step(runner: ModelRunner, scheduled: list[ScheduledSeq], iters: int) ->
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", help="preset name or checkpoint directory")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma list of {tuple(DTYPES)}")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8",
+                    help=f"comma list of {tuple(DTYPES) + tuple(QUANTIZED)} (int8: fp32 model, W8A8 linears)")
     ap.add_argument("--threads", default="1,2", help="comma list of torch thread counts")
     ap.add_argument("--decode", default="1,8,32", help="comma list of decode batch sizes")
     ap.add_argument("--context", type=int, default=300, help="context length of each decode sequence")
@@ -83,8 +87,10 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for dtype_name in args.dtypes.split(","):
-        dtype = DTYPES[dtype_name]
+        dtype, quantization = QUANTIZED.get(dtype_name, (DTYPES.get(dtype_name), None))
         model = load_model(model_dir, cfg, dtype, torch.device("cpu"), max_len)
+        if quantization:
+            quantize_model(model, quantization, torch.device("cpu"))
         kv = allocate_kv_cache(cfg, blocks_needed, args.block_size, dtype, torch.device("cpu"))
         runner = ModelRunner(model, kv, args.block_size, torch.device("cpu"))
         for n_threads in threads:

@@ -62,6 +62,9 @@ MIXES: dict[str, Mix] = {m.name: m for m in (
         prompt_bytes=(1000, 1800), output_tokens=(8, 32)),
     Mix("shared-prefix", "RAG / agent: one of 8 shared 1023-byte prefixes + 32-192 bytes, 16-64 tokens out",
         prompt_bytes=(32, 192), output_tokens=(16, 64), num_prefixes=8, prefix_bytes=1023, prefix_caching=True),
+    # The yardstick for a CPU engine: random 256-token prompts, 64 tokens out, steady arrivals.
+    Mix("fixed-256-64", "fixed shape: 255-byte prompts (256 tokens with bos), 64 tokens out, no bursts or cancels",
+        prompt_bytes=(255, 255), output_tokens=(64, 64), cancel_fraction=0.0, burst_fraction=0.0),
 )}
 
 
