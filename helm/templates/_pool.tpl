@@ -77,6 +77,9 @@ spec:
             - --metrics-port={{ $root.Values.ports.metrics }}
             - --device={{ $device }}
             - --dtype={{ $root.Values.model.dtype }}
+            {{- with $root.Values.model.quantization }}
+            - --quantization={{ . }}
+            {{- end }}
             - --kv-transport={{ $root.Values.kvTransport }}
             - --kv-store-port={{ $root.Values.ports.kvStore }}
             - --kv-ttl-seconds={{ $root.Values.kvTtlSeconds }}

@@ -12,7 +12,7 @@ from helm_chart import CHART, VALUES_SETS, container, flags, name, render
 
 # Flags of the CLI contract plus the pods' argparse and RouterConfig fields (cbserve/cli.py,
 # router/config.py); the chart may pass nothing else.
-POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "kv-transport", "kv-store-port",
+POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quantization", "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
               "num-blocks", "kv-cache-memory-mb", "pod-id"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
@@ -64,6 +64,12 @@ def test_pool_args_and_ports_carry_the_values():
         assert env["CBSERVE_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     router = flags(container(manifests.get("Deployment", name("router")))["args"])
     assert (router["slo-ttft-ms"], router["slo-tpot-ms"], router["policy"], router["admission"]) == ("500", "50", "goodput", "queue")
+
+
+def test_quantization_reaches_both_pools_only_when_set():
+    assert all("quantization" not in flags(container(d)["args"]) for d in deployments(render()).values())
+    quantized = deployments(render(sets=('model.quantization="int8"',)))
+    assert [flags(container(quantized[pool])["args"])["quantization"] for pool in ("prefill", "decode")] == ["int8"] * 2
 
 
 def test_api_key_comes_from_the_secret_reference():
