@@ -108,3 +108,19 @@ def test_reference_reads_only_used_table_entries() -> None:
     want = paged_attention_ref(*case.args())
     case.block_tables[1, 1:] = 10**6  # would be out of range if gathered
     torch.testing.assert_close(paged_attention_ref(*case.args()), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_decode_chunks_reuse_half_precision_buffers(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    # Chunks gather into shared cache-dtype scratch buffers: each chunk must see only its own blocks,
+    # including a last chunk shorter than the buffers and chunks of unequal lengths.
+    import kernels.attention_ref as attention_ref
+
+    case = make_case([(40, 1), (3, 1), (17, 1), (29, 1), (8, 1)], num_kv_heads=2, group=2, head_dim=32,
+                     block_size=8, dtype=dtype)
+    whole = paged_attention_ref(*case.args(), out_dtype=torch.float32)
+    per_seq = 2 * 6 * 8 * 2 * 32 * 4  # K + V fp32 bytes of one padded sequence: 6 blocks of 8 tokens
+    monkeypatch.setattr(attention_ref, "DECODE_CHUNK_BYTES", 2 * per_seq)  # chunks of 2, 2, 1 sequences
+    chunked = paged_attention_ref(*case.args(), out_dtype=torch.float32)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked.double(), naive_attention(case), atol=2e-3, rtol=1e-2)
