@@ -12,8 +12,11 @@ AMX the int8 matmul runs at about 4x fp32's rate (prefill: the whole `small` ste
 quarter of the weight bytes (decode); the cost is ~1% relative error per projection. Both are
 measured in tests/engine/test_quant.py and `bench/step_time.py --dtypes float32,int8`.
 
-The weight stays in nn.Linear's `[out, in]` layout; `_int_mm` reads its transposed view, which
-measured as fast as or faster than a `[in, out]` copy at every batch size on this CPU.
+Kernel: oneDNN's prepacked int8 linear (`onednn::qlinear_pointwise`) with the weight reordered once
+and the per-channel weight scale fused into its output; it takes unsigned activations, so a row is
+shifted by +128 and handed over with zero point 128 (oneDNN subtracts the zero point's term exactly
+in integers). Its result equals `_int_mm(x, w.t()) * w_scale` bit for bit and runs 1.2-1.8x faster
+from 8 rows up (no per-call weight reorder); builds without oneDNN take `torch._int_mm` instead.
 """
 
 from __future__ import annotations
@@ -32,13 +35,23 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).to(torch.int8), scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[T, in]` float -> (`[T, in]` int8, `[T, 1]` fp32 scales), symmetric per row.
+def _scaled_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, in]` -> (`[T, in]` fp32 integers in [-127, 127], `[T, 1]` fp32 scales).
 
     |x| * 127 / max|x| is at most 127 up to rounding, so no clamp is needed."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    return (x * (_QMAX / amax)).round_().to(torch.int8), amax / _QMAX
+    return (x * (_QMAX / amax)).round_(), amax / _QMAX
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, in]` float -> (`[T, in]` int8, `[T, 1]` fp32 scales), symmetric per row."""
+    scaled, scale = _scaled_rows(x)
+    return scaled.to(torch.int8), scale
+
+
+def onednn_int8_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 class Int8Linear(nn.Module):
@@ -47,9 +60,14 @@ class Int8Linear(nn.Module):
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
-        self.register_buffer("weight_q", weight_q, persistent=False)          # [out, in] int8
         self.register_buffer("weight_scale", weight_scale, persistent=False)  # [out] fp32
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.onednn = onednn_int8_available() and weight_q.device.type == "cpu"
+        if self.onednn:  # opaque oneDNN layout, reordered once
+            weight_q = torch.ops.onednn.qlinear_prepack(weight_q, None)
+            self.register_buffer("weight_zero_point", torch.zeros(self.out_features, dtype=torch.long),
+                                 persistent=False)
+        self.register_buffer("weight_q", weight_q, persistent=False)          # [out, in] int8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -60,9 +78,18 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        x_q, x_scale = quantize_rows(x)
-        acc = torch._int_mm(x_q, self.weight_q.t())                # [T, out] int32, exact
-        y = torch.mul(acc, self.weight_scale).mul_(x_scale)        # int32 * fp32 -> fp32, one pass
+        if not x.shape[0]:
+            return x.new_empty((0, self.out_features))
+        scaled, x_scale = _scaled_rows(x)
+        if self.onednn:
+            x_u8 = scaled.add_(128.0).to(torch.uint8)              # [T, in] in [1, 255], zero point 128
+            y = torch.ops.onednn.qlinear_pointwise(x_u8, 1.0, 128, self.weight_q, self.weight_scale,
+                                                   self.weight_zero_point, None, 1.0, 0, torch.float32,
+                                                   "none", [], "")
+        else:
+            acc = torch._int_mm(scaled.to(torch.int8), self.weight_q.t())  # [T, out] int32, exact
+            y = torch.mul(acc, self.weight_scale)                  # int32 * fp32 -> fp32, one pass
+        y.mul_(x_scale)
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)
