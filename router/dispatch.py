@@ -86,6 +86,15 @@ class _AttemptFailed(Exception):
         self.details = details
 
 
+def with_ttft_budget_left(routing: RoutingRequest, waited_seconds: float) -> RoutingRequest:
+    """The request as a routing attempt after `waited_seconds` in the router's queue: its TTFT SLO
+    shrinks by the wait, because the client's TTFT counts it. A request that waited most of its
+    SLO is admitted only where it still fits (or to an idle pod), not where a fresh one would."""
+    if waited_seconds <= 0:
+        return routing
+    return replace(routing, slo_ttft_seconds=max(1e-3, routing.slo_ttft_seconds - waited_seconds))
+
+
 class Dispatcher:
     """Routes sequences with the policy and admission control, and runs them on the pods."""
 
@@ -125,8 +134,9 @@ class Dispatcher:
     async def run(self, spec: SequenceSpec, trace: SequenceTrace) -> AsyncIterator[TokenEvent]:
         """Tokens of one sequence. Raises APIError before the first token if it cannot be served."""
         start = time.monotonic()
-        decision = await self.admission.admit(lambda: self._try_route(spec.routing), spec.deadline,
-                                              self._release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
+        decision = await self.admission.admit(
+            lambda: self._try_route(with_ttft_budget_left(spec.routing, time.monotonic() - start)),
+            spec.deadline, self._release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
         trace.router_queue_seconds = time.monotonic() - start
         self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
         routing = spec.routing

@@ -141,3 +141,19 @@ async def test_router_calibrates_a_decode_pod_from_the_tpot_it_measures(tokenize
             assert all(r.status_code == 200 for r in responses)
         assert state.tpot_calibration.num_samples == 24
         assert 12 / 5 * 0.95 <= state.tpot_calibration.factor <= 3.0
+
+
+@pytest.mark.parametrize("waited,expected", [(0.0, ("p1", "d1")), (0.1, ("p1", "d1")), (0.3, "slo"), (2.0, "slo")])
+def test_a_queued_request_is_routed_on_the_ttft_budget_it_has_left(waited, expected):
+    """Predicted TTFT 0.35 s (250 queued + 100 own tokens at 1000 tokens/s) against a 0.5 s SLO:
+    fits fresh or after 0.1 s in the router's queue, not after 0.3 s (the client would see 0.65 s)."""
+    from router.dispatch import with_ttft_budget_left
+
+    pods = _pods([pod("p1", queued_tokens=250)], [pod("d1", "decode")])
+    routing = with_ttft_budget_left(request(100), waited)
+    assert routing.slo_ttft_seconds == pytest.approx(max(1e-3, 0.5 - waited))
+    decision = build_policy("goodput", PrefixIndex()).route(routing, pods)
+    if expected == "slo":
+        assert isinstance(decision, NoRoute) and decision.reason == "slo"
+    else:
+        assert (decision.prefill.address, decision.decode.address) == expected
