@@ -170,6 +170,7 @@ class Dispatcher:
         """One try on one (P, D) pair; yields deduplicated token events."""
         request_id = spec.request_id if attempt == 0 else f"{spec.request_id}-retry{attempt}"
         prefill_pod, decode_pod = decision.prefill, decision.decode
+        routed_at = time.monotonic()
         trace.attempts.append(f"P@{prefill_pod.address}+D@{decode_pod.address}" if prefill_pod
                               else f"C@{decode_pod.address}")
         sampling = to_proto(spec.params)
@@ -239,6 +240,7 @@ class Dispatcher:
                 emitted[0] = emitted[0] or bool(event.token_ids)
                 if first_token_at is None and event.token_ids:
                     first_token_at = time.monotonic()
+                    self._observe_ttft(decision, first_token_at - routed_at)
                 finished = event.finished
                 if finished and first_token_at is not None:
                     # Before the yield: a consumer that stops at the last token never resumes us.
@@ -258,6 +260,13 @@ class Dispatcher:
                     if pod is not None:
                         self._spawn(pod.client.abort(request_id))
             self._release(decision)
+
+    @staticmethod
+    def _observe_ttft(decision: RoutingDecision, ttft_seconds: float) -> None:
+        """Feed the prefilling pod's TTFT calibration: routing to first token, measured here."""
+        if decision.predicted_ttft_seconds is not None:
+            (decision.prefill or decision.decode).ttft_calibration.observe(ttft_seconds,
+                                                                            decision.predicted_ttft_seconds)
 
     @staticmethod
     def _observe_tpot(decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:

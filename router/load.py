@@ -22,7 +22,7 @@ import grpc
 from cbserve.pb import cbserve_pb2 as pb
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
-from router.predict import StepTimeModel, TpotCalibration
+from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ class PodState:
     unreported: deque[tuple[float, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
     # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
-    tpot_calibration: TpotCalibration = field(default_factory=TpotCalibration)
+    tpot_calibration: LatencyCalibration = field(default_factory=LatencyCalibration)
+    # Observed / predicted TTFT (from routing to the first token) here (prefill and colocated pods).
+    ttft_calibration: LatencyCalibration = field(default_factory=ttft_calibration)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
     poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
 

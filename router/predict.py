@@ -15,9 +15,10 @@ so a range without samples keeps the slope of the range below it.
 
 The step model predicts the mean model step; what a client sees is a high quantile of its whole
 TPOT, which also holds the gaps between steps (KV landing, loop overhead) and the batch growing
-after admission. `TpotCalibration` closes that gap per decode pod from the router's own
+after admission. `LatencyCalibration` closes that gap per decode pod from the router's own
 measurements: a high quantile of observed / predicted TPOT over recent requests, a factor the
-prediction is multiplied by.
+prediction is multiplied by. TTFT gets the same, per prefill pod, from observed / predicted time
+from routing to the first token.
 """
 
 from __future__ import annotations
@@ -123,11 +124,12 @@ class StepTimeModel:
         return max(0.0, seconds)
 
 
-class TpotCalibration:
-    """A high quantile of observed / predicted TPOT on one decode pod, over its recent requests.
+class LatencyCalibration:
+    """A high quantile of observed / predicted latency (TPOT or TTFT) on one pod, over its recent
+    requests.
 
-    `factor` is what the step model's TPOT is multiplied by to estimate the TPOT a client sees at
-    that quantile: 1 until `min_samples` requests have finished, then the `quantile` of the last
+    `factor` is what the model's prediction is multiplied by to estimate the latency a client sees
+    at that quantile: 1 until `min_samples` requests have finished, then the `quantile` of the last
     `window` ratios, clamped to [`min_factor`, `max_factor`] so one odd stretch (a pod paused by a
     neighbour) cannot shut a pod out or let it be flooded.
     """
@@ -145,11 +147,11 @@ class TpotCalibration:
     def num_samples(self) -> int:
         return len(self._ratios)
 
-    def observe(self, observed_tpot: float, predicted_tpot: float) -> None:
-        """One finished request: its measured TPOT and the (uncalibrated) TPOT predicted when admitted."""
-        if predicted_tpot <= 0.0:
+    def observe(self, observed: float, predicted: float) -> None:
+        """One request: its measured latency and the (uncalibrated) one predicted when it was routed."""
+        if predicted <= 0.0:
             return
-        self._ratios.append(observed_tpot / predicted_tpot)
+        self._ratios.append(observed / predicted)
         if len(self._ratios) >= self.min_samples:
             # Once per finished request, over at most `window` floats: cheap next to routing.
             ordered = sorted(self._ratios)
@@ -157,16 +159,24 @@ class TpotCalibration:
             self.factor = min(self.max_factor, max(self.min_factor, value))
 
 
-def predict_ttft(queued_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_second: float) -> float:
-    """Seconds until the first token: the queue ahead, then this prompt's uncached tokens."""
-    return (max(0, queued_prefill_tokens) + max(0, uncached_tokens)) / prefill_tokens_per_second
+def ttft_calibration() -> LatencyCalibration:
+    """TTFT: the queue model is often pessimistic (a running prompt counts whole although partly
+    done) or optimistic (overheads outside the prefill rate), so the factor may also shrink it."""
+    return LatencyCalibration(min_factor=0.5)
+
+
+def predict_ttft(queued_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_second: float,
+                 calibration: float = 1.0) -> float:
+    """Seconds until the first token: the queue ahead, then this prompt's uncached tokens; times
+    `calibration` (a `LatencyCalibration.factor`), the quantile clients see."""
+    return calibration * (max(0, queued_prefill_tokens) + max(0, uncached_tokens)) / prefill_tokens_per_second
 
 
 def predict_tpot(model: StepTimeModel, num_seqs: int, num_context_tokens: int,
                  fallback_step_seconds: float, calibration: float = 1.0) -> float:
     """Seconds per output token with the batch at (`num_seqs`, `num_context_tokens`).
 
-    `calibration` (a `TpotCalibration.factor`) turns the model's mean step time into the TPOT
+    `calibration` (a `LatencyCalibration.factor`) turns the model's mean step time into the TPOT
     quantile clients see. Before the model has enough samples, the pod's reported step-time EWMA
     stands in: it ignores the extra request, which errs towards admitting while the pod is still cold.
     """

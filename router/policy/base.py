@@ -88,12 +88,14 @@ class RoutingDecision:
     """Where a request goes: `prefill` is None for a colocated pod (then `decode` is that pod).
 
     `predicted_tpot_seconds` is the step model's uncalibrated TPOT on `decode` when the policy
-    predicted one; the dispatcher compares it with the TPOT it measures to calibrate that pod.
+    predicted one, `predicted_ttft_seconds` the queue model's uncalibrated TTFT on the pod that
+    prefills; the dispatcher compares them with what it measures to calibrate those pods.
     """
 
     prefill: PodState | None
     decode: PodState
     predicted_tpot_seconds: float | None = None
+    predicted_ttft_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,16 @@ class LatencyPredictor:
         # The last prompt token is always computed (its logits give the first token).
         return max(1, request.num_prompt_tokens - matched * request.block_size)
 
-    def ttft(self, request: RoutingRequest, pod: PodState) -> float:
+    def model_ttft(self, request: RoutingRequest, pod: PodState, calibration: float = 1.0) -> float:
+        """The queue model's TTFT on this pod (uncalibrated by default)."""
         rate = pod.report.prefill_tokens_per_second if pod.report is not None else 0.0
         if rate <= 0:
             rate = self.default_prefill_tokens_per_second
-        return predict_ttft(pod.queued_prefill_tokens, self.uncached_tokens(request, pod), rate)
+        return predict_ttft(pod.queued_prefill_tokens, self.uncached_tokens(request, pod), rate, calibration)
+
+    def ttft(self, request: RoutingRequest, pod: PodState) -> float:
+        """The TTFT quantile a client would see: the queue model times the pod's calibration."""
+        return self.model_ttft(request, pod, pod.ttft_calibration.factor)
 
     def model_tpot(self, request: RoutingRequest, pod: PodState, calibration: float = 1.0) -> float:
         """The step model's TPOT with this request added to the pod's batch (uncalibrated by default)."""
@@ -111,6 +116,9 @@ class GoodputPolicy(Policy):
         # Only a fitted model's prediction calibrates: the EWMA fallback means something else.
         if isinstance(decision, RoutingDecision) and decision.decode.step_model.fitted:
             decision = replace(decision, predicted_tpot_seconds=self.predictor.model_tpot(request, decision.decode))
+        if isinstance(decision, RoutingDecision):
+            first = decision.prefill or decision.decode
+            decision = replace(decision, predicted_ttft_seconds=self.predictor.model_ttft(request, first))
         return decision
 
     def retry_after(self, request: RoutingRequest, pods: list[PodState]) -> float:

@@ -141,6 +141,10 @@ async def test_router_calibrates_a_decode_pod_from_the_tpot_it_measures(tokenize
             assert all(r.status_code == 200 for r in responses)
         assert state.tpot_calibration.num_samples == 24
         assert 12 / 5 * 0.95 <= state.tpot_calibration.factor <= 3.0
+        # Every first token also calibrated the prefill pod's TTFT (routing -> first token).
+        prefill = h.state.dispatcher.tracker.pods[h.prefill[0].address]
+        assert prefill.ttft_calibration.num_samples == 24
+        assert 0.5 <= prefill.ttft_calibration.factor <= 3.0
 
 
 @pytest.mark.parametrize("waited,expected", [(0.0, ("p1", "d1")), (0.1, ("p1", "d1")), (0.3, "slo"), (2.0, "slo")])
@@ -157,3 +161,19 @@ def test_a_queued_request_is_routed_on_the_ttft_budget_it_has_left(waited, expec
         assert isinstance(decision, NoRoute) and decision.reason == "slo"
     else:
         assert (decision.prefill.address, decision.decode.address) == expected
+
+
+@pytest.mark.parametrize("factor,expected", [(1.0, "slo"), (0.6, ("p1", "d1")), (2.0, "slo")])
+def test_goodput_judges_ttft_by_the_calibrated_prediction(factor, expected):
+    """Raw queue model: (500 queued + 100) / 1000 tokens/s = 0.6 s, over a 0.5 s SLO. A pod whose
+    clients saw 0.6x its predictions (a pessimistic model) is predicted at 0.36 s and admits."""
+    p1 = pod("p1", queued_tokens=500)
+    for _ in range(p1.ttft_calibration.min_samples):
+        p1.ttft_calibration.observe(factor, 1.0)
+    assert p1.ttft_calibration.factor == pytest.approx(factor)
+    decision = build_policy("goodput", PrefixIndex()).route(request(100), _pods([p1], [pod("d1", "decode")]))
+    if expected == "slo":
+        assert isinstance(decision, NoRoute) and decision.reason == "slo"
+    else:
+        assert (decision.prefill.address, decision.decode.address) == expected
+        assert decision.predicted_ttft_seconds == pytest.approx(0.6)   # uncalibrated, for calibrating

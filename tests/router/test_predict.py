@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.predict import StepTimeModel, TpotCalibration, predict_tpot, predict_ttft
+from router.predict import LatencyCalibration, StepTimeModel, predict_tpot, predict_ttft, ttft_calibration
 
 
 def test_ttft_is_queue_plus_uncached_over_rate():
@@ -110,7 +110,7 @@ CALIBRATION_CASES = [
 
 @pytest.mark.parametrize("name,ratios,expected", CALIBRATION_CASES, ids=[c[0] for c in CALIBRATION_CASES])
 def test_tpot_calibration_is_a_clamped_high_quantile(name, ratios, expected):
-    calibration = TpotCalibration()
+    calibration = LatencyCalibration()
     for ratio in ratios:
         calibration.observe(0.02 * ratio, 0.02)
     assert calibration.factor == pytest.approx(expected, abs=0.011)
@@ -119,7 +119,7 @@ def test_tpot_calibration_is_a_clamped_high_quantile(name, ratios, expected):
 def test_tpot_calibration_converges_on_noisy_requests():
     # Observed TPOT = 1.5 x predicted x U(0.8, 1.2): the 95th percentile ratio is 1.5 x 1.18 = 1.77.
     rng = random.Random(0)
-    calibration = TpotCalibration()
+    calibration = LatencyCalibration()
     for _ in range(1000):
         predicted = rng.uniform(0.005, 0.04)
         calibration.observe(predicted * 1.5 * rng.uniform(0.8, 1.2), predicted)
@@ -132,3 +132,14 @@ def test_tpot_is_scaled_by_the_calibration():
     for i in range(8):
         model.add(i + 1, 100, 0, 0.001 * (i + 1))
     assert predict_tpot(model, 4, 100, 0.02, calibration=2.0) == pytest.approx(0.008, abs=1e-3)
+
+
+def test_ttft_calibration_may_shrink_a_pessimistic_queue_model():
+    calibration = ttft_calibration()
+    for _ in range(50):
+        calibration.observe(0.3, 0.5)          # clients saw 0.6x the prediction
+    assert calibration.factor == pytest.approx(0.6)
+    for _ in range(200):
+        calibration.observe(0.1, 0.5)          # 0.2x: clamped, one odd stretch cannot open the gates
+    assert calibration.factor == pytest.approx(0.5)
+    assert predict_ttft(400, 100, 1000.0, calibration.factor) == pytest.approx(0.25)
