@@ -261,19 +261,19 @@ class Dispatcher:
                         self._spawn(pod.client.abort(request_id))
             self._release(decision)
 
-    @staticmethod
-    def _observe_ttft(decision: RoutingDecision, ttft_seconds: float) -> None:
+    def _observe_ttft(self, decision: RoutingDecision, ttft_seconds: float) -> None:
         """Feed the prefilling pod's TTFT calibration: routing to first token, measured here."""
         if decision.predicted_ttft_seconds is not None:
-            (decision.prefill or decision.decode).ttft_calibration.observe(ttft_seconds,
-                                                                            decision.predicted_ttft_seconds)
+            pod = decision.prefill or decision.decode
+            pod.ttft_calibration.observe(ttft_seconds, decision.predicted_ttft_seconds)
+            self.metrics.calibration(pod.address, "ttft", pod.ttft_calibration.factor)
 
-    @staticmethod
-    def _observe_tpot(decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
+    def _observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
         """Feed the decode pod's calibration with the TPOT measured here, as the client sees it."""
         if decision.predicted_tpot_seconds is not None and num_tokens > 1:
-            decision.decode.tpot_calibration.observe(decode_seconds / (num_tokens - 1),
-                                                     decision.predicted_tpot_seconds)
+            pod = decision.decode
+            pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), decision.predicted_tpot_seconds)
+            self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
 
     @staticmethod
     def _record_generate_trace(item: pb.GenerateResponse, trace: SequenceTrace) -> None:

@@ -44,6 +44,10 @@ class RouterMetrics:
                              labels, registry=r).labels(ROLE)
         self.retries = Counter("cbserve_router_retries", "Attempts retried on another pod", labels,
                                registry=r).labels(ROLE)
+        self._calibration = Gauge("cbserve_router_latency_calibration",
+                                  "Factor the goodput policy multiplies a pod's predicted TTFT or TPOT by "
+                                  "(p95 of observed / predicted; 1 until enough requests)", ["role", "pod", "slo"],
+                                  registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         assert phase in PHASES, phase
@@ -57,6 +61,9 @@ class RouterMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(ROLE, reason).inc()
+
+    def calibration(self, pod: str, slo: str, factor: float) -> None:
+        self._calibration.labels(ROLE, pod, slo).set(factor)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

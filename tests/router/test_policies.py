@@ -145,6 +145,13 @@ async def test_router_calibrates_a_decode_pod_from_the_tpot_it_measures(tokenize
         prefill = h.state.dispatcher.tracker.pods[h.prefill[0].address]
         assert prefill.ttft_calibration.num_samples == 24
         assert 0.5 <= prefill.ttft_calibration.factor <= 3.0
+        # Both factors are exported for operators (one gauge per pod and SLO).
+        text = (await client.get("/metrics")).text
+        for address, slo, factor in ((h.decode[0].address, "tpot", state.tpot_calibration.factor),
+                                     (h.prefill[0].address, "ttft", prefill.ttft_calibration.factor)):
+            line = f'cbserve_router_latency_calibration{{pod="{address}",role="router",slo="{slo}"}}'
+            assert f"{line} {factor!r}" in text or any(
+                row.startswith(line) and float(row.split()[-1]) == pytest.approx(factor) for row in text.splitlines())
 
 
 @pytest.mark.parametrize("waited,expected", [(0.0, ("p1", "d1")), (0.1, ("p1", "d1")), (0.3, "slo"), (2.0, "slo")])
