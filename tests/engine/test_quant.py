@@ -130,3 +130,17 @@ def test_int8_engine_stays_close_to_the_float_engine(int8_engine):
     assert ours.output_token_ids[0] == ref.output_token_ids[0]
     agree = sum(a == b for a, b in zip(ours.output_token_ids, ref.output_token_ids))
     assert agree >= 4, (ours.output_token_ids, ref.output_token_ids)
+
+
+def test_the_int_mm_fallback_equals_the_onednn_kernel(monkeypatch):
+    """Builds without oneDNN's qlinear take `torch._int_mm`; both give the same floats, bit for bit."""
+    import engine.quant as quant
+
+    lin, x = _linear(96, 40, bias=True), torch.randn(5, 96)
+    onednn = Int8Linear.from_linear(lin)
+    monkeypatch.setattr(quant, "onednn_int8_available", lambda: False)
+    fallback = Int8Linear.from_linear(lin)
+    assert not fallback.onednn and fallback.weight_q.dtype == torch.int8
+    if onednn.onednn:
+        assert torch.equal(onednn(x), fallback(x))
+    torch.testing.assert_close(fallback(x), lin(x), rtol=0.03, atol=0.03)
