@@ -38,6 +38,7 @@ from bench.stats import Slo, summarize
 from bench.workloads import MIXES, Mix, build_requests, warmup_requests
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
+from engine.config import QUANTIZATIONS
 
 # name -> ClusterSpec fields. Same two cores for all: each pod gets one torch thread.
 CONFIGS: dict[str, dict] = {
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--quantization", choices=["int8"], default=None, help="every pod's --quantization")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="every pod's --quantization")
     p.add_argument("--cpus", default=None, help="pin the benchmark and every process to these cores, e.g. 0,1")
     p.add_argument("--warmup", type=int, default=4,
                    help="short requests sent (and discarded) before the sweep; at least one per shared prefix")

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for dtype_name in args.dtypes.split(","):
-        dtype, quantization = QUANTIZED.get(dtype_name, (DTYPES.get(dtype_name), None))
+        dtype, quantization = QUANTIZED.get(dtype_name) or (DTYPES[dtype_name], None)
         model = load_model(model_dir, cfg, dtype, torch.device("cpu"), max_len)
         if quantization:
             quantize_model(model, quantization, torch.device("cpu"))

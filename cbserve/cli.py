@@ -9,12 +9,14 @@ import argparse
 import logging
 import sys
 
+from engine.config import QUANTIZATIONS
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name (tiny, small) or a local HF directory")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--quantization", choices=["int8"], default=None,
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="int8: W8A8 linears (per-channel weights, per-token activations), CPU only")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

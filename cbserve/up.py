@@ -23,6 +23,7 @@ import time
 from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
+from engine.config import QUANTIZATIONS
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo", "add_up_command", "cmd_up"]
 
@@ -44,7 +45,7 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="grpc")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--quantization", choices=["int8"], default=None,
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="int8: W8A8 linears on every pod (CPU only)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# `--quantization` values (engine/quant.py); here, torch-free, for the CLI flags that offer them.
+QUANTIZATIONS = ("int8",)
+
 
 @dataclass(frozen=True)
 class CacheConfig:

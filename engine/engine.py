@@ -20,15 +20,15 @@ from typing import Iterable, Sequence
 
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.loader import load_model, model_fingerprint
-from engine.quant import QUANTIZATIONS, quantize_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput, StepSample
 from engine.presets import resolve_model_dir
+from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+from engine.config import QUANTIZATIONS
 _QMAX = 127.0
 
 

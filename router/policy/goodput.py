@@ -113,13 +113,12 @@ class GoodputPolicy(Policy):
 
     def route(self, request: RoutingRequest, pods_by_role: dict[str, list[PodState]]) -> RoutingDecision | NoRoute:
         decision = super().route(request, pods_by_role)
+        if isinstance(decision, NoRoute):
+            return decision
         # Only a fitted model's prediction calibrates: the EWMA fallback means something else.
-        if isinstance(decision, RoutingDecision) and decision.decode.step_model.fitted:
-            decision = replace(decision, predicted_tpot_seconds=self.predictor.model_tpot(request, decision.decode))
-        if isinstance(decision, RoutingDecision):
-            first = decision.prefill or decision.decode
-            decision = replace(decision, predicted_ttft_seconds=self.predictor.model_ttft(request, first))
-        return decision
+        tpot = self.predictor.model_tpot(request, decision.decode) if decision.decode.step_model.fitted else None
+        ttft = self.predictor.model_ttft(request, decision.prefill or decision.decode)
+        return replace(decision, predicted_tpot_seconds=tpot, predicted_ttft_seconds=ttft)
 
     def retry_after(self, request: RoutingRequest, pods: list[PodState]) -> float:
         """How long until the least-late pod would meet the SLO: its predicted excess latency."""

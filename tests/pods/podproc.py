@@ -117,7 +117,8 @@ async def disaggregated(prefill: Pod, decode: Pod, request_id: str, prompt: list
         messages = [m async for m in gen]
         first = await pre
     tokens = [t for m in messages for t in m.token_ids]
-    assert tokens and tokens[0] == first.first_token_id
+    # The first token is P's, unless D lost the pull and prefilled locally (then it is D's own).
+    assert tokens and (messages[0].local_prefill or tokens[0] == first.first_token_id)
     return tokens, messages
 
 
