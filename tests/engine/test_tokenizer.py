@@ -103,7 +103,11 @@ def test_random_text_matches_transformers(pair, text):
     ours, hf, _ = pair
     ids = ours.encode(text)
     assert ids == hf(text)["input_ids"]
-    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True) == text
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    # Special-token text ("<s>") is parsed as that token on both sides and skipped when decoding
+    # (hypothesis found it): only text without one round-trips exactly.
+    if not any(special in text for special in hf.all_special_tokens):
+        assert ours.decode(ids) == text
 
 
 def test_special_tokens_match_transformers(pair):
