@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from tokenizers import Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
@@ -99,6 +99,7 @@ def test_encode_and_decode_match_transformers(pair, text):
 
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(max_size=30))
+@example(text="<s>")
 def test_random_text_matches_transformers(pair, text):
     ours, hf, _ = pair
     ids = ours.encode(text)
