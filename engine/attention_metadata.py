@@ -13,5 +13,3 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     seq_lens: torch.Tensor          # [num_seqs] int32: context length after this step
     block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32
-    max_query_len: int
-    max_seq_len: int

@@ -1,8 +1,9 @@
 """Turns a `SchedulerOutput` into tensors, runs the model once, returns logits of sampled rows.
 
-Plan once, run per layer: the slot mapping, block tables and sequence offsets are built here once
-per step (vectorised in numpy: Python touches each sequence a few times and never loops per
-token; ~0.3 ms for 256 sequences) and handed to every layer in `AttentionMetadata`.
+Plan once, run per layer: the slot mapping, block tables and sequence offsets are built once per
+step (`engine.step_inputs`: numpy into one staging buffer, one copy to the device) and handed to
+every layer in `AttentionMetadata`. Decode-only steps run padded to a bucket and replay a CUDA
+graph on GPUs (`engine.cuda_graphs`).
 
 CPU runtime: the runner packs the model's weights for oneDNN (`LlamaForCausalLM.pack_weights`)
 and keeps glibc from returning freed activation memory to the kernel (`keep_freed_memory`):
@@ -15,14 +16,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import itertools
 import logging
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.cuda_graphs import DecodeBuckets
 from engine.model import LlamaForCausalLM
+from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,23 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+@dataclass(frozen=True)
+class PrevSample:
+    """The previous step's sampled ids, still on the device (async scheduling): `token_ids[rows[id]]`
+    is the token of request `id`, whose place in this step's input is `PLACEHOLDER_TOKEN_ID`."""
+
+    token_ids: torch.Tensor     # [num_sampled] int64, on the runner's device
+    rows: dict[str, int]
+
+
 class ModelRunner:
+    """Runs one step of the model. Inputs go up in one copy (`StepInputs`); decode-only steps run
+    padded to a bucket and, on CUDA unless `enforce_eager`, replay a captured graph
+    (`engine.cuda_graphs`); other steps run eagerly."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
+                 max_model_len: int = 2048, enforce_eager: bool | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, KVH, D]
         self.block_size = block_size
@@ -60,59 +75,46 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()
             model.pack_weights()
+        self.max_num_seqs = max_num_seqs
+        max_width = -(-max_model_len // block_size)
+        self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width),
+                                 block_size, device)
+        # Padded decode buckets: on CUDA (graphs) unless told to stay eager; on CPU only on request
+        # (tests of the padding), since padding rows cost real work there.
+        use_buckets = device.type == "cuda" if enforce_eager is None else not enforce_eager
+        self.decode_buckets = DecodeBuckets(
+            self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
+            min(max_num_seqs, max_num_batched_tokens), max_model_len) if use_buckets else None
 
-    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """scheduled: sequence of ScheduledSeq -> (input_ids, positions, metadata, logits_indices).
+    def capture_cuda_graphs(self) -> float:
+        """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
+        return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
 
-        Host-side planning is numpy: `np.fromiter` reads Python ints ~3x faster than
-        `torch.tensor(list)`, and numpy's per-op overhead is a fraction of torch's on small arrays."""
-        num_seqs = len(scheduled)
-        q_lens = np.fromiter((len(seq.token_ids) for seq in scheduled), np.int64, num_seqs)        # [S]
-        n_blocks = np.fromiter((len(seq.block_ids) for seq in scheduled), np.int64, num_seqs)      # [S]
-        start_pos = np.fromiter((seq.start_position for seq in scheduled), np.int64, num_seqs)    # [S]
-        sample = np.fromiter((seq.sample for seq in scheduled), np.bool_, num_seqs)               # [S]
-        num_tokens = int(q_lens.sum())
-        input_ids = np.fromiter(itertools.chain.from_iterable(seq.token_ids for seq in scheduled),
-                                np.int64, num_tokens)                                            # [T]
-
-        # Block table [S, max_blocks]: the ragged block lists, left-aligned, zero-padded.
-        max_blocks = int(n_blocks.max()) if num_seqs else 0
-        table = np.zeros((num_seqs, max(max_blocks, 1)), np.int32)
-        flat_blocks = np.fromiter(itertools.chain.from_iterable(seq.block_ids for seq in scheduled),
-                                  np.int32, int(n_blocks.sum()))
-        table[np.arange(table.shape[1]) < n_blocks[:, None]] = flat_blocks  # row-major = concat order
-
-        query_start_loc = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        if (q_lens == 1).all():  # decode-only step: one token per sequence
-            seq_index = np.arange(num_seqs)
-            positions = start_pos
-        else:
-            seq_index = np.repeat(np.arange(num_seqs), q_lens)                                # [T]
-            positions = start_pos[seq_index] + (np.arange(num_tokens) - query_start_loc[seq_index])  # [T]
-        block_of_token = table[seq_index, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size        # [T]
-        seq_lens = start_pos + q_lens                                                         # [S]
-        logits_indices = query_start_loc[1:][sample] - 1  # the last token of each sampling sequence
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            max_query_len=int(q_lens.max()) if num_seqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        )
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta,
-                torch.from_numpy(logits_indices).to(dev))
+    def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
+        """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
+        return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows)
 
     @torch.inference_mode()
-    def run(self, scheduled) -> torch.Tensor:
+    def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
-        rows in the order of `scheduled`; only the sampled rows go through the lm_head."""
-        input_ids, positions, meta, logits_indices = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)      # [T, hidden]
-        if logits_indices.shape[0] != hidden.shape[0]:  # decode-only steps sample every row: no copy
-            hidden = hidden[logits_indices]
+        rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens
+        that are `PLACEHOLDER_TOKEN_ID` are read from `prev` on the device (async scheduling).
+
+        The logits of a bucketed decode step live in a buffer the next step overwrites: consume
+        them (sample) before running the next step."""
+        if self.decode_buckets is not None:
+            bucket = self.decode_buckets.bucket(scheduled)
+            if bucket is not None:
+                return self.decode_buckets.run(scheduled, bucket, prev)
+        t = self.prepare(scheduled, prev)
+        if t.fill_dst.numel():
+            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
+        if t.layout.num_sampled != hidden.shape[0]:  # decode-only steps sample every row: no copy
+            hidden = hidden[t.logits_indices]
         return self.model.compute_logits(hidden)
+
+    def _forward_into(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out: torch.Tensor) -> None:
+        """A padded decode batch (every row samples): model and head, logits written into `out`."""
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)      # [bs, hidden]
+        self.model.compute_logits(hidden, out=out)

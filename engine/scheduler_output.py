@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# With async scheduling, a request's newest token is still on the device when the next step is
+# planned: its place in `Request.token_ids` holds this id until the engine resolves the sample.
+PLACEHOLDER_TOKEN_ID = -1
+
 new_scheduled_seq = tuple.__new__   # builds a ScheduledSeq without NamedTuple's Python-level __new__
 
 

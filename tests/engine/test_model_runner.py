@@ -51,19 +51,98 @@ def test_prepare_builds_the_step_tensors(tiny):
     model = load_model(path, cfg, torch.float32, CPU)
     runner = ModelRunner(model, allocate_kv_cache(cfg, 12, BLOCK, torch.float32, CPU), BLOCK, CPU)
     batch = _batch()
-    input_ids, positions, meta, logits_indices = runner.prepare(batch)
+    t = runner.prepare(batch)
+    meta = t.meta
     ids, pos, slots, rows = _expected(batch)
-    assert input_ids.tolist() == ids and positions.tolist() == pos
-    assert meta.slot_mapping.tolist() == slots and logits_indices.tolist() == rows
+    assert t.input_ids.tolist() == ids and t.positions.tolist() == pos
+    assert meta.slot_mapping.tolist() == slots and t.logits_indices.tolist() == rows
     assert meta.query_start_loc.tolist() == [0, 1, 7, 10, 11] and meta.query_start_loc.dtype == torch.int32
     assert meta.seq_lens.tolist() == [10, 8, 3, 1] and meta.seq_lens.dtype == torch.int32
     assert meta.block_tables.tolist() == [[3, 8, 5], [9, 2, 0], [6, 0, 0], [1, 0, 0]]
-    assert (meta.max_query_len, meta.max_seq_len) == (6, 10)
+    assert t.fill_dst.numel() == 0 and t.num_seqs == 4
     # Decode-only steps take the shortcut; the answer must not change.
     decodes = [batch[0], batch[3]]
-    _, positions, meta, logits_indices = runner.prepare(decodes)
-    assert positions.tolist() == [9, 0] and meta.slot_mapping.tolist() == [21, 4]
-    assert logits_indices.tolist() == [0, 1]
+    t = runner.prepare(decodes)
+    assert t.positions.tolist() == [9, 0] and t.meta.slot_mapping.tolist() == [21, 4]
+    assert t.logits_indices.tolist() == [0, 1]
+
+
+def test_prepare_pads_a_decode_batch_to_its_bucket(tiny):
+    """Padding rows are harmless decodes: token 0 at position 0, slot -1 (no KV write), context 1,
+    block row 0 (the null block); the table is as wide as asked."""
+    path, cfg = tiny
+    runner = ModelRunner(load_model(path, cfg, torch.float32, CPU),
+                         allocate_kv_cache(cfg, 12, BLOCK, torch.float32, CPU), BLOCK, CPU)
+    batch = _batch()
+    t = runner.inputs.prepare([batch[0], batch[3]], pad_to=4, width=5)
+    assert t.input_ids.tolist() == [7, 4, 0, 0] and t.positions.tolist() == [9, 0, 0, 0]
+    assert t.meta.slot_mapping.tolist() == [21, 4, -1, -1]
+    assert t.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert t.meta.seq_lens.tolist() == [10, 1, 1, 1]
+    assert t.meta.block_tables.tolist() == [[3, 8, 5, 0, 0], [1, 0, 0, 0, 0]] + [[0] * 5] * 2
+    assert t.logits_indices.tolist() == [0, 1, 2, 3] and t.num_seqs == 2
+
+
+def test_prepare_marks_placeholder_tokens_for_the_device_fill(tiny):
+    """Async scheduling: a decode whose token is still on the device has PLACEHOLDER_TOKEN_ID;
+    prepare names its token row and the row of the previous sample that holds it."""
+    from engine.model_runner import PrevSample
+    from engine.scheduler_output import PLACEHOLDER_TOKEN_ID
+
+    path, cfg = tiny
+    runner = ModelRunner(load_model(path, cfg, torch.float32, CPU),
+                         allocate_kv_cache(cfg, 12, BLOCK, torch.float32, CPU), BLOCK, CPU)
+    batch = [ScheduledSeq("chunk", (1, 2, 3), 0, (9,), False),
+             ScheduledSeq("a", (PLACEHOLDER_TOKEN_ID,), 5, (3, 8), True),
+             ScheduledSeq("b", (6,), 2, (4,), True),
+             ScheduledSeq("c", (PLACEHOLDER_TOKEN_ID,), 1, (2,), True)]
+    prev = PrevSample(torch.tensor([40, 41, 42]), {"c": 0, "x": 1, "a": 2})
+    t = runner.prepare(batch, prev)
+    assert t.fill_dst.tolist() == [3, 5] and t.fill_src.tolist() == [2, 0]
+    # run() fills them on the device: equal to running the batch with the real tokens.
+    real = [batch[0], batch[1]._replace(token_ids=(42,)), batch[2], batch[3]._replace(token_ids=(40,))]
+    kv_a, kv_b = (allocate_kv_cache(cfg, 12, BLOCK, torch.float32, CPU) for _ in range(2))
+    runner.kv_cache = kv_a
+    got = runner.run(batch, prev)
+    runner.kv_cache = kv_b
+    want = runner.run(real)
+    assert torch.equal(got, want) and torch.equal(kv_a, kv_b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
+    """The CUDA-graph path's logic on CPU: a decode batch padded to its bucket (and its block
+    table to the bucket's width) gives the same logits and KV as the plain eager step."""
+    path, cfg = tiny
+    blocks = 40
+    eager = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
+                        BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=True)
+    padded = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
+                         BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=False)
+    assert eager.decode_buckets is None and padded.decode_buckets is not None
+    g = torch.Generator().manual_seed(0)
+    for runner in (eager, padded):   # the same random context in both caches
+        runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(1)))
+    batch = [ScheduledSeq(f"r{i}", (int(torch.randint(0, cfg.vocab_size, (1,), generator=g)),), start,
+                          tuple(range(1 + 3 * i, 1 + 3 * i + start // BLOCK + 1)), True)
+             for i, start in enumerate([0, 5, 9, 2, 11])]
+    assert padded.decode_buckets.bucket(batch) == (8, 16)   # 5 seqs -> 8; 3 blocks -> 64 tokens
+    got, want = padded.run(batch), eager.run(batch)
+    assert got.shape == want.shape == (5, cfg.vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
+    assert torch.equal(padded.kv_cache, eager.kv_cache)   # padding wrote nothing
+
+
+def test_bucket_tables():
+    from engine.cuda_graphs import batch_size_buckets, smallest_at_least, width_buckets
+
+    assert batch_size_buckets(1) == [1]
+    assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_size_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert width_buckets(64, 4) == [16]
+    assert width_buckets(131072, 16) == [16, 32, 64, 128, 256, 512]
+    assert width_buckets(1000, 16) == [16, 32, 63]
+    assert smallest_at_least([1, 2, 4], 3) == 4 and smallest_at_least([1, 2, 4], 5) is None
 
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
@@ -79,15 +158,15 @@ def test_packed_linears_match_plain_ones(tiny):
 
     batch = _batch()
     got = runner.run(batch)
-    input_ids, positions, meta, rows = runner.prepare(batch)
+    t = runner.prepare(batch)
     kv = allocate_kv_cache(cfg, 12, BLOCK, torch.float32, CPU)
     with torch.inference_mode():
-        want = plain.compute_logits(plain(input_ids, positions, kv, meta)[rows])
+        want = plain.compute_logits(plain(t.input_ids, t.positions, kv, t.meta)[t.logits_indices])
     assert got.shape == (3, cfg.vocab_size) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
+@pytest.mark.skipif(not onednn_linear_available(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 def test_bf16_linear_packs_and_stays_close():
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True, dtype=torch.bfloat16)
@@ -105,7 +184,7 @@ def test_half_precision_linear_is_left_plain():
     assert not layer.pack() and not layer.weight.is_mkldnn
 
 
-@pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
+@pytest.mark.skipif(not onednn_linear_available(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 def test_bf16_linear_prefill_rows_take_the_fp32_path():
     from engine.model import BF16_UPCAST_ROWS
 
