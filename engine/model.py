@@ -15,6 +15,8 @@ matmuls run in fp32 instead (`BF16_UPCAST_ROWS`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,10 +35,19 @@ BF16_UPCAST_ROWS = 256
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-def onednn_linear_available() -> bool:
-    """True when this torch has oneDNN (mkldnn) and its prepacked linear ops."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch has oneDNN (mkldnn) and its prepacked linear ops for `dtype` (bf16
+    needs a CPU with avx512 or avx_ne_convert: oneDNN refuses to pack it elsewhere)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or _onednn_bf16_supported()
+
+
+@functools.cache
+def _onednn_bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -55,7 +66,7 @@ class Linear(nn.Linear):
         weight = self.weight
         if weight.is_mkldnn:
             return True
-        if weight.device.type != "cpu" or weight.dtype not in _PACKABLE or not onednn_linear_available():
+        if weight.device.type != "cpu" or weight.dtype not in _PACKABLE or not onednn_linear_available(weight.dtype):
             return False
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         del self.weight
@@ -165,13 +176,23 @@ class LlamaForCausalLM(nn.Module):
         after the weights are loaded. Returns how many were packed (0 off CPU / without oneDNN)."""
         return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in the model dtype (the sampler upcasts).
 
-        Only the rows that sample come here: the runner selects them before the vocab matmul."""
+        Only the rows that sample come here: the runner selects them before the vocab matmul.
+        `out` ([N, vocab], contiguous): write the logits there (CUDA graphs keep one buffer)."""
+        if out is not None and (self.lm_head is None or not self.lm_head.weight.is_mkldnn) \
+                and (self.lm_head is None or self.lm_head.bias is None):
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return torch.mm(hidden, weight.t(), out=out)
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        weight = self.embed_tokens.weight  # tied: the embedding stays plain for the lookup
-        if weight.device.type == "cpu" and weight.dtype in _PACKABLE and onednn_linear_available():
-            return _onednn_linear(hidden, weight, None)  # oneDNN also runs plain [out, in] weights
-        return F.linear(hidden, weight)
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.embed_tokens.weight  # tied: the embedding stays plain for the lookup
+            if weight.device.type == "cpu" and weight.dtype in _PACKABLE and onednn_linear_available(weight.dtype):
+                logits = _onednn_linear(hidden, weight, None)  # oneDNN also runs plain [out, in] weights
+            else:
+                logits = F.linear(hidden, weight)
+        if out is not None:
+            return out.copy_(logits)
+        return logits
