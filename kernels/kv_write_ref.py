@@ -29,7 +29,7 @@ def _write(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: 
         cache[blocks, offsets] = x
         return
     rows, block_rows = alias
-    rows.index_copy_(0, blocks * block_rows + offsets, x.reshape(x.shape[0], -1))
+    rows.index_copy_(0, blocks * block_rows + offsets, x.reshape(x.shape[0], rows.shape[1]))  # T may be 0
 
 
 def write_kv_ref(
