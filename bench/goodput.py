@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: only for mixes whose prompts share prefixes")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="every pod's --device, e.g. cuda (pods share the one GPU)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="every pod's --num-blocks: a fixed KV cache, so pods sharing one GPU fit beside each other")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="every pod's --quantization")
     p.add_argument("--cpus", default=None, help="pin the benchmark and every process to these cores, e.g. 0,1")
     p.add_argument("--warmup", type=int, default=4,
@@ -90,7 +92,7 @@ def cluster_spec(args: argparse.Namespace, config: str, mix: Mix) -> ClusterSpec
                        threads_per_pod=args.threads_per_pod, prefix_caching=caching, device=args.device,
                        quantization=args.quantization,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       drain_seconds=5, **CONFIGS[config])
+                       num_blocks=args.num_blocks, drain_seconds=5, **CONFIGS[config])
 
 
 def scrape_all(cluster: LocalCluster) -> tuple[prom.Samples, prom.Samples]:
@@ -177,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## mix {name}: {mix.description}\n{format_table([], header=True)}", flush=True)
         mix_rows = [row for config in args.configs for row in run_config(args, config, mix, log_root)]
         rows += mix_rows
-        path = plot_mix(mix_rows, model=args.model, mix=name, slo_ttft_ms=args.slo_ttft_ms,
-                        slo_tpot_ms=args.slo_tpot_ms, path=Path(args.out_dir) / f"goodput_{args.model}_{name}.png")
+        model_name = Path(args.model).name   # a checkpoint directory: its last component
+        path = plot_mix(mix_rows, model=model_name, mix=name, slo_ttft_ms=args.slo_ttft_ms,
+                        slo_tpot_ms=args.slo_tpot_ms, path=Path(args.out_dir) / f"goodput_{model_name}_{name}.png")
         print(f"# plot: {path}", flush=True)
     ratios = goodput_ratios(rows, baseline="pd-goodput")
     print_ratios(ratios)
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": args.model, "mixes": args.mixes, "rates": args.rates, "duration_s": args.duration,
                 "configs": {c: CONFIGS[c] for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
-                "quantization": args.quantization,
+                "quantization": args.quantization, "device": args.device, "num_blocks": args.num_blocks,
                 "cpus": args.cpus, "prefix_caching": args.prefix_caching, "git_commit": git_commit(),
                 "cpu_count": os.cpu_count(), "machine": platform.platform()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
