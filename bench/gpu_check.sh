@@ -2,7 +2,7 @@
 # GPU check: one prepared run on a lent H200 (device tool), under 8 minutes, ONE table at the end.
 #
 # Sections, each under its own `timeout` and never past a global deadline (GPU_CHECK_BUDGET_S,
-# default 460 s), in this order of priority; a failure is recorded and the next section runs:
+# default 460 s), numbered as in the table; a failure is recorded and the next section runs:
 #   1 tests       pytest -q -m gpu tests/kernels tests/kvtransfer tests/engine
 #   2 kernels     bench/kernel_bandwidth.py (Llama-3-8B-like shapes, bf16)
 #   3 decode      bench/decode_step.py --shape 1b, then 8b: batch 1/8/64/256 at context 256, with
@@ -11,7 +11,9 @@
 #                 transformers generate() at batch 128; 8b with 128 prompts if time is left (last)
 #   5 goodput     bench/goodput.py through `cbserve up`'s LocalCluster on the 1b shape, chat mix,
 #                 2 rates x 15 s: pd-goodput (1P+1D) then colocated-2, every pod on the one GPU
-# Run order: 1, 2, 3 (1b), 3 (8b), 4 (1b), 5, 4 (8b). The table lists them by section number.
+# Run order (priority): 1, 2, 3 (1b), 3 (8b), 4 (1b), 5, 4 (8b); a section that no longer fits
+# before the deadline is skipped and says so. The shape checkpoints are cached under
+# ~/.cache/cbserve/models/llama-3.2-1b-shape-v1 and llama-3.1-8b-shape-v1 (2.5 and 15 GB).
 #
 # Output: the table on stdout (last), and under $OUT (else under the work folder it names):
 #   gpu_check.md           the table, with versions and settings above it
