@@ -1,9 +1,9 @@
 """cbserve kernels: pure functions on tensors, Triton on CUDA and a torch reference elsewhere.
 
 Contracts: docs/architecture.md, section "kernels". Every public function validates its inputs
-(``kernels.checks``), then dispatches through ``kernels.backend``; the Triton modules are imported
-only when first chosen, so this package imports (and runs on CPU) without triton. Nothing here
-imports from the rest of the project.
+(``kernels.checks``: shapes and dtypes only), then dispatches through ``kernels.backend``; the
+Triton modules are imported only when first chosen, so this package imports (and runs on CPU)
+without triton. Nothing here imports from the rest of the project.
 """
 
 from __future__ import annotations
@@ -11,12 +11,18 @@ from __future__ import annotations
 import torch
 
 from kernels import backend, checks
+from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
 from kernels.kv_write_ref import write_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
-__all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope"]
+__all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
+           "silu_and_mul"]
+
+_use_triton = backend.use_triton
+_triton_fn = backend.triton_fn
 
 
 def paged_attention(
@@ -30,12 +36,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens (its last ``query_len`` positions) over its
     paged K/V; prefill chunks and decode tokens may be mixed. Returns q's shape and dtype."""
-    checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    if backend.select_backend(q) == backend.TRITON:
-        impl = backend.triton_module("attention_triton").paged_attention_triton
-    else:
-        impl = paged_attention_ref
-    return impl(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    sizes = checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if _use_triton(q):
+        return _triton_fn("attention_triton", "paged_attention_triton")(
+            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes)
+    return paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
 def write_kv(
@@ -47,8 +52,8 @@ def write_kv(
 ) -> None:
     """Write each token's key/value into its cache slot, in place."""
     checks.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
-    if backend.select_backend(key) == backend.TRITON:
-        backend.triton_module("kv_write_triton").write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    if _use_triton(key):
+        _triton_fn("kv_write_triton", "write_kv_triton")(key, value, key_cache, value_cache, slot_mapping)
     else:
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
@@ -56,8 +61,8 @@ def write_kv(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with Hugging Face LlamaRMSNorm numerics."""
     checks.check_rms_norm(x, weight)
-    if backend.select_backend(x) == backend.TRITON:
-        return backend.triton_module("norm_triton").rms_norm_triton(x, weight, eps)
+    if _use_triton(x):
+        return _triton_fn("norm_triton", "rms_norm_triton")(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -66,8 +71,8 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(rms_norm(x + residual), x + residual)``; the sum is rounded to x's dtype as in HF."""
     checks.check_rms_norm(x, weight, residual)
-    if backend.select_backend(x) == backend.TRITON:
-        return backend.triton_module("norm_triton").fused_add_rms_norm_triton(x, residual, weight, eps)
+    if _use_triton(x):
+        return _triton_fn("norm_triton", "fused_add_rms_norm_triton")(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -79,6 +84,36 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox / HF ``rotate_half`` rotary embedding; returns new ``(q, k)`` in their dtype."""
     checks.check_rope(q, k, positions, cos_sin_cache)
-    if backend.select_backend(q) == backend.TRITON:
-        return backend.triton_module("rope_triton").apply_rope_triton(q, k, positions, cos_sin_cache)
+    if _use_triton(q):
+        return _triton_fn("rope_triton", "apply_rope_triton")(q, k, positions, cos_sin_cache)
     return apply_rope_ref(q, k, positions, cos_sin_cache)
+
+
+def rope_and_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] = cat(cos, sin)
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset, -1 = skip
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` then ``write_kv`` of the rotated keys and ``v``, in one Triton launch on CUDA.
+
+    Returns the rotated ``(q, k)`` (new tensors in q's dtype) exactly as ``apply_rope`` does, and
+    leaves the caches exactly as ``write_kv(k_rotated, v, ...)`` would."""
+    checks.check_rope_and_write_kv(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    if _use_triton(q):
+        return _triton_fn("rope_kv_triton", "rope_and_write_kv_triton")(
+            q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    return rope_and_write_kv_ref(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = cat(gate, up)`` along the last dim ([T, 2 * I] -> [T, I]), with
+    the numerics of ``F.silu(gate) * up`` (each op rounds to x's dtype), in one pass on CUDA."""
+    checks.check_silu_and_mul(x)
+    if _use_triton(x):
+        return _triton_fn("activation_triton", "silu_and_mul_triton")(x)
+    return silu_and_mul_ref(x)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile_triton import attend_tile, head_pad
-from kernels.checks import paged_attention_sizes
+from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
 PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
 _MIN_PROGRAMS = 256  # below this many (seq, kv head) programs the unified kernel leaves SMs idle
@@ -137,9 +137,11 @@ def launch_split_k(
     scale: float,
     partition: int = PARTITION,
     block_n: int = 32,
+    sizes: PagedAttentionSizes | None = None,
 ) -> torch.Tensor:
     """Decode-only split-K attention: requires exactly one query token per sequence."""
-    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    if sizes is None:
+        sizes = paged_attention_sizes(q, key_cache, block_tables)
     num_seqs, num_heads = sizes.num_seqs, sizes.num_heads
     if sizes.num_tokens != num_seqs:
         raise ValueError(f"split-K decode needs one query token per sequence: "

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels.attention_splitk_triton import launch_split_k, use_split_k
 from kernels.attention_tile_triton import attend_tile, head_pad
-from kernels.checks import paged_attention_sizes
+from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
 
 @triton.jit
@@ -125,14 +125,17 @@ def launch_unified(
     scale: float,
     block_n: int | None = None,
     block_m: int | None = None,
+    sizes: PagedAttentionSizes | None = None,
 ) -> torch.Tensor:
-    """Run the unified kernel (inputs already validated by ``kernels.checks``).
+    """Run the unified kernel (inputs already validated by ``kernels.checks``, whose sizes
+    ``sizes`` is; computed here when None).
 
     ``block_n`` is the key-tile width (default 64 on a GPU, 32 in the interpreter); ``block_m``
     the target rows per query tile (tokens x heads-in-group; default 16, or 64 on a GPU when the
     batch holds prefill tokens, so a K/V tile is reused by more query rows).
     """
-    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    if sizes is None:
+        sizes = paged_attention_sizes(q, key_cache, block_tables)
     num_tokens, num_seqs = sizes.num_tokens, sizes.num_seqs
     if block_n is None:
         block_n = 64 if q.is_cuda else 32
@@ -167,14 +170,17 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sizes: PagedAttentionSizes | None = None,
 ) -> torch.Tensor:
     """Pick split-K for decode-only batches that cannot fill the GPU, else the unified kernel.
 
     Decode-only is read from shapes (one query token per sequence), the context bound from the
     block table width, so the choice never syncs with the device.
     """
-    sizes = paged_attention_sizes(q, key_cache, block_tables)
+    if sizes is None:
+        sizes = paged_attention_sizes(q, key_cache, block_tables)
     decode_only = sizes.num_tokens == sizes.num_seqs
     if decode_only and use_split_k(sizes.num_seqs, sizes.num_kv_heads, sizes.max_context):
-        return launch_split_k(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
-    return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+        return launch_split_k(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                              sizes=sizes)
+    return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes=sizes)

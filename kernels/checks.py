@@ -1,8 +1,10 @@
-"""Boundary checks shared by both backends: shapes, dtypes and devices, with clear errors.
+"""Boundary checks shared by both backends: shapes and dtypes, with clear errors.
 
-The public functions in ``kernels`` call these once per call; nothing here syncs with the device
-(only shapes, dtypes and strides are read), so they are safe on the CUDA hot path. They run ~60
-times per model step, so every message is formatted only when its check fails.
+The public functions in ``kernels`` call these once per call, ~60 times per model step, so each
+check is one boolean expression over shapes and dtypes read once each (no device syncs, no
+formatting); only when it fails does the matching ``_explain_*`` walk the inputs again to raise
+the precise message. Devices are not compared on this path: a CPU tensor handed to a Triton
+launcher is rejected by Triton itself, and the torch reference raises on mixed devices.
 """
 
 from __future__ import annotations
@@ -12,15 +14,8 @@ from typing import NamedTuple
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _same_device(**tensors: torch.Tensor) -> None:
-    # Runs once per kernel call, ~60 times a step: compare first, build the message only on failure.
-    values = iter(tensors.values())
-    device = next(values).device
-    if any(t.device != device for t in values):
-        devices = {name: t.device for name, t in tensors.items()}
-        raise ValueError(f"tensors on different devices: {devices}")
+_FLOATS = frozenset(FLOAT_DTYPES)
+_I32, _I64 = torch.int32, torch.int64
 
 
 class PagedAttentionSizes(NamedTuple):
@@ -45,12 +40,12 @@ def paged_attention_sizes(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
 ) -> PagedAttentionSizes:
-    """Sizes the attention launchers derive from their inputs; assumes the ranks are right."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs, max_blocks_per_seq = block_tables.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    return PagedAttentionSizes(num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs,
-                               max_blocks_per_seq * block_size)
+    """Sizes the attention launchers derive from their inputs; assumes the ranks are right.
+
+    ``check_paged_attention`` returns the same value; launchers take it as an argument and call
+    this only when used directly (tests, benchmarks)."""
+    qs, ks, bs = q.shape, key_cache.shape, block_tables.shape
+    return PagedAttentionSizes(qs[0], qs[1], qs[2], ks[2], ks[1], bs[0], bs[1] * ks[1])
 
 
 def check_paged_attention(
@@ -62,6 +57,20 @@ def check_paged_attention(
     query_start_loc: torch.Tensor,
 ) -> PagedAttentionSizes:
     """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels"); return their sizes."""
+    qs, ks, bs = q.shape, key_cache.shape, block_tables.shape
+    if len(qs) == 3 and len(ks) == 4 and len(bs) == 2:
+        num_heads, head_dim, num_kv_heads, num_seqs = qs[1], qs[2], ks[2], bs[0]
+        dtype = q.dtype
+        if (ks[3] == head_dim and value_cache.shape == ks and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+                and dtype in _FLOATS and key_cache.dtype is dtype and value_cache.dtype is dtype
+                and block_tables.dtype is _I32 and seq_lens.dtype is _I32 and query_start_loc.dtype is _I32
+                and seq_lens.shape == (num_seqs,) and query_start_loc.shape == (num_seqs + 1,)):
+            return PagedAttentionSizes(qs[0], num_heads, head_dim, num_kv_heads, ks[1], num_seqs, bs[1] * ks[1])
+    _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    raise AssertionError("unreachable: _explain_paged_attention raises")
+
+
+def _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     if key_cache.dim() != 4:
@@ -83,12 +92,8 @@ def check_paged_attention(
     num_seqs = sizes.num_seqs
     if not (seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32):
         raise ValueError(f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if not (query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32):
-        raise ValueError(f"query_start_loc must be int32 [{num_seqs + 1}], got "
-                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
-    _same_device(q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 seq_lens=seq_lens, query_start_loc=query_start_loc)
-    return sizes
+    raise ValueError(f"query_start_loc must be int32 [{num_seqs + 1}], got "
+                     f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
 
 
 def check_write_kv(
@@ -99,6 +104,16 @@ def check_write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Validate the inputs of ``write_kv``."""
+    ks, cs = key.shape, key_cache.shape
+    dtype = key.dtype
+    if (len(ks) == 3 and len(cs) == 4 and value.shape == ks and value_cache.shape == cs
+            and cs[2] == ks[1] and cs[3] == ks[2] and slot_mapping.dtype is _I64 and slot_mapping.shape == ks[:1]
+            and value.dtype is dtype and key_cache.dtype is dtype and value_cache.dtype is dtype):
+        return
+    _explain_write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _explain_write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     if not (key.dim() == 3 and value.shape == key.shape):
         raise ValueError(f"key/value must both be [num_tokens, num_kv_heads, head_dim], got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
@@ -110,31 +125,35 @@ def check_write_kv(
     if not (slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype == torch.int64):
         raise ValueError(f"slot_mapping must be int64 [{key.shape[0]}], got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, "
-                         f"caches {key_cache.dtype}/{value_cache.dtype}")
-    _same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, "
+                     f"caches {key_cache.dtype}/{value_cache.dtype}")
 
 
 def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
     """Validate the inputs of ``rms_norm`` / ``fused_add_rms_norm``."""
+    xs = x.shape
+    if (len(xs) >= 1 and xs[-1] > 0 and weight.shape == xs[-1:] and x.dtype in _FLOATS and weight.dtype in _FLOATS
+            and (residual is None or (residual.shape == xs and residual.dtype is x.dtype))):
+        return
     if not (x.dim() >= 1 and x.shape[-1] > 0):
         raise ValueError(f"x must have a non-empty last dim, got {tuple(x.shape)}")
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
     if not (x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES):
         raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must be floating point")
-    if residual is not None:
-        if not (residual.shape == x.shape and residual.dtype == x.dtype):
-            raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match "
-                             f"x {x.dtype} {tuple(x.shape)}")
-        _same_device(x=x, weight=weight, residual=residual)
-    else:
-        _same_device(x=x, weight=weight)
+    raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match "  # type: ignore[union-attr]
+                     f"x {x.dtype} {tuple(x.shape)}")
 
 
 def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Validate the inputs of ``apply_rope``."""
+    qs, ks, cs = q.shape, k.shape, cos_sin_cache.shape
+    if len(qs) == 3 and len(ks) == 3 and len(cs) == 2:
+        rotary_dim, head_dim, dtype = cs[1], qs[2], q.dtype
+        if (ks[0] == qs[0] and ks[2] == head_dim and positions.dtype is _I64 and positions.shape == qs[:1]
+                and rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim and k.dtype is dtype and dtype in _FLOATS
+                and cos_sin_cache.dtype in _FLOATS):
+            return
     if not (q.dim() == 3 and k.dim() == 3):
         raise ValueError(f"q/k must be [num_tokens, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
     if not (q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]):
@@ -149,6 +168,31 @@ def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
         raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {q.shape[2]}")
     if not (q.dtype == k.dtype and q.dtype in FLOAT_DTYPES):
         raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) dtype mismatch")
-    if cos_sin_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"cos_sin_cache dtype {cos_sin_cache.dtype} not floating")
-    _same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    raise ValueError(f"cos_sin_cache dtype {cos_sin_cache.dtype} not floating")
+
+
+def check_rope_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Validate the inputs of ``rope_and_write_kv``: those of ``apply_rope`` and of ``write_kv``."""
+    check_rope(q, k, positions, cos_sin_cache)
+    check_write_kv(k, v, key_cache, value_cache, slot_mapping)
+
+
+def check_silu_and_mul(x: torch.Tensor) -> None:
+    """Validate the input of ``silu_and_mul``: ``[num_tokens, 2 * intermediate]`` floating point."""
+    xs = x.shape
+    if len(xs) == 2 and xs[1] % 2 == 0 and x.dtype in _FLOATS:
+        return
+    if x.dim() != 2:
+        raise ValueError(f"x must be [num_tokens, 2 * intermediate_size], got {tuple(x.shape)}")
+    if x.shape[1] % 2:
+        raise ValueError(f"x's last dim ({x.shape[1]}) must be even: the gate and up halves")
+    raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")

@@ -12,6 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """HF ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` on the two halves of x (fp32
+    ``[heads, HALF_PAD]``; cos/sin ``[HALF_PAD]``). Shared with the fused RoPE + KV write kernel so
+    both compile the same arithmetic and agree bit for bit."""
+    return x1 * cos[None, :] + (-x2) * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
 def _rotate_heads(dst_ptr, src_ptr, token, num_heads, stride_dt, stride_dh, stride_st, stride_sh,
                   cos, sin, offs_x, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
     offs_h = tl.arange(0, HEADS_PAD)
@@ -19,8 +27,7 @@ def _rotate_heads(dst_ptr, src_ptr, token, num_heads, stride_dt, stride_dh, stri
     src = src_ptr + token * stride_st + offs_h[:, None] * stride_sh + offs_x[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF_PAD]
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] + (-x2) * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out1, out2 = rotate_pair(x1, x2, cos, sin)
     dst = dst_ptr + token * stride_dt + offs_h[:, None] * stride_dh + offs_x[None, :]
     tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)

@@ -8,9 +8,11 @@ kernels on CUDA tensors instead, and the rest of the suite never sees the interp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,16 +41,37 @@ def device() -> torch.device:
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or CUDA")
 
 
+@contextlib.contextmanager
+def forced_backend(name: str | None) -> Iterator[None]:
+    """Force a kernel backend (None: choose by device) inside the block; the backend module reads
+    CBSERVE_KERNEL_BACKEND once, so tests switch it through ``set_backend``, not the environment."""
+    from kernels import backend
+
+    previous = backend.set_backend(name)
+    try:
+        yield
+    finally:
+        backend.set_backend(previous)
+
+
 @pytest.fixture
-def triton_backend(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> torch.device:
+def triton_backend(device: torch.device) -> Iterator[torch.device]:
     """Force the Triton backend for one test; yields the device to build tensors on."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    monkeypatch.setenv("CBSERVE_KERNEL_BACKEND", "triton")
-    return device
+    with forced_backend("triton"):
+        yield device
 
 
 @pytest.fixture
-def torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+def torch_backend() -> Iterator[None]:
     """Force the torch reference backend for one test."""
-    monkeypatch.setenv("CBSERVE_KERNEL_BACKEND", "torch")
+    with forced_backend("torch"):
+        yield
+
+
+@pytest.fixture
+def auto_backend() -> Iterator[None]:
+    """No forced backend for one test: the choice follows the tensors' device."""
+    with forced_backend(None):
+        yield

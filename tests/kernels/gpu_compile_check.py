@@ -75,6 +75,8 @@ def split_k() -> None:
 def elementwise() -> None:
     from kernels.kv_write_triton import _write_kv_kernel
     from kernels.norm_triton import _rms_norm_kernel
+    from kernels.activation_triton import _silu_and_mul_kernel
+    from kernels.rope_kv_triton import _rope_kv_kernel
     from kernels.rope_triton import _rope_kernel
 
     _compile(_write_kv_kernel,
@@ -90,6 +92,18 @@ def elementwise() -> None:
              {"q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16",
               "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"},
              dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8))
+    rope_kv_pointers = {"q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16",
+                        "v_ptr": "*bf16", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "k_cache_ptr": "*bf16",
+                        "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
+    cache_strides = {"stride_ckb": "i64", "stride_cvb": "i64"}
+    # Full rotary (Llama) and partial rotary with an odd-sized tail (the in-kernel tail copy).
+    _compile(_rope_kv_kernel, rope_kv_pointers,
+             dict(HALF=64, HALF_PAD=64, TAIL=0, TAIL_PAD=1, HEAD_DIM=128, HEAD_PAD=128, Q_HEADS_PAD=32,
+                  K_HEADS_PAD=8, BLOCK_SIZE=16), cache_strides)
+    _compile(_rope_kv_kernel, rope_kv_pointers,
+             dict(HALF=32, HALF_PAD=32, TAIL=16, TAIL_PAD=16, HEAD_DIM=80, HEAD_PAD=128, Q_HEADS_PAD=32,
+                  K_HEADS_PAD=8, BLOCK_SIZE=16), cache_strides)
+    _compile(_silu_and_mul_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024))
 
 
 def main() -> int:

@@ -36,8 +36,7 @@ def test_reference_half_precision_returns_input_dtype() -> None:
     torch.testing.assert_close(out.double(), naive_attention(case), atol=2e-3, rtol=1e-2)
 
 
-def test_public_function_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CBSERVE_KERNEL_BACKEND", raising=False)
+def test_public_function_uses_reference_on_cpu(auto_backend) -> None:
     case = make_case(MIXED, num_kv_heads=2, group=2, head_dim=32, block_size=16)
     assert torch.equal(kernels.paged_attention(*case.args()), paged_attention_ref(*case.args()))
 

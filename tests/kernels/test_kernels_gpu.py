@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import kernels
+from kernels import backend
 from kernels.attention_ref import paged_attention_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rope_ref import apply_rope_ref
-from paged_cases import make_case
+from paged_cases import make_case, naive_attention
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 pytestmark = [
@@ -29,8 +30,10 @@ MIXED = [(0, 7), (13, 1), (20, 5), (33, 1), (0, 1), (5, 19)]
 
 
 @pytest.fixture(autouse=True)
-def _force_triton(monkeypatch):
-    monkeypatch.setenv("CBSERVE_KERNEL_BACKEND", "triton")
+def _force_triton():
+    previous = backend.set_backend("triton")
+    yield
+    backend.set_backend(previous)
 
 
 def _check_attention(case, dtype, out=None):
@@ -111,4 +114,40 @@ def test_rope(dtype) -> None:
     positions = torch.randint(0, 8192, (300,), device="cuda")
     tol = dict(atol=4 * torch.finfo(dtype).eps, rtol=2 * torch.finfo(dtype).eps)
     for got, want in zip(kernels.apply_rope(q, k, positions, cache), apply_rope_ref(q, k, positions, cache)):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype) -> None:
+    from kernels.activation_ref import silu_and_mul_ref
+
+    x = (3 * torch.randn(37, 2 * 14336, device="cuda")).to(dtype)
+    # The same two roundings as F.silu(gate) * up: at most one ulp where exp's last bit differs.
+    tol = dict(atol=2 * torch.finfo(dtype).eps, rtol=torch.finfo(dtype).eps)
+    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x), **tol)
+    torch.testing.assert_close(kernels.silu_and_mul(x[:, :1000]), silu_and_mul_ref(x[:, :1000]), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+def test_rope_and_write_kv(dtype, rotary_dim) -> None:
+    # Llama-3-like heads over views of one qkv projection; every 5th token is padding (slot -1).
+    from kernels.rope_kv_ref import rope_and_write_kv_ref
+
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cuda") / rotary_dim)
+    freqs = torch.outer(torch.arange(8192, dtype=torch.float32, device="cuda"), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    qkv = torch.randn(300, 48, 128, device="cuda").to(dtype)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    positions = torch.randint(0, 8192, (300,), device="cuda")
+    slots = torch.randperm(39 * 16, device="cuda")[:300] + 16
+    slots[::5] = -1
+    kv_two, kv_fused, kv_ref = (torch.zeros((40, 2, 2, 16, 8, 128), dtype=dtype, device="cuda") for _ in range(3))
+    two_q, two_k = kernels.apply_rope(q, k, positions, cache)
+    kernels.write_kv(two_k, v, kv_two[:, 1, 0], kv_two[:, 1, 1], slots)
+    got_q, got_k = kernels.rope_and_write_kv(q, k, v, positions, cache, kv_fused[:, 1, 0], kv_fused[:, 1, 1], slots)
+    assert torch.equal(got_q, two_q) and torch.equal(got_k, two_k) and torch.equal(kv_fused, kv_two)
+    ref_q, ref_k = rope_and_write_kv_ref(q, k, v, positions, cache, kv_ref[:, 1, 0], kv_ref[:, 1, 1], slots)
+    tol = dict(atol=4 * torch.finfo(dtype).eps, rtol=2 * torch.finfo(dtype).eps)
+    for got, want in ((got_q, ref_q), (got_k, ref_k), (kv_fused, kv_ref)):
         torch.testing.assert_close(got, want, **tol)

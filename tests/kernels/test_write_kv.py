@@ -25,9 +25,10 @@ def _expected(kv, key, value, slots, block_size):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("block_size, kv_heads, head_dim, dtype",
                          [(1, 2, 32, torch.float32), (16, 3, 80, torch.float16), (32, 1, 64, torch.float32)])
-def test_write_kv_scatters_and_skips_padding(request, monkeypatch, backend, block_size, kv_heads, head_dim, dtype):
-    device = request.getfixturevalue("triton_backend") if backend == "triton" else torch.device("cpu")
-    monkeypatch.setenv("CBSERVE_KERNEL_BACKEND", backend)
+def test_write_kv_scatters_and_skips_padding(request, backend, block_size, kv_heads, head_dim, dtype):
+    device = request.getfixturevalue(f"{backend}_backend") if backend == "triton" else torch.device("cpu")
+    if backend == "torch":
+        request.getfixturevalue("torch_backend")
     kv, key_cache, value_cache = _engine_cache(9, block_size, kv_heads, head_dim, dtype, device)
     num_tokens = 7
     key = torch.randn((num_tokens, kv_heads, head_dim), device=device).to(dtype)
