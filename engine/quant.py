@@ -21,6 +21,8 @@ from 8 rows up (no per-call weight reorder); builds without oneDNN take `torch._
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -50,8 +52,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scaled.to(torch.int8), scale
 
 
+@functools.cache
 def onednn_int8_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    """oneDNN's qlinear runs here AND gives the exact int32 product. CPUs without VNNI (plain
+    AVX2) sum u8 x s8 pairs in saturating int16 (`vpmaddubsw`), so full-range activations come
+    out wrong there: a one-time probe against `torch._int_mm` decides."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (8, 64), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (32, 64), generator=g, dtype=torch.int8)
+    w[:, :4], x[:, :4] = 127, 127           # the pairs that overflow int16 when saturating
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        y = torch.ops.onednn.qlinear_pointwise((x.float() + 128).to(torch.uint8), 1.0, 128, packed,
+                                               torch.ones(32), torch.zeros(32, dtype=torch.long), None,
+                                               1.0, 0, torch.float32, "none", [], "")
+    except RuntimeError:
+        return False
+    return torch.equal(y, torch._int_mm(x, w.t()).float())
 
 
 class Int8Linear(nn.Module):
