@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from engine.request import Request, RequestStatus
 from engine.request_queue import priority_key
-from engine.scheduler_output import ScheduledSeq, SchedulerOutput, new_scheduled_seq
+from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput, new_scheduled_seq
 from engine.scheduler_state import ROLES, SchedulerState
 
 __all__ = ["ROLES", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -201,12 +201,21 @@ class Scheduler(SchedulerState):
         self.num_preemptions += 1
         self.waiting.push_front(request)
 
+    @property
+    def scheduled_requests(self) -> list[Request]:
+        """The requests of the latest `schedule()`'s seqs, in batch order (until `update`)."""
+        return self._pending_requests
+
     # ------------------------------------------------------------------ update
-    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int] | None) -> list[Request]:
         """Apply a computed step: advance token counts, cache full blocks, append sampled tokens,
         apply token-level stops and free finished requests.
 
-        `sampled_token_ids` maps the id of every seq with `sample=True` to its new token. Returns
+        `sampled_token_ids` maps the id of every seq with `sample=True` to its new token. None
+        (async scheduling, colocated and decode roles): the tokens are still on the device, so each
+        sampling request gets `PLACEHOLDER_TOKEN_ID`, only length stops apply, and the engine
+        calls `resolve_placeholders` once the tokens are known (the next step is scheduled before
+        that, with the placeholder as its input). Returns
         the requests that got a token this step (finished or not); `last_progressed` lists every
         request whose `num_computed_tokens` advanced. Seqs of requests aborted or finished between
         `schedule` and `update` are skipped (their status is no longer RUNNING). The requests come
@@ -217,6 +226,8 @@ class Scheduler(SchedulerState):
         scheduled, self._pending_output, self._pending_requests = self._pending_requests, None, []
         kv, block_size = self.kv_manager, self.block_size
         prefill_role = self.role == "prefill"
+        if prefill_role and sampled_token_ids is None:
+            raise ValueError("the prefill role needs its sampled tokens in update (no async scheduling)")
         eos_ids = self.eos_token_ids
         # The usual step skips nobody and samples everybody: its lists are `scheduled` itself, so
         # the loop only notes the exceptions.
@@ -236,10 +247,13 @@ class Scheduler(SchedulerState):
             if not sample:
                 unsampled.append(request)
                 continue
-            try:
-                token_id = sampled_token_ids[request_id]
-            except KeyError:
-                raise KeyError(f"no sampled token for request {request_id!r} (sample=True)") from None
+            if sampled_token_ids is None:
+                token_id = PLACEHOLDER_TOKEN_ID
+            else:
+                try:
+                    token_id = sampled_token_ids[request_id]
+                except KeyError:
+                    raise KeyError(f"no sampled token for request {request_id!r} (sample=True)") from None
             outputs, tokens = request.output_token_ids, request.token_ids
             outputs.append(token_id)
             tokens.append(token_id)

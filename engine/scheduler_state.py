@@ -116,22 +116,56 @@ class SchedulerState:
         """Token-level stops; sets status and `stop_reason` when the request must finish.
 
         Stop tokens (eos, `stop_token_ids`) count only once `min_tokens` tokens exist, the token
-        itself included (as in vLLM; the sampler also masks them before that).
+        itself included (as in vLLM; the sampler also masks them before that). A placeholder
+        (async scheduling) is no stop token, so only the length test can end it here.
         """
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        if num_output >= params.max_tokens or len(request.token_ids) >= self.config.max_model_len:
+        if self._is_stop_token(request, token_id):
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if len(request.output_token_ids) >= request.sampling_params.max_tokens \
+                or len(request.token_ids) >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    def _is_stop_token(self, request: Request, token_id: int) -> bool:
+        """`token_id` ends the request (eos or a stop token, past min_tokens); sets `stop_reason`
+        for a stop token."""
+        params = request.sampling_params
+        if len(request.output_token_ids) < params.min_tokens:
+            return False
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return True
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return True
+        return False
+
+    # ------------------------------------------------------------------ async scheduling
+    def resolve_placeholders(self, requests: list[Request], token_ids: list[int]) -> list[Request]:
+        """Async scheduling: `requests[i]` got a placeholder from `update(out, None)`; its sampled
+        token is `token_ids[i]`. Writes the tokens and applies the token stops that update could
+        not see (eos, stop tokens). A request that finished on its length meanwhile is relabelled
+        "stop" when its last token is a stop token, as the synchronous path would have said.
+        Aborted requests are skipped. Returns the requests whose token was written, in order."""
+        resolved = []
+        eos_ids = self.eos_token_ids
+        for request, token_id in zip(requests, token_ids):
+            status = request.status
+            if status is RequestStatus.FINISHED_ABORTED:
+                continue
+            request.output_token_ids[-1] = token_id
+            request.token_ids[-1] = token_id
+            resolved.append(request)
+            if token_id not in eos_ids and token_id not in request.sampling_params.stop_token_ids:
+                continue
+            if not self._is_stop_token(request, token_id):
+                continue
+            if status is RequestStatus.FINISHED_LENGTH:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif not status.is_finished:
+                self._remove(request, RequestStatus.FINISHED_STOPPED)
+        return resolved
 
     # ------------------------------------------------------------------ endings
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
