@@ -112,8 +112,8 @@ class Attention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                # [T, H, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)             # [T, KVH, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = kernels.apply_rope(q, k, positions, rope_cache)
-        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        q, k = kernels.rope_and_write_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
+                                         meta.slot_mapping)   # one launch on CUDA
         out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, cfg.q_size))
@@ -127,8 +127,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))   # [T, 2I] -> [T, I]
 
 
 class DecoderLayer(nn.Module):
