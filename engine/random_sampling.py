@@ -3,23 +3,34 @@
 Every filter keeps an upper set of the row's values (top-k: `>= k-th value`; top-p: the shortest
 head whose mass reaches `top_p`; min-p: `prob >= min_p * max prob`), so all three reduce to one
 per-row threshold on the logit plus the min-p test `exp(l - max) >= min_p`. Thresholds come from
-the row's values in descending order: for rows with a small `top_k`, only the `torch.topk` slice
-(top-p and min-p act after top-k, so the slice is exact, ties at the k-th value included); other
-rows sort their whole row (numpy's vectorised sort on CPU: ~10x torch's).
+the row's values in descending order: the whole row sorted (numpy's vectorised sort on CPU: ~10x
+torch's), or for top-k alone a `torch.topk` slice (top-p and min-p act after top-k, so a slice
+that holds every survivor, ties at the k-th value included, is exact).
+
+No device reads. What to run is decided from the knobs on the host (`Knobs`), never by reading a
+device tensor back, so a CUDA caller can queue the whole draw and read only the ids. The one size
+that depends on the data, how many tokens tie with the k-th value, is not needed off the CPU:
+there, rows work on the whole row. On CPU (`host_memory`) a read is a load, not a round trip, so
+top-k rows may size a slice by the data (`sample_sliced`), which is what makes them fast there.
 
 Probabilities are left unnormalised, `exp(l - max)`: each entry depends only on its own logit and
 the row's max, so neither the batch nor the slice width can change them by a rounding.
 
 Draws. Seeded rows use the exponential race, `argmax(p / E)`, `E ~ Exp(1)` from a generator seeded
-with `derive_seed(seed, position)`: one draw per top-k survivor in token-id order (every token of
-the vocabulary when top-k is off), so the token depends on (seed, position, row) only. Unseeded
-rows with a slice race too (a few dozen draws); unseeded full rows take one uniform through the
-CDF (exact, and ~10x cheaper than 32000 exponential draws).
+with `derive_seed(seed, position)`: the m-th draw goes to the m-th top-k survivor in token-id order
+(every token of the vocabulary when top-k is off), so the token depends on (seed, position, row)
+only. Drawing more values than there are survivors changes nothing: torch's CPU and CUDA
+exponential streams give element i the same value whatever the length drawn, so off the CPU a
+seeded row draws the whole vocabulary and gives survivor m draw m by its rank. Unseeded rows with
+a slice race too (a few dozen draws); other unseeded rows take one uniform through the CDF (exact,
+and ~10x cheaper than 32000 exponential draws).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,16 +40,90 @@ MAX_SLICE_TOP_K = 256
 _CHUNK = 256   # tokens per first-stage chunk of the unseeded inverse-CDF draw
 
 
+def host_memory(device: torch.device) -> bool:
+    """Whether tensors on `device` live in host memory (CPU). Reading one back is then a load, not
+    a device round trip: work may be sized by the data, and numpy's faster kernels used."""
+    return device.type == "cpu"
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`. On CUDA from pinned memory without waiting: a plain copy from
+    pageable memory would wait for everything queued before it."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def upload(device: torch.device, ints: Sequence[Sequence[int]] = (),
+           floats: Sequence[Sequence[float]] = ()) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Host lists as device tensors (int64 and fp32; None for an empty list), in one copy
+    (`to_device`). Everything goes up as fp32, exact for ints below 2**24 (row indices, top-k
+    below the vocabulary size). In host memory there is no copy to save, and a tensor per list is
+    cheaper than cutting one up."""
+    if host_memory(device):
+        return ([torch.tensor(column, dtype=torch.long) if column else None for column in ints],
+                [torch.tensor(column, dtype=torch.float32) if column else None for column in floats])
+    host = torch.tensor(list(itertools.chain.from_iterable(itertools.chain(ints, floats))), dtype=torch.float32)
+    packed = to_device(host, device)
+    num_ints = sum(len(column) for column in ints)
+    as_ints = packed[:num_ints].long() if num_ints else None     # one cast for every int list
+    return _columns(as_ints, ints), _columns(packed[num_ints:], floats)
+
+
+def _columns(packed: torch.Tensor | None, columns: Sequence[Sequence[float]]) -> list[torch.Tensor | None]:
+    """`packed` cut into views as long as `columns` (slicing: a few times cheaper than `split`)."""
+    views, start = [], 0
+    for column in columns:
+        views.append(packed[start: start + len(column)] if column else None)
+        start += len(column)
+    return views
+
+
+def seeded_first(seeds: Sequence[int | None]) -> list[int]:
+    """Row indices, the seeded rows then the unseeded ones, when `seeds` has both; else []."""
+    seeded = [j for j, s in enumerate(seeds) if s is not None]
+    if not 0 < len(seeded) < len(seeds):
+        return []
+    return seeded + [j for j, s in enumerate(seeds) if s is None]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The filters and seeds of `n` rows: on the host to decide what runs, on the device to run it."""
+
+    top_k: tuple[int, ...]              # 0: off (so is k >= vocab)
+    top_p: tuple[float, ...]            # 1: off
+    min_p: tuple[float, ...]            # 0: off
+    seeds: tuple[int | None, ...]       # generator seeds (`engine.sampler.derive_seed`); None: unseeded
+    device_top_k: torch.Tensor          # [n] int64
+    device_top_p: torch.Tensor          # [n] fp32
+    device_min_p: torch.Tensor          # [n] fp32
+    device_order: torch.Tensor | None   # [n] int64 `seeded_first(seeds)`; None unless both kinds
+
+    @classmethod
+    def build(cls, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
+              seeds: Sequence[int | None], device: torch.device) -> Knobs:
+        """Knobs with their device copies, made in one `upload`."""
+        (device_top_k, order), (device_top_p, device_min_p) = upload(
+            device, [top_k, seeded_first(seeds)], [top_p, min_p])
+        return cls(tuple(top_k), tuple(top_p), tuple(min_p), tuple(seeds),
+                   device_top_k, device_top_p, device_min_p, order)
+
+    def subset(self, rows: Sequence[int], device: torch.device) -> Knobs:
+        return Knobs.build([self.top_k[j] for j in rows], [self.top_p[j] for j in rows],
+                           [self.min_p[j] for j in rows], [self.seeds[j] for j in rows], device)
+
+
 def sort_descending(x: torch.Tensor) -> torch.Tensor:
     """Values of each row of `x` in descending order (indices are not needed here)."""
-    if x.device.type == "cpu":
+    if host_memory(x.device):
         return torch.from_numpy(np.sort(x.numpy(), axis=-1)[:, ::-1].copy())
     return x.sort(dim=-1, descending=True).values
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` (first maximum on ties); numpy on CPU, where torch's is ~5x slower."""
-    if x.device.type == "cpu":
+    if host_memory(x.device):
         return torch.from_numpy(x.numpy().argmax(axis=-1))
     return x.argmax(dim=-1)
 
@@ -74,74 +159,129 @@ def exponential_noise(noise: torch.Tensor, seeds: Sequence[int | None], lengths:
             noise[j, : lengths[j]].exponential_(generator=generator)
 
 
-def sample_sliced(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  seeds: Sequence[int | None], generator: torch.Generator) -> torch.Tensor:
-    """Tokens for rows whose `top_k` is between 1 and `MAX_SLICE_TOP_K` (`scaled`: `[n, vocab]`)."""
+def sample_random(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of temperature-scaled logits (`[n, vocab]`, may be overwritten). On CPU,
+    rows with a small top-k work on their `topk` slice (`sample_sliced`); the others, and every
+    row on other devices, on the whole row (`sample_full`)."""
+    if not host_memory(scaled.device):
+        return sample_full(scaled, knobs, generator)
+    n = len(knobs.top_k)
+    sliced = [j for j, k in enumerate(knobs.top_k) if 0 < k <= MAX_SLICE_TOP_K]
+    if len(sliced) == n:
+        return sample_sliced(scaled, knobs, generator)
+    if not sliced:
+        return sample_full(scaled, knobs, generator)
+    tokens = torch.empty(n, dtype=torch.long)
+    sliced_set = set(sliced)
+    for group, sample in ((sliced, sample_sliced), ([j for j in range(n) if j not in sliced_set], sample_full)):
+        rows = torch.tensor(group)
+        tokens[rows] = sample(scaled[rows], knobs.subset(group, scaled.device), generator)
+    return tokens
+
+
+def sample_sliced(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator) -> torch.Tensor:
+    """Tokens for rows whose `top_k` is between 1 and `MAX_SLICE_TOP_K` (`scaled`: `[n, vocab]`).
+
+    CPU only (`host_memory`): the slice grows to hold every token tied with the k-th value, a size
+    read from the data (numpy views of host memory, no device round trip)."""
     vocab = scaled.shape[1]
-    width = min(int(top_k.max()) + 1, vocab)
+    top_k = knobs.device_top_k
+    width = min(max(knobs.top_k) + 1, vocab)
     while True:
         values, ids = scaled.topk(width, dim=-1)                        # [n, w], descending
         kth = values.gather(1, (top_k - 1)[:, None])
         # A row tied with its k-th value up to the slice's end may hold more survivors outside.
-        if width == vocab or not bool((values[:, -1:] >= kth).any()):
+        if width == vocab or not (values[:, -1:] >= kth).numpy().any():
             break
-        width = min(int((scaled >= kth).sum(dim=-1).max()) + 1, vocab)
-    threshold = nucleus_threshold(values, top_k, top_p)                # [n, 1]
+        width = min(int((scaled >= kth).sum(dim=-1).numpy().max()) + 1, vocab)
+    threshold = nucleus_threshold(values, top_k, knobs.device_top_p)   # [n, 1]
     weights = (values - values[:, :1]).exp_()                          # [n, w], max = 1
-    keep = (values >= threshold) & (weights >= min_p[:, None])
+    keep = (values >= threshold) & (weights >= knobs.device_min_p[:, None])
     noise = torch.empty_like(weights).exponential_()
-    if any(seed is not None for seed in seeds):
+    if any(seed is not None for seed in knobs.seeds):
         # Seeded rows draw one Exp(1) per top-k survivor in token-id order: sort the slice so the
         # survivors come first by id, fill, then scatter back to slice order.
         survivors = values >= kth
         id_order = torch.where(survivors, ids, ids + vocab).argsort(dim=-1)
         by_id = torch.ones_like(noise)
-        exponential_noise(by_id, seeds, survivors.sum(dim=-1).tolist(), generator)
-        seeded = torch.tensor([seed is not None for seed in seeds], device=noise.device)[:, None]
+        exponential_noise(by_id, knobs.seeds, survivors.sum(dim=-1).numpy().tolist(), generator)
+        seeded = torch.tensor([seed is not None for seed in knobs.seeds])[:, None]
         noise = torch.where(seeded, torch.empty_like(noise).scatter_(1, id_order, by_id), noise)
     race = weights.masked_fill_(~keep, 0.0).div_(noise.clamp_(min=1e-20))
     return ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def sample_full(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                seeds: Sequence[int | None], generator: torch.Generator) -> torch.Tensor:
-    """Tokens for any rows (`scaled`: `[n, vocab]`, overwritten when no row filters by top-k or
-    top-p); the filters that are on cost one row sort."""
+def sample_full(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator) -> torch.Tensor:
+    """Tokens for any rows, working on whole rows (`scaled`: `[n, vocab]`, overwritten when no row
+    filters by top-k or top-p); the filters that are on cost one row sort, or a top-k slice when
+    top-k is the only one (a slice is exact for the k-th value, ties or not)."""
     n, vocab = scaled.shape
+    top_k = knobs.device_top_k
+    filtered = any(k > 0 for k in knobs.top_k) or any(p < 1.0 for p in knobs.top_p)
     row_max = scaled.amax(dim=-1, keepdim=True)                        # [n, 1]
-    filtered = bool(((top_k > 0) | (top_p < 1.0)).any())
     # The thresholds below compare logits, so `scaled` survives only when they are needed.
     weights = ((scaled - row_max) if filtered else scaled.sub_(row_max)).exp_()   # [n, vocab], max = 1
     kth = None
     if filtered:
-        sorted_desc = sort_descending(scaled)
-        threshold = nucleus_threshold(sorted_desc, top_k, top_p)
+        k_index = (top_k.clamp(min=1) - 1)[:, None]
+        max_k = max(knobs.top_k)
+        if all(p >= 1.0 for p in knobs.top_p) and max_k <= MAX_SLICE_TOP_K:
+            head = scaled.topk(max_k, dim=-1).values                   # [n, max_k]
+            threshold = kth = torch.where(top_k[:, None] > 0, head.gather(1, k_index), float("-inf"))
+        else:
+            sorted_desc = sort_descending(scaled)
+            threshold = nucleus_threshold(sorted_desc, top_k, knobs.device_top_p)
+            kth = torch.where(top_k[:, None] > 0, sorted_desc.gather(1, k_index), float("-inf"))
         weights.masked_fill_(scaled < threshold, 0.0)
-        kth = torch.where(top_k[:, None] > 0,
-                          sorted_desc.gather(1, (top_k.clamp(min=1) - 1)[:, None]), float("-inf"))
-    if bool((min_p > 0.0).any()):
-        weights.masked_fill_(weights < min_p[:, None], 0.0)
+    if any(m > 0.0 for m in knobs.min_p):
+        weights.masked_fill_(weights < knobs.device_min_p[:, None], 0.0)
 
-    tokens = torch.empty(n, dtype=torch.long, device=scaled.device)
-    seeded_rows = [j for j, seed in enumerate(seeds) if seed is not None]
-    unseeded_rows = [j for j, seed in enumerate(seeds) if seed is None]
-    if seeded_rows:
-        rows = torch.tensor(seeded_rows, device=scaled.device)
-        sub = weights[rows]
-        noise = torch.ones_like(sub)
+    seeded_rows = [j for j, seed in enumerate(knobs.seeds) if seed is not None]
+    if not seeded_rows:
+        return _inverse_cdf(weights)
+    if len(seeded_rows) == n:
+        noise = _seeded_noise(scaled, kth, knobs, seeded_rows, None, generator)
+        return weights.div_(noise.clamp_(min=1e-20)).argmax(dim=-1)
+    order = knobs.device_order                      # the seeded rows, then the others
+    seeded_index, unseeded_index = order[: len(seeded_rows)], order[len(seeded_rows):]
+    noise = _seeded_noise(scaled, kth, knobs, seeded_rows, seeded_index, generator)
+    drawn = torch.cat([weights[seeded_index].div_(noise.clamp_(min=1e-20)).argmax(dim=-1),
+                       _inverse_cdf(weights[unseeded_index])])
+    return torch.empty(n, dtype=torch.long, device=scaled.device).index_copy_(0, order, drawn)
+
+
+def _seeded_noise(scaled: torch.Tensor, kth: torch.Tensor | None, knobs: Knobs, seeded_rows: list[int],
+                  seeded_index: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+    """`[len(seeded_rows), vocab]` race noise for the seeded rows (`seeded_index`: the same on the
+    device, None when that is every row): the m-th draw of the row's seed at its m-th top-k
+    survivor in token-id order (every token when top-k is off); other tokens have no weight left.
+
+    On CPU a top-k row draws exactly as many values as it has survivors (read from the data: one
+    Exp(1) costs ~20 ns there, the whole vocabulary ~0.7 ms). Elsewhere every row draws the whole
+    vocabulary (one launch either way) and survivor m takes draw m through its rank."""
+    vocab = scaled.shape[1]
+    with_top_k = [knobs.top_k[row] > 0 for row in seeded_rows]
+    if host_memory(scaled.device):
+        noise = torch.ones(len(seeded_rows), vocab)
         for j, row in enumerate(seeded_rows):
-            generator.manual_seed(seeds[row])
-            if int(top_k[row]) > 0:    # one draw per top-k survivor, in token-id order
-                positions = (scaled[row] >= kth[row]).nonzero().squeeze(1)
-                noise[j, positions] = torch.empty(len(positions), device=scaled.device).exponential_(
-                    generator=generator)
+            generator.manual_seed(knobs.seeds[row])
+            if with_top_k[j]:
+                positions = torch.from_numpy(np.flatnonzero((scaled[row] >= kth[row]).numpy()))
+                noise[j, positions] = torch.empty(len(positions)).exponential_(generator=generator)
             else:
                 noise[j].exponential_(generator=generator)
-        tokens[rows] = sub.div_(noise.clamp_(min=1e-20)).argmax(dim=-1)
-    if unseeded_rows:
-        sub = weights if len(unseeded_rows) == n else weights[torch.tensor(unseeded_rows, device=scaled.device)]
-        tokens[torch.tensor(unseeded_rows, device=scaled.device)] = _inverse_cdf(sub)
-    return tokens
+        return noise
+    noise = torch.empty(len(seeded_rows), vocab, device=scaled.device)
+    for j, row in enumerate(seeded_rows):
+        generator.manual_seed(knobs.seeds[row])
+        noise[j].exponential_(generator=generator)
+    if any(with_top_k):
+        # Rows without top-k have kth = -inf: every token survives and the rank is its id.
+        if seeded_index is not None:
+            scaled, kth = scaled[seeded_index], kth[seeded_index]
+        rank = (scaled >= kth).cumsum(dim=-1).sub_(1).clamp_(min=0)   # [s, vocab] int64
+        noise = noise.gather(1, rank)
+    return noise
 
 
 def _inverse_cdf(weights: torch.Tensor) -> torch.Tensor:

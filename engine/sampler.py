@@ -12,6 +12,11 @@ one draw per top-k survivor in token-id order (the whole vocabulary when top-k i
 noise and probabilities depend on nothing else in the batch, so a request gets the same token
 whether it runs alone, batched, reordered, or split across a prefill and a decode pod (on the same
 kind of device: CPU and CUDA generators produce different streams).
+
+Nothing is read back from the device while sampling: every decision comes from the requests'
+`SamplingParams` on the host, and the per-row knobs go up in one copy. `sample_on_device` leaves
+the ids on the device, where the next step can read them, with their copy to pinned host memory
+already queued; `DeviceSample.resolve()` is the step's one device-to-host read. `sample` is both.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from engine.random_sampling import MAX_SLICE_TOP_K, nucleus_threshold, row_argmax, sample_full, \
-    sample_sliced, sort_descending
+from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_random, seeded_first, \
+    sort_descending, to_device, upload
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -70,39 +75,42 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._pinned = PinnedBuffers()
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
+        """One token per request; `requests[i]` owns row `i` of `logits` (never modified).
+        The same as `sample_on_device(logits, requests).resolve()`."""
+        return self.sample_on_device(logits, requests).resolve()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
-        """One token per request; `requests[i]` owns row `i` of `logits` (never modified)."""
+    def sample_on_device(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> DeviceSample:
+        """`sample` without reading anything back: the ids stay on `logits.device` and the host
+        moves on. Every decision comes from the requests' `SamplingParams` on the host, and the
+        per-row knobs go up in one copy. On CUDA the ids (and logprobs) are already being copied
+        into pinned memory when this returns; `DeviceSample.resolve()` waits for that copy only."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_seqs={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [num_seqs, vocab]
         params = [r.sampling_params for r in requests]
-
         logits = self._apply_penalties(raw_logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Logprobs of only some rows need those rows' indices on the device: they ride along.
+        some_logprobs = logprob_rows if 0 < len(logprob_rows) < len(params) else []
         random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE_EPS]
-        if not random_rows:
-            token_ids = row_argmax(logits)  # [num_seqs]
-        elif len(random_rows) == len(requests):
-            # A penalised / masked copy is ours to scale in place (a full-size temporary less).
-            token_ids = self._sample_random(logits, params, [len(r.output_token_ids) for r in requests],
-                                            in_place=logits is not raw_logits)
+        if random_rows:
+            token_ids, device_logprob_rows = self._sample_random(
+                logits, requests, random_rows, some_logprobs, in_place=logits is not raw_logits)
         else:
-            device = logits.device
-            random_set = set(random_rows)
-            greedy_rows = [i for i in range(len(requests)) if i not in random_set]
-            token_ids = torch.empty(len(requests), dtype=torch.long, device=device)
-            rows = torch.tensor(greedy_rows, device=device)
-            token_ids[rows] = row_argmax(logits[rows]).to(device)
-            rows = torch.tensor(random_rows, device=device)
-            token_ids[rows] = self._sample_random(
-                logits[rows], [params[i] for i in random_rows],
-                [len(requests[i].output_token_ids) for i in random_rows], in_place=True)
+            token_ids = row_argmax(logits)  # [num_seqs]
+            device_logprob_rows = upload(logits.device, [some_logprobs])[0][0] if some_logprobs else None
 
-        return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=_gather_logprobs(raw_logits, token_ids, params))
+        logprobs = None
+        if logprob_rows:
+            logprobs = _device_logprobs(raw_logits, token_ids, [params[i].logprobs for i in logprob_rows],
+                                        logprob_rows, device_logprob_rows)
+        return DeviceSample.start(token_ids, logprobs, self._pinned)
 
     # -- penalties ---------------------------------------------------------------------------------
 
@@ -111,43 +119,46 @@ class Sampler:
         tokens (OpenAI: `logit -= frequency * count + presence * (count > 0)`).
 
         Works on flat `row * vocab + token` keys of the tokens that occur, so the cost follows the
-        number of tokens, not `rows x vocab`."""
+        number of tokens, not `rows x vocab`. The keys go up in one copy, the factors in another."""
         rows = [i for i, r in enumerate(requests) if _has_penalty(r.sampling_params)]
         if not rows:
             return logits
         device = logits.device
         vocab = logits.shape[1]
-        params = [requests[i].sampling_params for i in rows]
-        logits = logits.clone()
+        params = [r.sampling_params for r in requests]
+        logits = logits.clone(memory_format=torch.contiguous_format)
         flat = logits.view(-1)  # [num_seqs * vocab]
         output_keys = _token_keys([requests[i].output_token_ids for i in rows], rows, vocab)
+        repetition = any(params[i].repetition_penalty != 1.0 for i in rows)
+        additive = any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in rows)
 
-        if any(p.repetition_penalty != 1.0 for p in params):
-            prompt_keys = _token_keys([requests[i].prompt_token_ids for i in rows], rows, vocab)
+        parts: list[np.ndarray] = []
+        if repetition:
             # Repeated keys read the same value and write the same result: no dedup needed.
-            seen = torch.from_numpy(np.concatenate([prompt_keys, output_keys])).to(device)
-            repetition = torch.ones(len(requests), device=device)
-            repetition[rows] = torch.tensor([p.repetition_penalty for p in params], device=device)
-            values, factor = flat[seen], repetition[seen // vocab]
-            flat[seen] = torch.where(values > 0, values / factor, values * factor)
+            prompt_keys = _token_keys([requests[i].prompt_token_ids for i in rows], rows, vocab)
+            parts.append(np.concatenate([prompt_keys, output_keys]))
+        if additive:
+            parts.extend(_count_keys(output_keys))
+        keys = to_device(torch.from_numpy(np.concatenate(parts)), device).split([len(part) for part in parts])
+        _, (repetition_factor, frequency, presence) = upload(device, floats=[
+            [p.repetition_penalty for p in params] if repetition else [],
+            [p.frequency_penalty for p in params] if additive else [],
+            [p.presence_penalty for p in params] if additive else []])
 
-        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-            keys, counts = _count_keys(output_keys)
-            keys = torch.from_numpy(keys).to(device)
-            frequency = torch.zeros(len(requests), device=device)
-            presence = torch.zeros(len(requests), device=device)
-            frequency[rows] = torch.tensor([p.frequency_penalty for p in params], device=device)
-            presence[rows] = torch.tensor([p.presence_penalty for p in params], device=device)
-            row_of = keys // vocab
-            counts = torch.from_numpy(counts).to(device=device, dtype=flat.dtype)
-            flat[keys] = flat[keys] - frequency[row_of] * counts - presence[row_of]
+        if repetition:
+            seen = keys[0]
+            values, factor = flat[seen], repetition_factor[seen // vocab]
+            flat[seen] = torch.where(values > 0, values / factor, values * factor)
+        if additive:
+            counted, counts = keys[-2:]
+            row_of = counted // vocab
+            flat[counted] = flat[counted] - frequency[row_of] * counts.to(flat.dtype) - presence[row_of]
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
         """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced."""
         vocab = logits.shape[1]
-        rows: list[int] = []
-        cols: list[int] = []
+        keys: list[int] = []    # row * vocab + token
         for i, r in enumerate(requests):
             p = r.sampling_params
             if len(r.output_token_ids) >= p.min_tokens:
@@ -155,52 +166,47 @@ class Sampler:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned.update(self.eos_token_ids)
-            for token_id in sorted(banned):
-                if token_id < vocab:
-                    rows.append(i)
-                    cols.append(token_id)
-        if not rows:
+            keys.extend(i * vocab + token_id for token_id in sorted(banned) if token_id < vocab)
+        if not keys:
             return logits
-        logits = logits.clone()
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        logits.view(-1).index_fill_(0, to_device(torch.tensor(keys, dtype=torch.long), logits.device), float("-inf"))
         return logits
 
     # -- random sampling ---------------------------------------------------------------------------
 
-    def _sample_random(self, logits: torch.Tensor, params: list[SamplingParams],
-                       positions: list[int], in_place: bool = False) -> torch.Tensor:
-        """Temperature, then top-k, top-p, min-p and one draw per row (`engine.random_sampling`).
-
-        Rows with a small top-k work on their `topk` slice; the others on the whole row.
-        `in_place`: `logits` is a private copy that may be overwritten."""
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[SamplingRequest], random_rows: list[int],
+                       logprob_rows: list[int], in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Ids for every row: argmax for greedy rows; for `random_rows` temperature, then top-k,
+        top-p, min-p and one draw (`engine.random_sampling`). Also returns `logprob_rows` on the
+        device (None when empty), sent in the same copy as the knobs. `in_place`: `logits` is a
+        private copy that may be overwritten."""
         device = logits.device
-        vocab = logits.shape[1]
-        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        scaled = logits.div_(temperature) if in_place else logits / temperature  # [n, vocab]
+        num_seqs, vocab = logits.shape
+        mixed = len(random_rows) < num_seqs
+        params = [requests[i].sampling_params for i in random_rows]
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-        seeds = [None if p.seed is None else derive_seed(p.seed, position) for p, position in zip(params, positions)]
+        seeds = [None if p.seed is None else derive_seed(p.seed, len(requests[i].output_token_ids))
+                 for i, p in zip(random_rows, params)]
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS]
+        top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+        (rows, greedy_rows, device_top_k, order, device_logprob_rows), (temperature, device_top_p, device_min_p) = \
+            upload(device, [random_rows if mixed else [], greedy_rows, top_k, seeded_first(seeds), logprob_rows],
+                   [[p.temperature for p in params], top_p, min_p])
+        knobs = Knobs(tuple(top_k), tuple(top_p), tuple(min_p), tuple(seeds), device_top_k, device_top_p,
+                      device_min_p, order)
         generator = self._generator(device)
-        sliced = [j for j, k in enumerate(top_k) if 0 < k <= MAX_SLICE_TOP_K]
-        if len(sliced) == len(params):
-            return sample_sliced(scaled, *self._knobs(params, top_k, range(len(params)), device), seeds, generator)
-        if not sliced:
-            return sample_full(scaled, *self._knobs(params, top_k, range(len(params)), device), seeds, generator)
-        tokens = torch.empty(len(params), dtype=torch.long, device=device)
-        sliced_set = set(sliced)
-        for group, sample in ((sliced, sample_sliced),
-                              ([j for j in range(len(params)) if j not in sliced_set], sample_full)):
-            rows = torch.tensor(group, device=device)
-            tokens[rows] = sample(scaled[rows], *self._knobs(params, top_k, group, device),
-                                  [seeds[j] for j in group], generator)
-        return tokens
-
-    @staticmethod
-    def _knobs(params: list[SamplingParams], top_k: list[int], rows: Sequence[int],
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(top_k, top_p, min_p) of `rows` as `[len(rows)]` tensors; top_k 0 means off."""
-        return (torch.tensor([top_k[j] for j in rows], dtype=torch.long, device=device),
-                torch.tensor([params[j].top_p for j in rows], dtype=torch.float32, device=device),
-                torch.tensor([params[j].min_p for j in rows], dtype=torch.float32, device=device))
+        if mixed:
+            # The random rows' copy is ours to scale in place.
+            scaled = logits[rows].div_(temperature[:, None])                              # [n, vocab]
+            token_ids = torch.empty(num_seqs, dtype=torch.long, device=device)
+            token_ids.index_copy_(0, greedy_rows, row_argmax(logits[greedy_rows]))
+            token_ids.index_copy_(0, rows, sample_random(scaled, knobs, generator))
+        else:
+            # A penalised / masked copy is ours to scale in place (a full-size temporary less).
+            scaled = logits.div_(temperature[:, None]) if in_place else logits / temperature[:, None]
+            token_ids = sample_random(scaled, knobs, generator)
+        return token_ids, device_logprob_rows
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -235,10 +241,10 @@ def _count_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Keep the `top_k[i]` largest logits of row `i` (and every token tied with the k-th).
 
-    The k-th value comes from one `topk(max k)`; masking by value, not by position, keeps the result
-    independent of which other rows (and so which max k) share the batch.
+    Masking by value, not by position, keeps the result independent of which other rows share the
+    batch. (A reference for the tests: the sampler finds the same k-th value without a mask.)
     """
-    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])  # [n, 1]
+    kth = sort_descending(logits).gather(1, (top_k - 1)[:, None])  # [n, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -249,26 +255,110 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
-                     params: list[SamplingParams]) -> list[TokenLogprobs | None]:
-    """Raw log-probabilities (before penalties and temperature, vLLM's default) for rows that ask."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(params)
-    if not rows:
-        return result
-    if len(rows) == len(params):
+@dataclass(frozen=True)
+class _DeviceLogprobs:
+    """Logprobs of some rows, still on the device: `values[j]` holds row `rows[j]`'s sampled-token
+    logprob, then its `max_top` best logprobs, then their ids (fp32: exact for ids below 2**24)."""
+
+    rows: tuple[int, ...]
+    num_top: tuple[int, ...]          # how many of the best each row asked for
+    max_top: int
+    values: torch.Tensor              # [len(rows), 1 + 2 * max_top] fp32
+
+
+def _device_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int], rows: list[int],
+                     device_rows: torch.Tensor | None) -> _DeviceLogprobs:
+    """Raw log-probabilities (before penalties and temperature, vLLM's default) of `rows`
+    (`device_rows`: the same on the device, None when that is every row)."""
+    if device_rows is None:
         logprobs, sampled_ids = raw_logits.log_softmax(dim=-1), token_ids  # [n, vocab], [n]
     else:
-        row_index = torch.tensor(rows, device=raw_logits.device)
-        logprobs, sampled_ids = raw_logits[row_index].log_softmax(dim=-1), token_ids[row_index]
-    sampled = logprobs.gather(1, sampled_ids[:, None]).squeeze(1).tolist()
-    max_top = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_values: list[list[float]] = [[] for _ in rows]
+        logprobs, sampled_ids = raw_logits[device_rows].log_softmax(dim=-1), token_ids[device_rows]
+    columns = [logprobs.gather(1, sampled_ids[:, None])]
+    max_top = min(max(num_top), logprobs.shape[1])
     if max_top:
-        values, ids = logprobs.topk(max_top, dim=-1)  # [n, max_top], most likely first
-        top_values, top_ids = values.tolist(), ids.tolist()
-    for j, i in enumerate(rows):
-        n = params[i].logprobs
-        result[i] = TokenLogprobs(logprob=sampled[j], top=tuple(zip(top_ids[j][:n], top_values[j][:n])))
-    return result
+        columns.extend(logprobs.topk(max_top, dim=-1))  # values, ids: [n, max_top], most likely first
+    return _DeviceLogprobs(tuple(rows), tuple(num_top), max_top, torch.cat(columns, dim=1))
+
+
+class PinnedBuffers:
+    """Pinned host memory for device-to-host copies, reused: `take` hands out a buffer of at least
+    `numel` elements, `give` takes it back once its contents were read. A sample still in flight
+    keeps its own, so two steps in flight never share one; sizes grow by powers of two."""
+
+    def __init__(self, pin_memory: bool = True) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.setdefault(dtype, [])
+        while free:
+            buffer = free.pop()
+            if buffer.numel() >= numel:
+                return buffer
+        return torch.empty(max(64, 1 << (numel - 1).bit_length()), dtype=dtype, pin_memory=self.pin_memory)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault(buffer.dtype, []).append(buffer)
+
+
+class DeviceSample:
+    """One step's sampled ids, still on the device (`Sampler.sample_on_device`).
+
+    `token_ids` (`[num_seqs]` int64 on the logits' device) can feed the next step directly;
+    `resolve()` reads them (and the logprobs) back once. On CUDA the copy into pinned host memory
+    was queued right after the sampling kernels, followed by an event: `resolve()` waits for that
+    event only, not for whatever was queued later (the next step)."""
+
+    __slots__ = ("token_ids", "_logprobs", "_output", "_pinned", "_staged", "_ready")
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: _DeviceLogprobs | None) -> None:
+        self.token_ids = token_ids
+        self._logprobs = logprobs
+        self._output: SamplerOutput | None = None
+        self._pinned: PinnedBuffers | None = None
+        self._staged: list[torch.Tensor] = []     # pinned buffers being copied into, then read
+        self._ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, token_ids: torch.Tensor, logprobs: _DeviceLogprobs | None, pinned: PinnedBuffers) -> DeviceSample:
+        """Wrap a step's results; on CUDA, queue their copy to the host and an event after it."""
+        sample = cls(token_ids, logprobs)
+        if token_ids.is_cuda:
+            sample._pinned = pinned
+            sources = [token_ids] + ([] if logprobs is None else [logprobs.values])
+            for source in sources:
+                buffer = pinned.take(source.numel(), source.dtype)
+                buffer[: source.numel()].view(source.shape).copy_(source, non_blocking=True)
+                sample._staged.append(buffer)
+            sample._ready = torch.cuda.Event()
+            sample._ready.record(torch.cuda.current_stream(token_ids.device))
+        return sample
+
+    def resolve(self) -> SamplerOutput:
+        """The sampled ids and logprobs on the host: the one device-to-host read of a step.
+        Idempotent: later calls return the same output."""
+        if self._output is not None:
+            return self._output
+        logprobs = self._logprobs
+        if self._ready is not None:
+            self._ready.synchronize()
+            num_seqs = self.token_ids.numel()
+            token_ids = self._staged[0][:num_seqs].tolist()
+            values = None if logprobs is None else self._staged[1][: logprobs.values.numel()].view(
+                logprobs.values.shape).tolist()
+            for buffer in self._staged:
+                self._pinned.give(buffer)
+            self._staged = []
+        else:
+            token_ids = self.token_ids.tolist()
+            values = None if logprobs is None else logprobs.values.tolist()
+        result: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if logprobs is not None:
+            m = logprobs.max_top
+            for row, n, entry in zip(logprobs.rows, logprobs.num_top, values):
+                top_ids, top_values = entry[1 + m: 1 + m + n], entry[1: 1 + n]
+                result[row] = TokenLogprobs(logprob=entry[0], top=tuple(zip(map(int, top_ids), top_values)))
+        self._output = SamplerOutput(token_ids=token_ids, logprobs=result)
+        self._logprobs = None
+        return self._output

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.random_sampling import nucleus_threshold, row_argmax, sample_full, sample_sliced, sort_descending
+from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_full, sample_sliced, sort_descending
 from engine.request import Request
 from engine.sampler import Sampler, _count_keys, _token_keys
 from engine.sampling_params import SamplingParams
@@ -27,8 +27,9 @@ def reference_kept(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     return x.isfinite()
 
 
-def knobs(n, top_k=0, top_p=1.0, min_p=0.0):
-    return (torch.full((n,), top_k), torch.full((n,), top_p), torch.full((n,), min_p))
+def knobs(n, top_k=0, top_p=1.0, min_p=0.0, seeds=None):
+    top_k, top_p, min_p = (x if isinstance(x, list) else [x] * n for x in (top_k, top_p, min_p))
+    return Knobs.build(top_k, top_p, min_p, seeds or [None] * n, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.9, 0.0), (40, 0.8, 0.0), (7, 1.0, 0.0),
@@ -38,8 +39,8 @@ def test_filters_keep_the_same_tokens_as_the_full_vocab_masks(top_k, top_p, min_
     logits = torch.randn(8, 1000) * 3
     draws = 300
     for path in (sample_full, sample_sliced) if top_k else (sample_full,):
-        tokens = path(logits.repeat_interleave(draws, 0), *knobs(8 * draws, top_k, top_p, min_p),
-                      [None] * (8 * draws), torch.Generator()).view(8, draws)
+        tokens = path(logits.repeat_interleave(draws, 0), knobs(8 * draws, top_k, top_p, min_p),
+                      torch.Generator()).view(8, draws)
         support = [set(row) for row in tokens.tolist()]
         for row in range(8):
             kept = set(reference_kept(logits[row], top_k, top_p, min_p).nonzero().squeeze(1).tolist())
@@ -65,7 +66,7 @@ def test_ties_at_the_kth_value_reach_past_the_slice():
     logits[:, 0], logits[:, 1] = 4.0, 3.0
     logits[:, 100:200] = 2.0      # 100 tokens tied for 3rd place: all survive top-k 3
     seeds = [seed if seed % 2 else None for seed in range(n)]
-    tokens = sample_sliced(logits, torch.full((n,), 3), torch.ones(n), torch.zeros(n), seeds, torch.Generator())
+    tokens = sample_sliced(logits, knobs(n, top_k=3, seeds=seeds), torch.Generator())
     seen = set(tokens.tolist())
     assert seen <= {0, 1} | set(range(100, 200))
     assert len(seen & set(range(100, 200))) > 50
@@ -74,10 +75,9 @@ def test_ties_at_the_kth_value_reach_past_the_slice():
 def test_seeded_rows_draw_the_same_token_on_either_path():
     torch.manual_seed(5)
     logits = torch.randn(16, 2000) * 2
-    top_k, top_p, min_p = torch.tensor([5, 40, 200, 1] * 4), torch.full((16,), 0.9), torch.full((16,), 0.02)
-    seeds = [1000 + i for i in range(16)]
-    full = sample_full(logits.clone(), top_k, top_p, min_p, seeds, torch.Generator())
-    sliced = sample_sliced(logits.clone(), top_k, top_p, min_p, seeds, torch.Generator())
+    settings = knobs(16, [5, 40, 200, 1] * 4, 0.9, 0.02, seeds=[1000 + i for i in range(16)])
+    full = sample_full(logits.clone(), settings, torch.Generator())
+    sliced = sample_sliced(logits.clone(), settings, torch.Generator())
     assert full.tolist() == sliced.tolist()
 
 
@@ -100,7 +100,7 @@ def test_unseeded_full_rows_follow_the_masked_distribution():
     probs[[3, 150, 260, 299]] = torch.tensor([0.4, 0.3, 0.2, 0.1])
     n = 4000
     logits = probs.log().expand(n, -1).clone()
-    tokens = sample_full(logits, *knobs(n), [None] * n, torch.Generator())
+    tokens = sample_full(logits, knobs(n), torch.Generator())
     freq = torch.bincount(tokens, minlength=vocab).float() / n
     assert set(tokens.tolist()) <= {3, 150, 260, 299}
     assert torch.allclose(freq, probs, atol=0.03)
@@ -151,3 +151,25 @@ def test_sampling_never_writes_the_callers_logits():
     for batch in (requests, requests[2:], requests[:1]):
         Sampler([EOS]).sample(logits[: len(batch)], batch)
         assert torch.equal(logits, before)
+
+
+def _exponential_prefixes(device: str) -> list[bool]:
+    """Whether n draws from a seed start with the same values as m < n draws: the whole-row
+    seeded noise (off the CPU) relies on it to give the tokens the survivor-sized draws gave."""
+    generator = torch.Generator(device=device)
+
+    def draw(n):
+        generator.manual_seed(1234)
+        return torch.empty(n, device=device).exponential_(generator=generator)
+    longest = draw(200_000)
+    return [torch.equal(draw(n), longest[:n]) for n in (1, 3, 16, 41, 257, 4096, 32000, 128256)]
+
+
+def test_cpu_exponential_draws_do_not_depend_on_how_many_are_drawn():
+    assert all(_exponential_prefixes("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_exponential_draws_do_not_depend_on_how_many_are_drawn():
+    assert all(_exponential_prefixes("cuda"))

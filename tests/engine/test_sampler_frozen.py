@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import random_sampling
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -95,6 +96,13 @@ FROZEN: dict[tuple[str, int], list[int]] = {
 
 @pytest.mark.parametrize("key", sorted(FROZEN))
 def test_seeded_tokens_match_the_frozen_ones(key):
+    assert run(*key) == FROZEN[key]
+
+
+@pytest.mark.parametrize("key", sorted(FROZEN))
+def test_the_device_formulation_draws_the_frozen_tokens_too(key, monkeypatch):
+    """The formulation used off the CPU (no data-sized slice, whole-row noise) on CPU tensors."""
+    monkeypatch.setattr(random_sampling, "host_memory", lambda device: False)
     assert run(*key) == FROZEN[key]
 
 
