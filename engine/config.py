@@ -10,13 +10,20 @@ from dataclasses import dataclass
 
 # `--quantization` values (engine/quant.py); here, torch-free, for the CLI flags that offer them.
 QUANTIZATIONS = ("int8",)
+# KV cache sizing defaults (engine/kv_sizing.py), torch-free for the CLI and `cbserve up`.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The KV cache. Its size, first set wins: `num_blocks`, `kv_cache_memory_bytes`, then on CUDA
+    `gpu_memory_utilization` (None: 0.9) and on CPU 256 MiB (engine/kv_sizing.py)."""
+
     block_size: int = 16
-    num_blocks: int | None = None          # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 256 << 20
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None   # share of the device's total memory; CUDA only
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -24,8 +31,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -22,21 +22,37 @@ import torch
 
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
+from engine.kv_cache import allocate_kv_cache
+from engine.kv_sizing import ProfileBatch, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PrevSample
 from engine.outputs import EngineStats, RequestOutput, StepSample
 from engine.presets import resolve_model_dir
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, TokenLogprobs
+from engine.sampler import DeviceSample, Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose sampled ids are still on the device (async scheduling)."""
+
+    requests: list[Request]   # those that got a placeholder in update(), in batch order
+    sample: DeviceSample
+    device: PrevSample        # the ids, and each request's row among them
+
+
+def _needs_history(request: Request) -> bool:
+    """Its sampling reads the values of earlier output tokens (penalties), not just their count."""
+    p = request.sampling_params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class EngineRequestError(ValueError):
@@ -51,6 +67,8 @@ class EngineConfig:
     dtype: str | None = None            # None: float32 on CPU, the checkpoint's dtype on CUDA
     max_model_len: int | None = None    # None: the model's
     quantization: str | None = None     # "int8": W8A8 linears on CPU (engine/quant.py); None: none
+    enforce_eager: bool = False         # True: no CUDA graphs for decode steps
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -74,11 +92,8 @@ class Engine:
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        cache_cfg = config.cache
-        if cache_cfg.num_blocks is None:
-            cache_cfg = dataclasses.replace(cache_cfg, num_blocks=num_blocks_for_memory(
-                self.model_config, cache_cfg.block_size, self.dtype, cache_cfg.kv_cache_memory_bytes))
-        self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+        # KV sized from device memory (CUDA): free memory now, before the weights take theirs.
+        startup_memory = measure_startup_memory(config.cache, self.device)
 
         self.tokenizer = self._load_tokenizer()
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
@@ -89,9 +104,23 @@ class Engine:
             quantize_model(self.model, config.quantization, self.device)
             # A quantized model computes other K/V than the plain one: pods must not pair across.
             self.fingerprint += f"+{config.quantization}"
+        # After loading: on CUDA the cache takes what the weights and one worst-case step leave.
+        cache_cfg = size_cache(config.cache, self.model, self.dtype, self.device,
+                               ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
+                                                       max_len),
+                               Sampler(self.eos_token_ids), startup_memory)
+        self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         self.kv_cache = allocate_kv_cache(self.model_config, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
+                                  max_num_seqs=sched_cfg.max_num_seqs,
+                                  max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                                  max_model_len=max_len, enforce_eager=True if config.enforce_eager else None)
+        self.runner.capture_cuda_graphs()
+        # The prefill role ends a request at its first token: there is no next step to overlap.
+        self.async_scheduling = self.role != "prefill" and (
+            self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling)
+        self._in_flight: _InFlight | None = None
         self.sampler = Sampler(self.eos_token_ids)
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -156,26 +185,83 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Idempotent at every stage; frees the request's blocks (held prefill KV included)."""
         self._detok.pop(request_id, None)
-        return self.scheduler.abort_request(request_id)
+        aborted = self.scheduler.abort_request(request_id)
+        in_flight = self._in_flight
+        if aborted and in_flight is not None and all(
+                r.status is RequestStatus.FINISHED_ABORTED for r in in_flight.requests):
+            self._in_flight = None      # nothing left in it to report
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a launched step whose tokens are not out yet (async scheduling)."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    def drop_in_flight(self) -> list[str]:
+        """Forget a launched step's results (after a failed step); returns its request ids, whose
+        callers must be told (some may have finished on their length and wait for their last token)."""
+        in_flight, self._in_flight = self._in_flight, None
+        return [] if in_flight is None else [r.request_id for r in in_flight.requests]
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs that became known in it.
+
+        Synchronous: schedule, run, sample, update, emit. With async scheduling the step planned
+        here runs on the device while the previous step's tokens are read back and processed:
+        schedule(N) (its decodes take step N-1's tokens as placeholders, filled on the device) ->
+        launch model and sampler for N -> resolve N-1 (the one device->host read: its ids; stop
+        checks; detokenize; emit) -> update(N) with placeholders. A request whose stop shows up
+        in resolve(N-1) was already in batch N: that row's work is dropped (`update` skips it).
+        Batches that need the previous token's value on the host (penalties) resolve first."""
+        if not self.async_scheduling:
+            return self._step_sync()
+        t0 = time.perf_counter()
+        out = self.last_schedule = self.scheduler.schedule()
+        prev, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if out.scheduled:
+            scheduled = self.scheduler.scheduled_requests
+            logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
+            to_sample = [i for i, seq in enumerate(out.scheduled) if seq.sample]
+            requests = [scheduled[i] for i in to_sample]
+            if prev is not None and any(_needs_history(r) for r in requests):
+                outputs, prev = self._resolve(prev), None
+            sample = self.sampler.sample_on_device(logits, requests) if requests else None
+            if prev is not None:
+                outputs = self._resolve(prev)
+            updated = self.scheduler.update(out, None)
+            if sample is not None:
+                rows = {out.scheduled[i].request_id: row for row, i in enumerate(to_sample)}
+                self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, rows))
+            self._record_step(out, time.perf_counter() - t0)
+        elif prev is not None:
+            outputs = self._resolve(prev)
+        return outputs
+
+    def _resolve(self, in_flight: _InFlight) -> list[RequestOutput]:
+        """Read a launched step's sampled ids back, write them into its requests, emit."""
+        result = in_flight.sample.resolve()
+        rows = in_flight.device.rows
+        row_of = [rows[r.request_id] for r in in_flight.requests]
+        tokens = [result.token_ids[i] for i in row_of]
+        resolved = self.scheduler.resolve_placeholders(in_flight.requests, tokens)
+        logprobs = {in_flight.requests[j].request_id: result.logprobs[i] for j, i in enumerate(row_of)}
+        return [self._emit(req, [req.output_token_ids[-1]], [logprobs[req.request_id]]) for req in resolved]
+
+    def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.last_schedule = self.scheduler.schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
             logits = self.runner.run(out.scheduled)
-            to_sample = [s for s in out.scheduled if s.sample]
+            to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
-                requests = [self.scheduler.get_request(s.request_id) for s in to_sample]
-                result = self.sampler.sample(logits, requests)
-                for seq, token, lp in zip(to_sample, result.token_ids, result.logprobs):
-                    sampled[seq.request_id] = token
-                    logprobs[seq.request_id] = lp
+                scheduled = self.scheduler.scheduled_requests
+                result = self.sampler.sample(logits, [scheduled[i] for i in to_sample])
+                for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
+                    sampled[out.scheduled[i].request_id] = token
+                    logprobs[out.scheduled[i].request_id] = lp
         updated = self.scheduler.update(out, sampled)
         outputs = [self._emit(req, [req.output_token_ids[-1]], [logprobs.get(req.request_id)])
                    for req in updated]
