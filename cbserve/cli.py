@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from engine.config import QUANTIZATIONS
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, QUANTIZATIONS
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -22,21 +22,35 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-mb", type=int, default=256)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides the sizes below)")
+    p.add_argument("--kv-cache-memory-mb", type=int, default=None,
+                   help="KV cache size in MiB (default: from --gpu-memory-utilization on CUDA, 256 on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=None, metavar="FRACTION",
+                   help="share of the device's total memory this engine may use (weights, activations, KV "
+                        f"cache) when no KV size is given; CUDA only (default {DEFAULT_GPU_MEMORY_UTILIZATION})")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+
+
+def gpu_memory_utilization(value: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    share = float(value)
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return share
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str):
     from engine.config import CacheConfig, SchedulerConfig
     from engine.engine import EngineConfig
 
+    kv_mb = args.kv_cache_memory_mb
     return EngineConfig(
         model=args.model, role=role, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          kv_cache_memory_bytes=args.kv_cache_memory_mb << 20,
+                          kv_cache_memory_bytes=None if kv_mb is None else kv_mb << 20,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),

@@ -6,7 +6,12 @@ cluster runs the same commands as the Helm chart's containers.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
 POLICIES = ("goodput", "round_robin", "least_loaded")
 KV_TRANSPORTS = ("grpc", "nccl")
@@ -33,6 +38,8 @@ class ClusterSpec:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     num_blocks: int | None = None
+    # The device's share for all the pods on it (None: 0.9); each pod's flag gets an even part.
+    gpu_memory_utilization: float | None = None
     prefix_caching: bool = True
     threads_per_pod: int | None = None   # CBSERVE_NUM_THREADS / OMP_NUM_THREADS of each child
     startup_timeout: float = 300.0
@@ -60,6 +67,8 @@ class ClusterSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.startup_timeout <= 0 or self.drain_seconds < 0:
             raise ValueError("startup_timeout must be > 0 and drain_seconds >= 0")
         object.__setattr__(self, "router_args", tuple(self.router_args))
@@ -76,12 +85,25 @@ class ClusterSpec:
         return ([(f"prefill-{i}", "prefill") for i in range(self.num_prefill)]
                 + [(f"decode-{i}", "decode") for i in range(self.num_decode)])
 
+    @property
+    def shares_cuda_device(self) -> bool:
+        """Several pods on one CUDA device: each must measure its memory alone, so they start in turn."""
+        return len(self.pod_roles()) > 1 and is_cuda(self.device)
+
+    def pod_gpu_memory_utilization(self) -> float | None:
+        """Each pod's `--gpu-memory-utilization` (every pod runs on `device`); None off CUDA or when
+        `num_blocks` fixes the cache size."""
+        if self.num_blocks is not None:
+            return None
+        return gpu_memory_shares([self.device or "cpu"] * len(self.pod_roles()), self.gpu_memory_utilization)[0]
+
     def engine_flags(self) -> list[str]:
         flags: list[str] = []
         for flag, value in (("--device", self.device), ("--dtype", self.dtype),
                             ("--quantization", self.quantization),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
-                            ("--max-num-seqs", self.max_num_seqs), ("--num-blocks", self.num_blocks)):
+                            ("--max-num-seqs", self.max_num_seqs), ("--num-blocks", self.num_blocks),
+                            ("--gpu-memory-utilization", self.pod_gpu_memory_utilization())):
             if value is not None:
                 flags += [flag, str(value)]
         if not self.prefix_caching:
@@ -109,6 +131,28 @@ class ClusterSpec:
         else:
             argv += ["--prefill", ",".join(addresses["prefill"]), "--decode", ",".join(addresses["decode"])]
         return argv + list(self.router_args)
+
+
+def is_cuda(device: str | None) -> bool:
+    return device is not None and (device == "cuda" or device.startswith("cuda:"))
+
+
+def gpu_memory_shares(devices: Sequence[str], utilization: float | None) -> list[float | None]:
+    """Each pod's `--gpu-memory-utilization`, given every pod's device: the device's share
+    (`utilization`, None: 0.9) split evenly between the pods on it, rounded down to 1e-4 so the
+    parts never add up to more. None for pods off CUDA (the flag is unused there).
+
+    `cuda` and `cuda:0` are one device (a fresh process's current device is 0)."""
+    total = DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
+    keys = [_device_key(d) for d in devices]
+    counts = Counter(keys)
+    return [None if key is None else math.floor(total / counts[key] * 10_000 + 1e-9) / 10_000 for key in keys]
+
+
+def _device_key(device: str) -> str | None:
+    if not is_cuda(device):
+        return None
+    return "cuda:0" if device == "cuda" else device
 
 
 def _number(value: float) -> str:

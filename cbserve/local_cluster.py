@@ -6,9 +6,12 @@
 Every child is `python -m cbserve.cli <role> ...` with the same interpreter, so local behaviour is
 the chart's behaviour. Pods bind loopback ports chosen free at start; the router binds `spec.port`
 (0: a free one). Readiness is what Kubernetes probes: the standard gRPC health service on each pod,
-then HTTP `/ready` on the router (which needs a ready prefill/decode pair). A child that exits
-during startup fails `start()` with its log tail; `stop()` drains the router first (it finishes the
-streams that still need the pods), then the pods, and SIGKILLs whatever outlives the grace period.
+then HTTP `/ready` on the router (which needs a ready prefill/decode pair). Pods sharing one CUDA
+device start one after another: each sizes its KV cache from the memory it measures and must not
+count a neighbour that is still loading (each gets an even part of `--gpu-memory-utilization`).
+A child that exits during startup fails `start()` with its log tail; `stop()` drains the router
+first (it finishes the streams that still need the pods), then the pods, and SIGKILLs whatever
+outlives the grace period.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         roles = spec.pod_roles()
         ports = free_ports(3 * len(roles))
+        deadline = time.monotonic() + spec.startup_timeout
         try:
             for i, (name, role) in enumerate(roles):
                 grpc_port, metrics_port, store_port = ports[3 * i:3 * i + 3]
@@ -135,8 +139,10 @@ class LocalCluster:
                               store_port)
                 self._run.pods.append(pod)
                 self._spawn(name, spec.pod_argv(pod.name, role, grpc_port, metrics_port, store_port))
+                if spec.shares_cuda_device:
+                    self._wait_pods([pod], deadline, spec.startup_timeout)
             self._spawn("router", spec.router_argv(self.router_port, self._addresses()))
-            self.wait_ready(spec.startup_timeout)
+            self._wait_pods(self._run.pods, deadline, spec.startup_timeout, router=True)
         except BaseException:
             self.stop()
             raise
@@ -156,14 +162,18 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every pod's gRPC health says SERVING and the router's /ready is 200."""
-        deadline = time.monotonic() + timeout
-        pending = {pod.name: pod for pod in self._run.pods}
+        self._wait_pods(self._run.pods, time.monotonic() + timeout, timeout, router=True)
+
+    def _wait_pods(self, pods: list[PodInfo], deadline: float, timeout: float, router: bool = False) -> None:
+        """Block until `pods` say SERVING (and, with `router`, the router's /ready is 200) or
+        raise at `deadline` (`timeout`: for the message)."""
+        pending = {pod.name: pod for pod in pods}
         while True:
             self.check_alive("during startup")
             for name, pod in list(pending.items()):
                 if grpc_serving(pod.address, timeout=0.5):
                     del pending[name]
-            if not pending and http_ready(self.url + "/ready", timeout=1.0):
+            if not pending and (not router or http_ready(self.url + "/ready", timeout=1.0)):
                 return
             if time.monotonic() > deadline:
                 waiting = ", ".join(pending) or "router (/ready)"

@@ -20,10 +20,11 @@ import signal
 import sys
 import time
 
+from cbserve.cli import gpu_memory_utilization
 from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
-from engine.config import QUANTIZATIONS
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, QUANTIZATIONS
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo", "add_up_command", "cmd_up"]
 
@@ -50,6 +51,10 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=None, metavar="FRACTION",
+                   help="share of the CUDA device's memory for all the pods on it, split evenly between "
+                        f"them (default {DEFAULT_GPU_MEMORY_UTILIZATION}: 0.45 each for 1 prefill + 1 "
+                        "decode); pods on one device start one after another, so each measures its own")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads-per-pod", type=int, default=None, metavar="N",
                    help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
@@ -67,7 +72,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         host=args.host, port=args.port, policy=args.policy, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, kv_transport=args.kv_transport, device=args.device, dtype=args.dtype,
         quantization=args.quantization, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks, prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
         drain_seconds=args.drain_seconds)
 
