@@ -93,6 +93,12 @@ spec:
             {{- if not (kindIs "invalid" $pool.engine.kvCacheMemoryMb) }}
             - --kv-cache-memory-mb={{ $pool.engine.kvCacheMemoryMb }}
             {{- end }}
+            {{- $utilization := $pool.engine.gpuMemoryUtilization }}
+            {{- $sized := or (not (kindIs "invalid" $pool.engine.numBlocks)) (not (kindIs "invalid" $pool.engine.kvCacheMemoryMb)) }}
+            {{- if and (eq $device "cuda") (or (not (kindIs "invalid" $utilization)) (not $sized)) }}
+            # The KV cache takes what the weights and one worst-case step leave of this share.
+            - --gpu-memory-utilization={{ ternary 0.9 $utilization (kindIs "invalid" $utilization) }}
+            {{- end }}
             - --pod-id=$(POD_NAME)
             {{- if and (eq $role "decode") (not $root.Values.prefill.enabled) }}
             # No prefill pool: this pod prefills every request itself (role label "colocated").

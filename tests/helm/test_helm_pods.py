@@ -14,7 +14,7 @@ from helm_chart import CHART, VALUES_SETS, container, flags, name, render
 # router/config.py); the chart may pass nothing else.
 POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quantization", "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
-              "num-blocks", "kv-cache-memory-mb", "pod-id"}
+              "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "pod-id"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
@@ -209,9 +209,50 @@ def test_colocated_decode_pods_and_router_discovery():
 
 def test_engine_sizing_and_served_name_flags():
     manifests = render(VALUES_SETS["gpu-llama3-8b"])
-    assert flags(container(manifests.get("Deployment", name("decode")))["args"])["kv-cache-memory-mb"] == "49152"
+    prefill = flags(container(manifests.get("Deployment", name("prefill")))["args"])
+    assert prefill["kv-cache-memory-mb"] == "16384" and "gpu-memory-utilization" not in prefill
+    decode = flags(container(manifests.get("Deployment", name("decode")))["args"])
+    assert decode["gpu-memory-utilization"] == "0.9" and "kv-cache-memory-mb" not in decode
     router = flags(container(manifests.get("Deployment", name("router")))["args"])
     assert router["served-model-name"] == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert router["kv-transport"] == "nccl"
     default = flags(container(render().get("Deployment", name("decode")))["args"])
     assert "kv-cache-memory-mb" not in default and "num-blocks" not in default
+
+
+def pool_sizing_flags(sets: tuple[str, ...] = (), values_files: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{pool: its KV sizing flags} of one rendering."""
+    manifests = render(values_files, sets)
+    sizing = ("device", "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization")
+    out = {}
+    for pool in ("prefill", "decode"):
+        args = flags(container(manifests.get("Deployment", name(pool)))["args"])
+        out[pool] = {key: args[key] for key in sizing if key in args}
+    return out
+
+
+@pytest.mark.parametrize("sets, expected", [
+    # GPU pools without an explicit size: the KV cache comes from device memory, 0.9 by default.
+    ((), {"prefill": {"device": "cuda", "gpu-memory-utilization": "0.9"},
+          "decode": {"device": "cuda", "gpu-memory-utilization": "0.9"}}),
+    (("decode.engine.gpuMemoryUtilization=0.45",),
+     {"prefill": {"device": "cuda", "gpu-memory-utilization": "0.9"},
+      "decode": {"device": "cuda", "gpu-memory-utilization": "0.45"}}),
+    # An explicit size wins; the engine still gets the fraction only when it was set.
+    (("prefill.engine.numBlocks=4096", "decode.engine.kvCacheMemoryMb=20480"),
+     {"prefill": {"device": "cuda", "num-blocks": "4096"},
+      "decode": {"device": "cuda", "kv-cache-memory-mb": "20480"}}),
+    (("decode.engine.kvCacheMemoryMb=20480", "decode.engine.gpuMemoryUtilization=0.5"),
+     {"prefill": {"device": "cuda", "gpu-memory-utilization": "0.9"},
+      "decode": {"device": "cuda", "kv-cache-memory-mb": "20480", "gpu-memory-utilization": "0.5"}}),
+    # CPU pools render nothing new, even with the fraction set (the command keeps its 256 MiB).
+    (("prefill.gpus=0", "decode.gpus=0", "decode.engine.gpuMemoryUtilization=0.5"),
+     {"prefill": {"device": "cpu"}, "decode": {"device": "cpu"}}),
+])
+def test_gpu_pools_size_the_kv_cache_from_device_memory(sets, expected):
+    assert pool_sizing_flags(sets) == expected
+
+
+def test_cpu_examples_keep_their_block_counts():
+    for pool, sizing in pool_sizing_flags(values_files=VALUES_SETS["cpu-tiny"]).items():
+        assert sizing == {"device": "cpu", "num-blocks": "256"}, pool

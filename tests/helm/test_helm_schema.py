@@ -24,6 +24,9 @@ SCHEMA = json.loads((CHART / "values.schema.json").read_text())
     ('prefill.gpus=1.5', "want integer"),
     ('networkPolicy.enabled="yes"', "got string, want boolean"),
     ('decode.autoscaling.targetKvCacheUsageRatio=1.5', "maximum"),
+    ('decode.engine.gpuMemoryUtilization=1.5', "maximum"),
+    ('prefill.engine.gpuMemoryUtilization=0', "exclusiveMinimum"),
+    ('decode.engine.gpuMemoryUtilization="0.9"', "want null or number"),
     ('monitoring.prometheusAdapter.rateWindow="2 minutes"', "does not match pattern"),
     # bad enums
     ('kvTransport="rdma"', "value must be one of 'grpc', 'nccl'"),
