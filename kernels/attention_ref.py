@@ -13,6 +13,14 @@ with several query tokens (prefill chunks) get one SDPA call each, causal (``is_
 the chunk has no earlier context and with a bottom-right mask otherwise. GQA never repeats K/V
 per query head: decode packs the query heads of one KV group as extra query rows, prefill
 broadcasts K/V over the group with a stride-0 ``expand``.
+
+Off the CPU this module is the oracle the Triton kernels are tested against, not a runtime path,
+so there it does not call SDPA: CUDA's fused SDPA backends (memory-efficient attention for fp32
+with a mask) take these stride-0 K/V and strided queries through layout-specific code paths with
+a history of silent wrong results (PyTorch issues 191937, 187227), and the ``test_kernels_gpu``
+failure at the last, lone row of a 129-token chunk over 3,000 cached tokens matched that pattern
+while the kernel was exact at the same shape and tiles in Triton's interpreter. ``_attend`` does
+the math explicitly in float64 there, in query chunks of bounded size.
 """
 
 from __future__ import annotations
@@ -24,6 +32,40 @@ import torch.nn.functional as F
 # materialises hundreds of MB per layer, big enough that one SDPA call serves a typical batch (1 MB
 # split an 8 x 300 `small` step into 8 calls per layer and measured no faster).
 DECODE_CHUNK_BYTES = 8 << 20
+# Off the CPU: float64 scores per explicit-math chunk of query rows, at most (about).
+ORACLE_CHUNK_BYTES = 256 << 20
+
+
+def _explicit_math(device: torch.device) -> bool:
+    """Whether ``_attend`` does the math itself: everywhere but the CPU (tests patch this)."""
+    return device.type != "cpu"
+
+
+def _attend(
+    q: torch.Tensor,  # [..., query_len, head_dim] fp32
+    k: torch.Tensor,  # [..., seq_len, head_dim] fp32 (may be a stride-0 expand)
+    v: torch.Tensor,  # [..., seq_len, head_dim] fp32
+    scale: float,
+    mask: torch.Tensor | None = None,  # bool, broadcastable to [..., query_len, seq_len]; True = attend
+    is_causal: bool = False,  # square causal (top-left diagonal), only without a mask
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on the CPU; elsewhere the same math done explicitly in
+    float64 (the oracle for the Triton kernels: no fused-kernel layout paths, no TF32)."""
+    if not _explicit_math(q.device):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    query_len, seq_len = q.shape[-2], k.shape[-2]
+    if is_causal:
+        mask = torch.ones((query_len, seq_len), dtype=torch.bool, device=q.device).tril()
+    rows_per_chunk = max(1, ORACLE_CHUNK_BYTES // (8 * seq_len * max(1, q[..., 0, 0].numel())))
+    k64, v64 = k.double(), v.double()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for a in range(0, query_len, rows_per_chunk):
+        scores = torch.matmul(q[..., a: a + rows_per_chunk, :].double(), k64.transpose(-1, -2)) * scale
+        if mask is not None:
+            rows_mask = mask if mask.shape[-2] == 1 else mask[..., a: a + rows_per_chunk, :]
+            scores = scores.masked_fill(~rows_mask, float("-inf"))
+        out[..., a: a + rows_per_chunk, :] = torch.matmul(scores.softmax(-1), v64)
+    return out
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int,
@@ -65,11 +107,11 @@ def _prefill_one(
     k = k[:, None].expand(num_kv_heads, group, seq_len, head_dim)
     v = v[:, None].expand(num_kv_heads, group, seq_len, head_dim)
     if context_len == 0:  # square causal: SDPA's top-left diagonal is the right one
-        out = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale)
+        out = _attend(qg, k, v, scale, is_causal=True)
     else:  # query i sits at position context_len + i: bottom-right aligned mask
         q_pos = torch.arange(context_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        out = _attend(qg, k, v, scale, mask=mask)
     return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
 
@@ -101,7 +143,7 @@ def _decode_batch(
     if min_len != max_len:
         k_pos = torch.arange(max_len, device=q.device)
         mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [n, 1, 1, max_len]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = _attend(qg, k, v, scale, mask=mask)
     return out.reshape(n, num_heads, head_dim)
 
 

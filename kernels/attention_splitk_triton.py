@@ -76,7 +76,17 @@ def _split_k_partial_kernel(
     p_start = part * PARTITION_SIZE
     p_end = tl.minimum(p_start + PARTITION_SIZE, seq_len)  # the decode token sees every key
     block_row_ptr = block_tables_ptr + seq * stride_bt
-    for n_start in range(p_start, p_end, BLOCK_N):
+    # Whole key tiles need no masks (padded rows hold q = 0 and are never stored); only the
+    # partition's last, partial tile does.
+    n_full = p_start + tl.maximum(p_end - p_start, 0) // BLOCK_N * BLOCK_N
+    for n_start in range(p_start, n_full, BLOCK_N):
+        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
+                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                    stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd,
+                                    BLOCK_SIZE, IEEE_FP32, MASKED=False)
+    for n_start in range(n_full, p_end, BLOCK_N):
         k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = k_pos < p_end
         visible = k_ok[None, :] & row_ok[:, None]
@@ -84,7 +94,7 @@ def _split_k_partial_kernel(
                                     k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
                                     stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd,
-                                    BLOCK_SIZE, IEEE_FP32)
+                                    BLOCK_SIZE, IEEE_FP32, MASKED=True)
 
     # Partial results are laid out contiguously: [num_seqs, num_heads, num_parts(, HEAD_PAD)].
     ml_off = (seq * num_heads + head).to(tl.int64) * num_parts + part  # [ROWS]

@@ -1,17 +1,29 @@
 """Unified Triton paged attention: prefill chunks and decode tokens in one launch.
 
-Design: one program per (query tile, kv head). A query tile holds ``BLOCK_Q`` consecutive query
-tokens of one sequence times the ``GROUP`` query heads that share the kv head (GQA packing), so
-each K/V tile is loaded once for the whole group: rows = tokens x heads-in-group. Keys are walked
-in tiles of ``BLOCK_N`` positions, independent of the cache block size: every key position finds
-its block through the block table, so a tile may span several blocks or part of one. Softmax is
-online in fp32. Every ``tl.dot`` has M, N, K >= 16 (head_dim and the group are padded and
-masked), so kernels that pass in the interpreter also compile for a GPU. Block ids are widened to
-int64 before they meet a stride: ``block_id * block_stride`` overflows int32 on large caches.
+Design: a query tile holds ``BLOCK_Q`` consecutive query tokens of one sequence times the
+``GROUP`` query heads that share one kv head (GQA packing), so each K/V tile is loaded once for
+the whole group: rows = tokens x heads-in-group. One program per (query tile, kv head). Keys are
+walked in tiles of ``BLOCK_N`` positions, independent of the cache block size: every key
+position finds its block through the block table, so a tile may span several blocks or part of
+one. Softmax is online in fp32. Key tiles that every row of the program may see (before the
+causal diagonal) skip all masking; only the last few tiles pay for it. Every ``tl.dot`` has
+M, N, K >= 16 (head_dim and the group are padded and masked), so kernels that pass in the
+interpreter also compile for a GPU. Block ids are widened to int64 before they meet a stride:
+``block_id * block_stride`` overflows int32 on large caches.
+
+Mixed batches (``SPLIT_DECODES``): prefill tiles want many rows (a K/V tile reused by 128 query
+rows halves the K/V re-reads of 64-row tiles and feeds the tensor cores), but a decode sequence
+has one token, so in such a tile 1 x GROUP rows are real and the rest pad: a 64-row tile did 16x
+the MMA work of a decode and streamed its context at compute speed. With ``SPLIT_DECODES`` the
+grid starts with one decode program per (sequence, kv head) of ``DECODE_ROWS`` = GROUP padded to
+16 rows that exits unless the sequence has exactly one query token, followed by the query tiles,
+which exit for single-token sequences. Both kinds write disjoint rows of one output in one
+launch, so the memory-bound decode streams overlap the compute-bound prefill tiles on the SMs.
 
 The grid needs no host sync: sequence i owns query tiles starting at
 ``query_start_loc[i] // BLOCK_Q + i`` (an upper bound on the tiles before it), which the kernel
-inverts by binary search; programs past a sequence's last tile exit at once.
+inverts by binary search; programs past a sequence's last tile exit at once. Which programs
+work is read on the device (query lengths), so the grid depends on shapes alone (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -23,7 +35,6 @@ import triton.language as tl
 from kernels.attention_splitk_triton import launch_split_k, use_split_k
 from kernels.attention_tile_triton import attend_tile, head_pad
 from kernels.checks import PagedAttentionSizes, paged_attention_sizes
-
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, last_seq, tile_id, BLOCK_Q: tl.constexpr):
@@ -43,6 +54,132 @@ def _find_seq(query_start_loc_ptr, last_seq, tile_id, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    tile_id, kv_head, scale, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE_FP32: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
+):
+    """One (query tile, kv head): BLOCK_Q tokens x GROUP_PAD heads of one sequence."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    seq = _find_seq(query_start_loc_ptr, num_seqs - 1, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile_id - (q_start // BLOCK_Q + seq)
+    q_first = q_tile * BLOCK_Q
+    work = q_first < query_len
+    if SKIP_DECODES:  # single-token sequences have their own decode programs
+        work = work & (query_len > 1)
+    if work:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - query_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        q_pos = q_first + offs_m // GROUP_PAD  # [BLOCK_M] position within this chunk
+        head = kv_head * GROUP + offs_m % GROUP_PAD  # [BLOCK_M] query head
+        row_ok = (q_pos < query_len) & (offs_m % GROUP_PAD < GROUP)
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_DIM
+
+        token = (q_start + q_pos).to(tl.int64)
+        q_off = token[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        qk_scale = scale * 1.4426950408889634  # fold log2(e) in: exp2 is cheaper than exp
+
+        # Keys [0, n_full) are visible to every row of the tile (k <= context_len + q_first):
+        # no masks there. The rest, up to the causal limit of the last valid row, is masked.
+        last_q = tl.minimum(query_len, q_first + BLOCK_Q) - 1
+        kv_end = context_len + last_q + 1
+        n_full = (context_len + q_first + 1) // BLOCK_N * BLOCK_N
+        block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for n_start in range(0, n_full, BLOCK_N):
+            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
+                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                        stride_kb, stride_ks, stride_kh, stride_kd,
+                                        stride_vb, stride_vs, stride_vh, stride_vd,
+                                        BLOCK_SIZE, IEEE_FP32, MASKED=False)
+        for n_start in range(n_full, kv_end, BLOCK_N):
+            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            k_ok = k_pos < kv_end
+            visible = (k_pos[None, :] <= context_len + q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
+                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                        stride_kb, stride_ks, stride_kh, stride_kd,
+                                        stride_vb, stride_vs, stride_vh, stride_vd,
+                                        BLOCK_SIZE, IEEE_FP32, MASKED=True)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_row(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    seq, kv_head, scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    """One (sequence, kv head) of a single-token sequence: its GROUP heads (padded to ROWS >= 16
+    for tl.dot) over the whole context; other sequences leave at once."""
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if query_len == 1:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        offs_r = tl.arange(0, ROWS)
+        head = kv_head * GROUP + offs_r  # [ROWS]
+        row_ok = offs_r < GROUP
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_DIM
+        token = q_start.to(tl.int64)
+        q_off = token * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, HEAD_PAD]
+
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+        qk_scale = scale * 1.4426950408889634
+        block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        n_full = seq_len // BLOCK_N * BLOCK_N  # the decode token sees every key: only the tail is masked
+        for n_start in range(0, n_full, BLOCK_N):
+            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
+                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                        stride_kb, stride_ks, stride_kh, stride_kd,
+                                        stride_vb, stride_vs, stride_vh, stride_vd,
+                                        BLOCK_SIZE, IEEE_FP32, MASKED=False)
+        for n_start in range(n_full, seq_len, BLOCK_N):
+            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            k_ok = k_pos < seq_len
+            visible = k_ok[None, :] & row_ok[:, None]
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
+                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                        stride_kb, stride_ks, stride_kh, stride_kd,
+                                        stride_vb, stride_vs, stride_vh, stride_vd,
+                                        BLOCK_SIZE, IEEE_FP32, MASKED=True)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = token * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -53,6 +190,7 @@ def _unified_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     scale,
     num_seqs,
+    num_tiles,  # query tiles in the grid: num_tokens // BLOCK_Q + num_seqs
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -66,53 +204,39 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr,  # programs [0, num_seqs) are decode programs, the rest query tiles
+    DECODE_ROWS: tl.constexpr,  # rows of a decode program: GROUP padded to a power of two >= 16
 ):
-    tile_id = tl.program_id(0)
+    pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    # Query tiles run last tile first: blocks are dispatched in program order, and a chunk's later
+    # tiles see the most keys, so the longest work starts first instead of trailing at the end.
+    if SPLIT_DECODES:
+        if pid < num_seqs:
+            _decode_row(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                        query_start_loc_ptr, pid, kv_head, scale,
+                        stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+                        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                        stride_bt, HEAD_DIM, HEAD_PAD, GROUP, DECODE_ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32)
+        else:
+            _query_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                        query_start_loc_ptr, num_tiles - 1 - (pid - num_seqs), kv_head, scale, num_seqs,
+                        stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+                        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                        stride_bt, HEAD_DIM, HEAD_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
+                        SKIP_DECODES=True)
+    else:
+        _query_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                    query_start_loc_ptr, num_tiles - 1 - pid, kv_head, scale, num_seqs,
+                    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+                    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                    stride_bt, HEAD_DIM, HEAD_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
+                    SKIP_DECODES=False)
 
-    seq = _find_seq(query_start_loc_ptr, num_seqs - 1, tile_id, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile_id - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= query_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - query_len
 
-    offs_m = tl.arange(0, BLOCK_M)
-    q_pos = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] position within this chunk
-    head = kv_head * GROUP + offs_m % GROUP_PAD  # [BLOCK_M] query head
-    row_ok = (q_pos < query_len) & (offs_m % GROUP_PAD < GROUP)
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_DIM
-
-    token = (q_start + q_pos).to(tl.int64)
-    q_off = token[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # fold log2(e) in: exp2 is cheaper than exp
-
-    # Keys this tile can see: up to the causal limit of its last valid query row.
-    last_q = tl.minimum(query_len, (q_tile + 1) * BLOCK_Q) - 1
-    kv_end = context_len + last_q + 1
-    block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n_start in range(0, kv_end, BLOCK_N):
-        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        k_ok = k_pos < kv_end
-        visible = (k_pos[None, :] <= context_len + q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
-                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                    stride_kb, stride_ks, stride_kh, stride_kd,
-                                    stride_vb, stride_vs, stride_vh, stride_vd,
-                                    BLOCK_SIZE, IEEE_FP32)
-
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+def _check_tile(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {value}")
 
 
 def launch_unified(
@@ -125,39 +249,46 @@ def launch_unified(
     scale: float,
     block_n: int | None = None,
     block_m: int | None = None,
+    split_decodes: bool | None = None,
     sizes: PagedAttentionSizes | None = None,
 ) -> torch.Tensor:
-    """Run the unified kernel (inputs already validated by ``kernels.checks``, whose sizes
-    ``sizes`` is; computed here when None).
+    """Run the unified kernel (inputs already validated by ``kernels.checks``, whose result
+    ``sizes`` is; computed here when None). Every choice below reads shapes only.
 
-    ``block_n`` is the key-tile width (default 64 on a GPU, 32 in the interpreter); ``block_m``
-    the target rows per query tile (tokens x heads-in-group; default 16, or 64 on a GPU when the
-    batch holds prefill tokens, so a K/V tile is reused by more query rows).
+    ``block_n``: key-tile width (default 64 on a GPU, 32 in the interpreter). ``block_m``: target
+    rows per query tile, tokens x heads-in-group (default 16; on a GPU 128 when the batch holds
+    prefill tokens, run by 8 warps: each K/V tile then serves 128 query rows). ``split_decodes``:
+    give single-token sequences their own decode programs (default: when the batch holds prefill
+    tokens, i.e. ``num_tokens > num_seqs``; a decode-only batch is all decode programs anyway).
     """
     if sizes is None:
         sizes = paged_attention_sizes(q, key_cache, block_tables)
     num_tokens, num_seqs = sizes.num_tokens, sizes.num_seqs
+    has_prefill = num_tokens > num_seqs
     if block_n is None:
         block_n = 64 if q.is_cuda else 32
     if block_m is None:
-        block_m = 64 if q.is_cuda and num_tokens > num_seqs else 16
-    for name, value in (("block_n", block_n), ("block_m", block_m)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        block_m = 128 if q.is_cuda and has_prefill else 16
+    if split_decodes is None:
+        split_decodes = has_prefill
+    _check_tile("block_n", block_n)
+    _check_tile("block_m", block_m)
     group_pad = triton.next_power_of_2(sizes.group)
     # Rows = BLOCK_Q tokens x GROUP_PAD heads, at least 16 (tl.dot needs M >= 16).
     block_q = max(1, block_m // group_pad)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    grid = (num_tokens // block_q + num_seqs, sizes.num_kv_heads)
-    _unified_attention_kernel[grid](
+    num_tiles = num_tokens // block_q + num_seqs
+    num_programs = num_tiles + (num_seqs if split_decodes else 0)
+    _unified_attention_kernel[(num_programs, sizes.num_kv_heads)](
         out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_seqs,
+        scale, num_seqs, num_tiles,
         *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         HEAD_DIM=sizes.head_dim, HEAD_PAD=head_pad(sizes.head_dim), GROUP=sizes.group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=sizes.block_size,
-        IEEE_FP32=q.dtype == torch.float32,
+        IEEE_FP32=q.dtype == torch.float32, SPLIT_DECODES=split_decodes, DECODE_ROWS=max(16, group_pad),
+        num_warps=8 if block_q * group_pad >= 128 else 4,
     )
     return out
 

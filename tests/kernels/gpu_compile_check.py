@@ -16,22 +16,39 @@ class MissingToolchain(Exception):
     """The NVIDIA backend cannot assemble (no ptxas): nothing to check on this machine."""
 
 
-def _compile(jit, pointers: dict[str, str], constants: dict[str, object], scalars: dict[str, str] = {}):
+# An H100/H200 block may use at most 227 KB of shared memory; a launch asking for more fails.
+MAX_SHARED_BYTES = 227 * 1024
+
+
+# Strides that are not multiples of 16 in a typical launch (a block table's width is arbitrary).
+UNALIGNED = {"stride_bt"}
+
+
+def _compile(jit, pointers: dict[str, str], constants: dict[str, object], scalars: dict[str, str] = {},
+             num_warps: int = 4):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = jit.arg_names
     signature = {n: pointers.get(n) or ("constexpr" if n in constants else scalars.get(n, "i32")) for n in names}
+    # A launch marks 16-byte-aligned pointers and ints divisible by 16 (tt.divisibility): with them
+    # the loads vectorise and the attention loops are software-pipelined (cp.async stages), which
+    # is what sizes the shared memory checked below. Typical launches have such strides.
+    divisible = [n for n in names if n in pointers or (n.startswith("stride_") and n not in constants
+                                                       and n not in UNALIGNED)]
     source = ASTSource(fn=jit, signature=signature,
-                       constexprs={(names.index(n),): v for n, v in constants.items()})
+                       constexprs={(names.index(n),): v for n, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     except RuntimeError as err:
         if "ptxas" in str(err).lower() and "not found" in str(err).lower():
             raise MissingToolchain(str(err)) from err
         raise
     assert compiled.asm["cubin"]
+    shared = compiled.metadata.shared
+    assert shared <= MAX_SHARED_BYTES, f"{jit.__name__} {constants}: {shared} bytes of shared memory"
 
 
 def _attention_pointers(dtype: str) -> dict[str, str]:
@@ -40,21 +57,29 @@ def _attention_pointers(dtype: str) -> dict[str, str]:
 
 
 UNIFIED_CONFIGS = [
-        # prefill-sized tiles, bf16, head_dim 128, GQA 4
-        ("*bf16", dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, BLOCK_SIZE=16,
-                       IEEE_FP32=False)),
+        # mixed prefill+decode on a GPU: 128-row tiles (32 tokens x GQA 4) on 8 warps plus the decode
+        # programs, bf16, head_dim 128 (launch_unified's defaults when the batch holds prefill tokens)
+        ("*bf16", dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=32, BLOCK_N=64, BLOCK_SIZE=16,
+                       IEEE_FP32=False, SPLIT_DECODES=True, DECODE_ROWS=16), 8),
+        # prefill-sized tiles without split decodes, bf16, GQA 8
+        ("*bf16", dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=8, GROUP_PAD=8, BLOCK_Q=8, BLOCK_N=64, BLOCK_SIZE=16,
+                       IEEE_FP32=False, SPLIT_DECODES=False, DECODE_ROWS=16), 4),
         # decode-sized tiles, fp32 with ieee dots, head_dim 80 padded, one sequence (num_seqs == 1)
         ("*fp32", dict(HEAD_DIM=80, HEAD_PAD=128, GROUP=1, GROUP_PAD=1, BLOCK_Q=16, BLOCK_N=32, BLOCK_SIZE=1,
-                       IEEE_FP32=True, num_seqs=1)),
+                       IEEE_FP32=True, SPLIT_DECODES=False, DECODE_ROWS=16, num_seqs=1), 4),
+        # fp16 mixed batch of one sequence with GQA 3 (padded group) and head_dim 80
+        ("*fp16", dict(HEAD_DIM=80, HEAD_PAD=128, GROUP=3, GROUP_PAD=4, BLOCK_Q=32, BLOCK_N=64, BLOCK_SIZE=16,
+                       IEEE_FP32=False, SPLIT_DECODES=True, DECODE_ROWS=16, num_seqs=1), 8),
 ]
 
 
 def unified_attention() -> None:
     from kernels.attention_triton import _unified_attention_kernel
 
-    for dtype, constants in UNIFIED_CONFIGS:
+    for dtype, constants, num_warps in UNIFIED_CONFIGS:
         _compile(_unified_attention_kernel, _attention_pointers(dtype),
-                 dict(constants, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1), {"scale": "fp32"})
+                 dict(constants, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1), {"scale": "fp32"},
+                 num_warps=num_warps)
 
 
 def split_k() -> None:

@@ -123,3 +123,17 @@ def test_reference_decode_chunks_reuse_half_precision_buffers(monkeypatch: pytes
     chunked = paged_attention_ref(*case.args(), out_dtype=torch.float32)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(chunked.double(), naive_attention(case), atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("specs", [MIXED, [(40, 1), (3, 1), (17, 1)], [(0, 9)], [(3000, 129)]],
+                         ids=["mixed", "decode-only", "prefill", "long-chunk"])
+def test_explicit_oracle_math_matches_dense_attention(monkeypatch: pytest.MonkeyPatch, specs) -> None:
+    # Off the CPU the reference skips SDPA and does float64 math in query chunks: run that path here
+    # (with chunks of a few rows) against the dense float64 attention.
+    import kernels.attention_ref as attention_ref
+
+    monkeypatch.setattr(attention_ref, "_explicit_math", lambda device: True)
+    monkeypatch.setattr(attention_ref, "ORACLE_CHUNK_BYTES", 8 * 3 * 200 * 2)
+    case = make_case(specs, num_kv_heads=2, group=2, head_dim=32, block_size=16, dtype=torch.float16)
+    out = paged_attention_ref(*case.args(), out_dtype=torch.float32)
+    torch.testing.assert_close(out.double(), naive_attention(case), atol=1e-6, rtol=1e-6)

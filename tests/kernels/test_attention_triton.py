@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels.attention_ref import paged_attention_ref
-from paged_cases import make_case
+from paged_cases import make_case, naive_attention
 
 MIXED = [(0, 7), (13, 1), (20, 5), (33, 1), (0, 1), (5, 19)]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=1e-2)}
@@ -52,6 +52,39 @@ def test_unified_tile_spans_blocks_and_parts_of_blocks(triton_backend) -> None:
         case = make_case([(21, 3), (40, 1), (7, 37)], num_kv_heads=1, group=4, head_dim=32,
                          block_size=block_size, device=triton_backend)
         _check(case, torch.float32, launch_unified(*case.args(), block_n=block_n, block_m=block_m))
+
+
+@pytest.mark.parametrize(
+    "block_m, block_n, split_decodes, group, head_dim, dtype",
+    [
+        (16, 32, True, 4, 32, torch.float32),
+        (64, 16, True, 2, 64, torch.float32),
+        (128, 64, True, 4, 32, torch.float32),  # the GPU's prefill tiles: 32 tokens x 4 heads
+        (128, 32, True, 3, 80, torch.float16),  # group padded to 4, head_dim padded to 128
+        (64, 32, False, 4, 32, torch.float16),  # decodes inside 64-row tiles (the old mixed path)
+        (16, 16, True, 8, 32, torch.float32),  # group 8: 16 decode rows, 2 tokens per tile
+    ],
+)
+def test_unified_split_decodes_mixed_batch(triton_backend, block_m, block_n, split_decodes, group, head_dim,
+                                           dtype) -> None:
+    from kernels.attention_triton import launch_unified
+
+    # Decodes before, between and after chunks; a 1-token prefill (context 0); a decode whose context
+    # ends exactly on a key tile; chunks shorter and longer than one query tile.
+    specs = [(31, 1), (0, 7), (13, 1), (20, 40), (32, 1), (0, 1), (5, 19), (70, 1)]
+    case = make_case(specs, num_kv_heads=2, group=group, head_dim=head_dim, block_size=16, dtype=dtype,
+                     device=triton_backend)
+    _check(case, dtype, launch_unified(*case.args(), block_n=block_n, block_m=block_m,
+                                       split_decodes=split_decodes))
+
+
+def test_unified_split_decodes_without_prefill_and_without_decodes(triton_backend) -> None:
+    from kernels.attention_triton import launch_unified
+
+    # All decode programs (every query tile exits), then all query tiles (every decode program exits).
+    for specs in ([(9, 1), (40, 1), (0, 1)], [(9, 3), (0, 17)]):
+        case = make_case(specs, num_kv_heads=2, group=2, head_dim=32, block_size=16, device=triton_backend)
+        _check(case, torch.float32, launch_unified(*case.args(), block_m=32, split_decodes=True))
 
 
 def test_unified_chunked_continuation_matches_one_shot_prefill(triton_backend) -> None:
@@ -123,3 +156,21 @@ def test_split_k_single_partition(triton_backend) -> None:
 
     case = make_case([(5, 1), (20, 1)], num_kv_heads=2, group=2, head_dim=32, block_size=16, device=triton_backend)
     _check(case, torch.float32, launch_split_k(*case.args()))  # default 512-key partition: just one
+
+
+@pytest.mark.parametrize("block_m, split_decodes", [(64, False), (128, True)], ids=["old-gpu-tiles", "gpu-tiles"])
+def test_fp16_last_lone_row_of_a_chunk_over_long_context(triton_backend, block_m: int, split_decodes: bool) -> None:
+    # The shape of the H200 fp16 failure (test_attention_larger_shapes: 0.027 at the last token of a
+    # 129-token chunk over 3,000 cached tokens), scaled down with the same structure: Llama-3-like
+    # heads, the GPU's key tile (64) and query tiles, a chunk of one query tile + 1 token whose last
+    # row sits alone in its tile, ~23x more context than chunk, next to prefills and decodes. Checked
+    # against dense float64 attention (not the paged reference), row by row at the lone row.
+    from kernels.attention_triton import launch_unified
+
+    specs = [(0, 70), (150, 30), (204, 1), (90, 1), (750, block_m // 4 + 1)]
+    case = make_case(specs, num_kv_heads=2, group=4, head_dim=128, block_size=16, dtype=torch.float16,
+                     device=triton_backend)
+    out = launch_unified(*case.args(), block_n=64, block_m=block_m, split_decodes=split_decodes)
+    want = naive_attention(case)
+    torch.testing.assert_close(out[-1].double(), want[-1], **TOL[torch.float16])
+    torch.testing.assert_close(out.double(), want, **TOL[torch.float16])
