@@ -136,6 +136,8 @@ class EngineLoop:
 
     def _fail_running(self, error: Exception) -> None:
         scheduler = self.engine.scheduler
-        for req in list(scheduler.running):
-            self.engine.abort(req.request_id)
-            self.fail(req.request_id, RuntimeError(f"engine step failed: {error}"))
+        failed = dict.fromkeys(self.engine.drop_in_flight())
+        failed.update(dict.fromkeys(req.request_id for req in scheduler.running))
+        for request_id in failed:
+            self.engine.abort(request_id)
+            self.fail(request_id, RuntimeError(f"engine step failed: {error}"))

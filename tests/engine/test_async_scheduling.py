@@ -1,0 +1,170 @@
+"""Async scheduling (step N+1 planned while step N runs) gives exactly the synchronous results.
+
+Every test runs the same requests through a synchronous and an asynchronous engine on the tiny
+preset and compares tokens, texts and finish reasons: stop tokens and eos found one step late,
+length stops, stop strings, preemption, penalties (which resolve before sampling), aborts at
+every point, and the decode role's KV landing. On CPU the overlap saves nothing; the ordering
+logic is what is tested here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+def make_engine(async_scheduling: bool, role: str = "colocated", num_blocks: int = 256, **sched) -> Engine:
+    return Engine(EngineConfig(model="tiny", role=role, async_scheduling=async_scheduling,
+                               cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+                               scheduler=SchedulerConfig(**{"max_num_batched_tokens": 64, **sched})))
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[Engine, Engine]:
+    return make_engine(False), make_engine(True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 259) for _ in range(n - 1)]
+
+
+def _summary(outputs):
+    return [(o.output_token_ids, o.text, o.finish_reason, o.stop_reason) for o in outputs]
+
+
+def _same(engines, prompts, params):
+    sync, async_ = engines
+    want = sync.generate(prompts, params)
+    got = async_.generate(prompts, params)
+    assert _summary(got) == _summary(want)
+    assert async_.stats().kv_cache_usage == 0.0 and not async_.has_unfinished_requests()
+    return want
+
+
+def test_async_engine_is_on_only_where_asked():
+    assert make_engine(True).async_scheduling and not make_engine(False).async_scheduling
+    assert not Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=16))).async_scheduling  # CPU
+    assert not make_engine(True, role="prefill").async_scheduling
+
+
+def test_greedy_and_seeded_outputs_equal_the_synchronous_engine(engines):
+    prompts = [_prompt(s, 10 + 17 * s) for s in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * s) for s in range(3)] + \
+             [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=s, max_tokens=9 + s) for s in range(3)]
+    _same(engines, prompts, params)
+
+
+def test_stop_tokens_found_a_step_late_end_the_request_at_the_same_token(engines):
+    """The stop token is known only when the next step is already planned: the request must end
+    with it (finish reason "stop", stop_reason the token), its extra row dropped."""
+    prompt = _prompt(21, 30)
+    free = engines[0].generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    stop_token = free.output_token_ids[6]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_token]),
+              SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_token], min_tokens=8),
+              # the stop token at the very last position: "stop", not "length"
+              SamplingParams(temperature=0.0, max_tokens=free.output_token_ids.index(stop_token) + 1,
+                             stop_token_ids=[stop_token])]
+    want = _same(engines, [prompt] * 3, params)
+    assert want[0].finish_reason == "stop" and want[0].stop_reason == stop_token
+    assert want[2].finish_reason == "stop"
+
+
+def test_stop_strings_equal_the_synchronous_engine(engines):
+    (free,) = engines[0].generate(["abc"], SamplingParams(temperature=0.0, max_tokens=30))
+    if len(free.text) < 4:
+        pytest.skip("the tiny model's text is too short for a stop string")
+    want = _same(engines, ["abc", "abd"], SamplingParams(temperature=0.0, max_tokens=30, stop=[free.text[2:4]]))
+    assert want[0].finish_reason == "stop"
+
+
+def test_penalties_read_the_previous_token_and_equal_the_synchronous_engine(engines):
+    prompts = [_prompt(s, 12) for s in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=0.8, presence_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=12)]
+    _same(engines, prompts, params)
+
+
+def test_preemption_under_a_small_cache_equals_the_synchronous_engine():
+    prompts = [_prompt(s, 40 + 9 * s) for s in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    sync, async_ = make_engine(False, num_blocks=14), make_engine(True, num_blocks=14)
+    want = sync.generate(prompts, params)
+    got = async_.generate(prompts, params)
+    assert async_.stats().num_preemptions > 0
+    assert _summary(got) == _summary(want)
+    assert async_.stats().num_free_blocks == async_.scheduler.kv_manager.block_pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("steps_before_abort", [0, 1, 2, 3, 6])
+def test_abort_at_any_step_frees_everything_and_leaves_the_others_exact(engines, steps_before_abort):
+    sync, async_ = engines
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    keep = _prompt(31, 20)
+    (want,) = sync.generate([keep], params)
+    async_.add_request(_prompt(32, 70), params, request_id="victim")
+    async_.add_request(keep, params, request_id="keep")
+    outputs = []
+    for _ in range(steps_before_abort):
+        outputs += async_.step()
+    assert async_.abort("victim")
+    while async_.has_unfinished_requests():
+        outputs += async_.step()
+    assert not [o for o in outputs if o.request_id == "victim" and o.finished]
+    kept = [o for o in outputs if o.request_id == "keep"]
+    assert [t for o in kept for t in o.new_token_ids] == want.output_token_ids
+    assert kept[-1].finished and kept[-1].finish_reason == "length"
+    assert async_.stats().kv_cache_usage == 0.0
+
+
+def test_abort_of_the_only_request_leaves_nothing_in_flight(engines):
+    async_ = engines[1]
+    async_.add_request(_prompt(33, 10), SamplingParams(max_tokens=20, ignore_eos=True), request_id="only")
+    for _ in range(3):
+        async_.step()
+    assert async_.has_unfinished_requests()
+    assert async_.abort("only")
+    assert not async_.has_unfinished_requests() and async_.stats().kv_cache_usage == 0.0
+
+
+def _move_kv(src: Engine, src_blocks, dst: Engine, dst_blocks) -> None:
+    for s, d in zip(src_blocks, dst_blocks):
+        dst.kv_cache[d].copy_(src.kv_cache[s])
+
+
+def test_decode_role_landing_remote_kv_equals_colocated():
+    """A decode engine with async scheduling: prompts arrive with KV written into reserved blocks
+    (as the transfer layer does) and their first token; output equals the colocated engine."""
+    prompts = [_prompt(41 + s, 25 + 11 * s) for s in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    want = make_engine(False).generate(prompts, params)
+    prefill, decode = make_engine(False, role="prefill"), make_engine(True, role="decode")
+    results: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        prefill.add_request(prompt, params, request_id=rid)
+        decode.add_request(prompt, params, request_id=rid, remote_kv=True)
+    first: dict[str, int] = {}
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            first[o.request_id] = o.new_token_ids[0]
+    landed = set()
+    while decode.has_unfinished_requests():
+        for rid in decode.last_schedule.reserved_request_ids if decode.last_schedule else ():
+            if rid not in landed:   # KV arrives after a few decode steps of the others
+                req = decode.scheduler.get_request(rid)
+                _move_kv(prefill, prefill.scheduler.held[rid].block_ids, decode, req.block_ids)
+                out = decode.land_remote_kv(rid, first[rid])
+                results.setdefault(rid, []).extend(out.new_token_ids)
+                landed.add(rid)
+        for o in decode.step():
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [results[f"r{i}"] for i in range(3)] == [w.output_token_ids for w in want]
+    assert decode.stats().kv_cache_usage == 0.0
