@@ -30,6 +30,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         f"cache) when no KV size is given; CUDA only (default {DEFAULT_GPU_MEMORY_UTILIZATION})")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: decode steps launch their kernels one by one (debugging, profiling)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="plan each step only after the previous one's tokens are read back (on CUDA the "
+                        "default overlaps them; CPU engines never overlap)")
 
 
 def gpu_memory_utilization(value: str) -> float:
@@ -47,7 +52,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
     kv_mb = args.kv_cache_memory_mb
     return EngineConfig(
         model=args.model, role=role, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        quantization=args.quantization,
+        quantization=args.quantization, enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=None if kv_mb is None else kv_mb << 20,
                           gpu_memory_utilization=args.gpu_memory_utilization,

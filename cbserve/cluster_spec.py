@@ -41,6 +41,7 @@ class ClusterSpec:
     # The device's share for all the pods on it (None: 0.9); each pod's flag gets an even part.
     gpu_memory_utilization: float | None = None
     prefix_caching: bool = True
+    enforce_eager: bool = False
     threads_per_pod: int | None = None   # CBSERVE_NUM_THREADS / OMP_NUM_THREADS of each child
     startup_timeout: float = 300.0
     drain_seconds: float = 10.0
@@ -108,6 +109,8 @@ class ClusterSpec:
                 flags += [flag, str(value)]
         if not self.prefix_caching:
             flags.append("--no-prefix-caching")
+        if self.enforce_eager:
+            flags.append("--enforce-eager")
         return flags
 
     def pod_argv(self, name: str, role: str, port: int, metrics_port: int, kv_store_port: int) -> list[str]:

@@ -56,6 +56,7 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
                         f"them (default {DEFAULT_GPU_MEMORY_UTILIZATION}: 0.45 each for 1 prefill + 1 "
                         "decode); pods on one device start one after another, so each measures its own")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any pod")
     p.add_argument("--threads-per-pod", type=int, default=None, metavar="N",
                    help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
@@ -74,7 +75,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         quantization=args.quantization, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
-        threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
+        enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
         drain_seconds=args.drain_seconds)
 
 

@@ -99,6 +99,9 @@ spec:
             # The KV cache takes what the weights and one worst-case step leave of this share.
             - --gpu-memory-utilization={{ ternary 0.9 $utilization (kindIs "invalid" $utilization) }}
             {{- end }}
+            {{- if $pool.engine.enforceEager }}
+            - --enforce-eager
+            {{- end }}
             - --pod-id=$(POD_NAME)
             {{- if and (eq $role "decode") (not $root.Values.prefill.enabled) }}
             # No prefill pool: this pod prefills every request itself (role label "colocated").

@@ -14,7 +14,7 @@ from helm_chart import CHART, VALUES_SETS, container, flags, name, render
 # router/config.py); the chart may pass nothing else.
 POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quantization", "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
-              "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "pod-id"}
+              "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
@@ -256,3 +256,11 @@ def test_gpu_pools_size_the_kv_cache_from_device_memory(sets, expected):
 def test_cpu_examples_keep_their_block_counts():
     for pool, sizing in pool_sizing_flags(values_files=VALUES_SETS["cpu-tiny"]).items():
         assert sizing == {"device": "cpu", "num-blocks": "256"}, pool
+
+
+def test_enforce_eager_is_per_pool_and_off_by_default():
+    manifests = render((), ("decode.engine.enforceEager=true",))
+    decode = container(manifests.get("Deployment", name("decode")))["args"]
+    prefill = container(manifests.get("Deployment", name("prefill")))["args"]
+    assert "--enforce-eager" in decode and "--enforce-eager" not in prefill
+    assert "--enforce-eager" not in container(render().get("Deployment", name("decode")))["args"]

@@ -99,3 +99,20 @@ def test_pods_sharing_a_cuda_device_start_one_after_another(tmp_path, monkeypatc
                      "[decode-1] decode-1 starting", "[decode-1] decode-1 ready"]
     argv = json.loads((tmp_path / "decode-1.json").read_text())["argv"]
     assert _flag(argv, "--gpu-memory-utilization") == "0.3"
+
+
+@pytest.mark.parametrize("command", ["generate", "prefill", "decode"])
+def test_engine_commands_take_enforce_eager_and_no_async_scheduling(command):
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    role = "colocated" if command == "generate" else command
+    config = engine_config_from_args(build_parser().parse_args([command, *extra]), role)
+    assert (config.enforce_eager, config.async_scheduling) == (False, None)   # CUDA: graphs, overlap
+    args = build_parser().parse_args([command, *extra, "--enforce-eager", "--no-async-scheduling"])
+    config = engine_config_from_args(args, role)
+    assert (config.enforce_eager, config.async_scheduling) == (True, False)
+
+
+def test_up_passes_enforce_eager_to_every_pod():
+    spec = ClusterSpec(device="cuda", enforce_eager=True)
+    assert all("--enforce-eager" in spec.pod_argv(name, role, 1, 2, 3) for name, role in spec.pod_roles())
+    assert not any("--enforce-eager" in ClusterSpec().pod_argv(n, r, 1, 2, 3) for n, r in ClusterSpec().pod_roles())
