@@ -23,7 +23,8 @@ import torch
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_cache
-from engine.kv_sizing import ProfileBatch, measure_startup_memory, size_cache
+from engine.cuda_graphs import graph_memory_estimate
+from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PrevSample
@@ -108,7 +109,8 @@ class Engine:
         cache_cfg = size_cache(config.cache, self.model, self.dtype, self.device,
                                ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                                                        max_len),
-                               Sampler(self.eos_token_ids), startup_memory)
+                               Sampler(self.eos_token_ids), startup_memory,
+                               headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         self.kv_cache = allocate_kv_cache(self.model_config, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.dtype, self.device)
@@ -133,6 +135,15 @@ class Engine:
         log.info("engine ready: role=%s model=%s dtype=%s quantization=%s blocks=%d x %d", self.role,
                  config.model, dtype_name, config.quantization or "none", cache_cfg.num_blocks,
                  cache_cfg.block_size)
+
+    def _graph_memory_estimate(self, config: EngineConfig, sched_cfg: SchedulerConfig) -> int:
+        """What the decode CUDA graphs will take after the KV cache is sized (0 when eager)."""
+        if self.device.type != "cuda" or config.enforce_eager:
+            return 0
+        cfg = self.model_config
+        return graph_memory_estimate(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                                     min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
+                                     self.dtype.itemsize)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         if not (self.model_dir / "tokenizer.json").is_file():

@@ -39,7 +39,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 # An estimate, not a measurement: decode CUDA graphs are captured after the KV cache is allocated,
 # into one pool shared by every bucket (about the largest decode step's activations; vLLM sees a
-# few hundred MiB for 8B-class models), with the runner's persistent step inputs and logits.
+# few hundred MiB for 8B-class models), with the runner's persistent step inputs and logits. The
+# engine passes `engine.cuda_graphs.graph_memory_estimate` for its shape (0 when eager); this is
+# the default for callers that do not know the shape.
 CUDA_GRAPH_POOL_BYTES = 512 * MiB
 # NCCL (`--kv-transport nccl`) creates one communicator per prefill/decode pair after startup
 # (kvtransfer/collective.py): its channel buffers plus the torch payload tensors of in-flight runs.
@@ -238,10 +240,12 @@ def measure_startup_memory(cache: CacheConfig, device: torch.device) -> MemorySn
 
 
 def size_cache(cache: CacheConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
-               batch: ProfileBatch, sampler: Sampler, startup: MemorySnapshot | None) -> CacheConfig:
+               batch: ProfileBatch, sampler: Sampler, startup: MemorySnapshot | None,
+               headroom: int | None = None) -> CacheConfig:
     """`cache` with `num_blocks` set (a new object), by the precedence in the module docstring.
 
-    `startup` is `measure_startup_memory(cache, device)`, taken before the weights loaded."""
+    `startup` is `measure_startup_memory(cache, device)`, taken before the weights loaded;
+    `headroom` (default `headroom_bytes()`) is kept for what is allocated after sizing."""
     block_bytes = bytes_per_block(model.cfg, cache.block_size, dtype)
     if cache.num_blocks is not None:
         num_blocks, source = cache.num_blocks, "--num-blocks"
@@ -254,7 +258,7 @@ def size_cache(cache: CacheConfig, model: LlamaForCausalLM, dtype: torch.dtype, 
         if startup is None:
             raise ValueError("size_cache needs measure_startup_memory(), taken before the weights loaded")
         profile = profile_peak_memory(model, batch, cache.block_size, dtype, device, sampler)
-        budget = kv_budget(startup, profile.memory, util)
+        budget = kv_budget(startup, profile.memory, util, headroom)
         num_blocks = num_blocks_for_budget(budget, block_bytes, util)
         source = (f"--gpu-memory-utilization {util:g}: {budget.describe()}, profiled with "
                   f"{batch.num_tokens} tokens over {batch.num_seqs} sequences")
