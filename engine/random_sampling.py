@@ -213,8 +213,8 @@ def sample_sliced(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator
 
 def sample_full(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator) -> torch.Tensor:
     """Tokens for any rows, working on whole rows (`scaled`: `[n, vocab]`, overwritten when no row
-    filters by top-k or top-p); the filters that are on cost one row sort, or a top-k slice when
-    top-k is the only one (a slice is exact for the k-th value, ties or not)."""
+    filters by top-k or top-p). The filters that are on cost one row sort, or a `topk` slice
+    when every top-p row also has a small top-k (`_sorted_survivors`)."""
     n, vocab = scaled.shape
     top_k = knobs.device_top_k
     filtered = any(k > 0 for k in knobs.top_k) or any(p < 1.0 for p in knobs.top_p)
@@ -225,11 +225,15 @@ def sample_full(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator) 
     if filtered:
         k_index = (top_k.clamp(min=1) - 1)[:, None]
         max_k = max(knobs.top_k)
-        if all(p >= 1.0 for p in knobs.top_p) and max_k <= MAX_SLICE_TOP_K:
+        top_p_rows = [j for j, p in enumerate(knobs.top_p) if p < 1.0]
+        if not top_p_rows and max_k <= MAX_SLICE_TOP_K:
             head = scaled.topk(max_k, dim=-1).values                   # [n, max_k]
             threshold = kth = torch.where(top_k[:, None] > 0, head.gather(1, k_index), float("-inf"))
         else:
-            sorted_desc = sort_descending(scaled)
+            if max_k <= MAX_SLICE_TOP_K and all(knobs.top_k[j] > 0 for j in top_p_rows):
+                sorted_desc = _sorted_survivors(scaled, top_k, max_k)
+            else:
+                sorted_desc = sort_descending(scaled)
             threshold = nucleus_threshold(sorted_desc, top_k, knobs.device_top_p)
             kth = torch.where(top_k[:, None] > 0, sorted_desc.gather(1, k_index), float("-inf"))
         weights.masked_fill_(scaled < threshold, 0.0)
@@ -248,6 +252,25 @@ def sample_full(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator) 
     drawn = torch.cat([weights[seeded_index].div_(noise.clamp_(min=1e-20)).argmax(dim=-1),
                        _inverse_cdf(weights[unseeded_index])])
     return torch.empty(n, dtype=torch.long, device=scaled.device).index_copy_(0, order, drawn)
+
+
+def _sorted_survivors(scaled: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """What `sort_descending(scaled)` holds up to each row's last top-k survivor, then -inf: a
+    stand-in for it wherever only the survivors count (`nucleus_threshold`), from a `topk` slice.
+
+    A slice of `max_k + 1` holds every survivor unless ties with the k-th value reach past its end;
+    the sorted row continues with those ties, all equal to the k-th value, so a count of the
+    survivors fills them in. Rows with `top_k <= 0` must not filter by top-p (their survivors would
+    be the whole row)."""
+    vocab = scaled.shape[1]
+    width = min(max_k + 1, vocab)
+    head = scaled.topk(width, dim=-1).values                                   # [n, w], descending
+    kth = head.gather(1, (top_k.clamp(min=1) - 1)[:, None])                    # [n, 1]
+    num_survivors = (scaled >= kth).sum(dim=-1, keepdim=True)                  # [n, 1]
+    position = torch.arange(vocab, device=scaled.device)
+    sorted_desc = torch.where(position < num_survivors, kth, float("-inf"))    # [n, vocab]
+    sorted_desc[:, :width] = head
+    return sorted_desc
 
 
 def _seeded_noise(scaled: torch.Tensor, kth: torch.Tensor | None, knobs: Knobs, seeded_rows: list[int],

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_full, sample_sliced, sort_descending
+from engine.random_sampling import Knobs, _sorted_survivors, nucleus_threshold, row_argmax, sample_full, sample_sliced, \
+    sort_descending
 from engine.request import Request
 from engine.sampler import Sampler, _count_keys, _token_keys
 from engine.sampling_params import SamplingParams
@@ -58,6 +59,20 @@ def test_nucleus_threshold_on_a_slice_equals_the_whole_row():
     whole = nucleus_threshold(sort_descending(logits), top_k, top_p)
     sliced = nucleus_threshold(logits.topk(51).values, top_k, top_p)
     assert torch.equal(whole, sliced)
+
+
+@pytest.mark.parametrize("top_k", [[3, 10, 50, 1, 20, 50, 7, 2], [1, 1, 2, 3, 5, 8, 13, 21]])
+def test_sorted_survivors_stand_in_for_the_sorted_rows(top_k):
+    """Ties at the k-th value past the `topk` slice, and fewer finite values than k."""
+    torch.manual_seed(8)
+    logits = (torch.randn(8, 400) * 3).round()        # ~20 levels: ties everywhere
+    logits[2, 5:] = float("-inf")
+    logits[7] = -5.0
+    logits[7, 0], logits[7, 100:200] = 2.0, 1.0      # the tail's mass decides top-p
+    top_k = torch.tensor(top_k)
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.3, 1.0, 0.7, 0.95, 0.03])
+    whole = nucleus_threshold(sort_descending(logits), top_k, top_p)
+    assert torch.equal(nucleus_threshold(_sorted_survivors(logits, top_k, int(top_k.max())), top_k, top_p), whole)
 
 
 def test_ties_at_the_kth_value_reach_past_the_slice():

@@ -58,6 +58,14 @@ def case(name: str) -> tuple[torch.Tensor, list[dict]]:
     if name == "tied_at_256":               # the largest sliced top-k, tied past its slice
         settings = [dict(top_k=256), dict(top_k=256, top_p=0.9, temperature=0.5)]
         return tied(len(settings), 4000), settings
+    if name == "tail_decides_top_p":        # the ties past the slice hold most of top-p's mass
+        settings = [dict(top_k=2, top_p=0.03), dict(top_k=5, top_p=0.5, min_p=0.3), dict(top_k=2),
+                    dict(top_k=3, top_p=0.05, temperature=0.6)]
+        logits = torch.full((len(settings), 600), -5.0)
+        for r in range(len(settings)):
+            logits[r, 7 * r] = 2.0
+            logits[r, 100 + r: 300 + r] = 1.0
+        return logits, settings
     if name == "few_finite":                # top-k larger than the finite tokens: kth = -inf
         settings = [dict(top_k=5), dict(top_k=50, top_p=0.9), dict(top_k=400), dict(top_p=0.7)]
         return few_finite(len(settings), 300, 3), settings
@@ -88,6 +96,9 @@ FROZEN: dict[tuple[str, int], list[int]] = {
     ('tied_at_256', 0): [1880, 2445],
     ('tied_at_256', 1): [2856, 798],
     ('tied_at_256', 5): [3161, 3177],
+    ('tail_decides_top_p', 0): [222, 260, 286, 204],
+    ('tail_decides_top_p', 1): [286, 152, 295, 270],
+    ('tail_decides_top_p', 5): [295, 123, 183, 253],
     ('few_finite', 0): [22, 48, 74, 122],
     ('few_finite', 1): [22, 59, 96, 133],
     ('few_finite', 5): [0, 48, 74, 122],
@@ -107,6 +118,6 @@ def test_the_device_formulation_draws_the_frozen_tokens_too(key, monkeypatch):
 
 
 if __name__ == "__main__":      # regenerate: .venv/bin/python -m tests.engine.test_sampler_frozen
-    for name in ("distinct", "tied", "tied_past_the_slice", "tied_at_256", "few_finite"):
+    for name in ("distinct", "tied", "tied_past_the_slice", "tied_at_256", "tail_decides_top_p", "few_finite"):
         for position in (0, 1, 5):
             print(f"    ({name!r}, {position}): {run(name, position)},")
