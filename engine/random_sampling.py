@@ -4,14 +4,16 @@ Every filter keeps an upper set of the row's values (top-k: `>= k-th value`; top
 head whose mass reaches `top_p`; min-p: `prob >= min_p * max prob`), so all three reduce to one
 per-row threshold on the logit plus the min-p test `exp(l - max) >= min_p`. Thresholds come from
 the row's values in descending order: the whole row sorted (numpy's vectorised sort on CPU: ~10x
-torch's), or for top-k alone a `torch.topk` slice (top-p and min-p act after top-k, so a slice
-that holds every survivor, ties at the k-th value included, is exact).
+torch's), or for rows with a small top-k a `torch.topk` slice (top-p and min-p act after top-k, so
+a slice that holds every survivor, ties at the k-th value included, is exact).
 
 No device reads. What to run is decided from the knobs on the host (`Knobs`), never by reading a
 device tensor back, so a CUDA caller can queue the whole draw and read only the ids. The one size
-that depends on the data, how many tokens tie with the k-th value, is not needed off the CPU:
-there, rows work on the whole row. On CPU (`host_memory`) a read is a load, not a round trip, so
-top-k rows may size a slice by the data (`sample_sliced`), which is what makes them fast there.
+that depends on the data is how many tokens tie with the k-th value. Off the CPU it is only ever
+a tensor: the slice has a fixed width and the ties past its end, all equal to the k-th value, are
+filled in from a count (`_sorted_survivors`); seeded draws cover the whole row. On CPU
+(`host_memory`) a read is a load, not a round trip, so there the slice and the seeded draws are
+sized by the data (`sample_sliced`), which is what keeps top-k rows cheap on CPU.
 
 Probabilities are left unnormalised, `exp(l - max)`: each entry depends only on its own logit and
 the row's max, so neither the batch nor the slice width can change them by a rounding.

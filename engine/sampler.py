@@ -139,7 +139,8 @@ class Sampler:
             parts.append(np.concatenate([prompt_keys, output_keys]))
         if additive:
             parts.extend(_count_keys(output_keys))
-        keys = to_device(torch.from_numpy(np.concatenate(parts)), device).split([len(part) for part in parts])
+        keys = to_device(torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts)), device)
+        keys = keys.split([len(part) for part in parts])
         _, (repetition_factor, frequency, presence) = upload(device, floats=[
             [p.repetition_penalty for p in params] if repetition else [],
             [p.frequency_penalty for p in params] if additive else [],
