@@ -50,8 +50,9 @@ def _fused(q, k, v, positions, cache, kv, slots):
 
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim, rotary_dim, block_size",
-    [(4, 2, 32, None, 16), (8, 1, 64, None, 1), (6, 3, 80, None, 32), (4, 2, 64, 32, 16), (2, 2, 48, 16, 8)],
-    ids=["gqa2", "mqa-block1", "head80", "partial-rotary", "odd-heads-partial"],
+    [(4, 2, 32, None, 16), (8, 1, 64, None, 1), (6, 3, 80, None, 32), (4, 2, 64, 32, 16), (2, 2, 48, 16, 8),
+     (3, 1, 37, 20, 4)],
+    ids=["gqa2", "mqa-block1", "head80", "partial-rotary", "odd-heads-partial", "odd-head-dim"],
 )
 def test_fused_equals_two_triton_calls_bit_for_bit_fp32(triton_backend, heads, kv_heads, head_dim, rotary_dim,
                                                          block_size) -> None:
