@@ -193,7 +193,7 @@ def sample_sliced(scaled: torch.Tensor, knobs: Knobs, generator: torch.Generator
         values, ids = scaled.topk(width, dim=-1)                        # [n, w], descending
         kth = values.gather(1, (top_k - 1)[:, None])
         # A row tied with its k-th value up to the slice's end may hold more survivors outside.
-        if width == vocab or not (values[:, -1:] >= kth).numpy().any():
+        if width == vocab or not (values[:, -1:] >= kth).any().numpy():
             break
         width = min(int((scaled >= kth).sum(dim=-1).numpy().max()) + 1, vocab)
     threshold = nucleus_threshold(values, top_k, knobs.device_top_p)   # [n, 1]
