@@ -32,7 +32,7 @@ from engine.outputs import EngineStats, RequestOutput, StepSample
 from engine.presets import resolve_model_dir
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
-from engine.sampler import DeviceSample, Sampler, TokenLogprobs
+from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.tokenizer import Tokenizer
@@ -48,12 +48,6 @@ class _InFlight:
     requests: list[Request]   # those that got a placeholder in update(), in batch order
     sample: DeviceSample
     device: PrevSample        # the ids, and each request's row among them
-
-
-def _needs_history(request: Request) -> bool:
-    """Its sampling reads the values of earlier output tokens (penalties), not just their count."""
-    p = request.sampling_params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class EngineRequestError(ValueError):
@@ -235,7 +229,7 @@ class Engine:
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
             to_sample = [i for i, seq in enumerate(out.scheduled) if seq.sample]
             requests = [scheduled[i] for i in to_sample]
-            if prev is not None and any(_needs_history(r) for r in requests):
+            if prev is not None and any(has_penalty(r.sampling_params) for r in requests):
                 outputs, prev = self._resolve(prev), None
             sample = self.sampler.sample_on_device(logits, requests) if requests else None
             if prev is not None:

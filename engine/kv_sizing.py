@@ -164,7 +164,9 @@ class _ProfileRequest:
 
 # The sampler's most expensive settings: penalties and min_tokens copy the logits, top-p sorts
 # every row, seeded rows draw noise over the whole vocabulary, logprobs take a log_softmax and topk.
-_WORST_CASE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, seed=0, repetition_penalty=1.1,
+# Seeded, a top-k past the slice path (a whole-row sort and, on devices, an int64 rank tensor),
+# top-p, penalties and logprobs: every full-vocabulary temporary the sampler can make at once.
+_WORST_CASE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=1000, seed=0, repetition_penalty=1.1,
                                     min_tokens=1, logprobs=MAX_LOGPROBS)
 
 
