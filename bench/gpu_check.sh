@@ -5,8 +5,8 @@
 # default 460 s), numbered as in the table; a failure is recorded and the next section runs:
 #   1 tests       pytest -q -m gpu tests/kernels tests/kvtransfer tests/engine
 #   2 kernels     bench/kernel_bandwidth.py (Llama-3-8B-like shapes, bf16)
-#   3 decode      bench/decode_step.py --shape 1b, then 8b: batch 1/8/64/256 at context 256, with
-#                 the bound (weights + K/V read) / (device-to-device copy bandwidth measured there)
+#   3 decode      bench/decode_step.py --shape 1b, then 1b --enforce-eager (batch 1/64: no CUDA
+#                 graphs), then 8b: batch 1/8/64/256 at context 256, with the bound (weights + K/V read) / (device-to-device copy bandwidth measured there)
 #   4 throughput  bench/throughput.py --shape 1b: 512 prompts (in 32-512, out 16-256) vs
 #                 transformers generate() at batch 128; 8b with 128 prompts if time is left (last)
 #   5 goodput     bench/goodput.py through `cbserve up`'s LocalCluster on the 1b shape, chat mix,
@@ -179,6 +179,9 @@ else
     run_section kernels "kernel bandwidth" 60 20 "" "$PY" bench/kernel_bandwidth.py
     run_section decode-1b "decode step" 90 40 decode-1b.log \
         "$PY" bench/decode_step.py --shape 1b --device cuda --batch 1,8,64,256 --context 256 --json
+    # The same steps without CUDA graphs: what the graphs and the fused kernels save at small batch.
+    run_section decode-1b-eager "decode step" 60 30 decode-1b-eager.log \
+        "$PY" bench/decode_step.py --shape 1b --device cuda --batch 1,64 --context 256 --enforce-eager --json
     run_section decode-8b "decode step" 120 60 decode-8b.log \
         "$PY" bench/decode_step.py --shape 8b --device cuda --batch 1,8,64,256 --context 256 --json
     run_section throughput-1b "offline throughput" 120 60 throughput-1b.log \

@@ -140,7 +140,7 @@ def section_rows(section: dict) -> list[tuple[str, str, str, str]]:
             rows.append((r["name"], result, "; ".join(x for x in (bound, f"before {before}" if before else "", err) if x),
                          status))
     elif kind == "decode" and data:
-        shape = data["shape"]
+        shape = data["shape"] + (" eager" if data.get("enforce_eager") else "")
         for r in data["rows"]:
             before = BEFORE.get(("decode", shape, r["batch"]))
             extra = f", {r['steps_not_pure_decode']} steps not pure decode" if r.get("steps_not_pure_decode") else ""
