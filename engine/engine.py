@@ -64,6 +64,8 @@ class EngineConfig:
     quantization: str | None = None     # "int8": W8A8 linears on CPU (engine/quant.py); None: none
     enforce_eager: bool = False         # True: no CUDA graphs for decode steps
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
+    detokenize: bool = True             # False: text only for requests with stop strings (pods: the
+                                        # router detokenizes; the engine must, to stop on a string)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -178,7 +180,8 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, remote_kv: bool = False) -> Request:
         """Queues a request. `remote_kv` (decode role): its KV comes from a prefill pod."""
         req = self.make_request(prompt, params or SamplingParams(), request_id, priority)
-        if self.tokenizer is not None:
+        # Two tokenizer decodes per token: only where the text is read (offline, or to find a stop).
+        if self.tokenizer is not None and (self.config.detokenize or req.sampling_params.stop):
             self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                                   req.sampling_params)
         if remote_kv:
@@ -290,8 +293,9 @@ class Engine:
         return self.scheduler.remote_kv_failed(request_id)
 
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
+        """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
         text_delta = ""
-        detok = self._detok.get(req.request_id)
+        detok = self._detok.get(req.request_id) if self._detok else None
         if detok is not None:
             # A stop token's own text is dropped (vLLM), even with skip_special_tokens=False.
             delta = detok.update(new_ids, stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
@@ -301,8 +305,8 @@ class Engine:
                 req.stop_reason = delta.stop_reason
             elif req.is_finished and not delta.stopped:
                 text_delta += detok.flush().text
-        if req.is_finished:
-            self._detok.pop(req.request_id, None)
+            if req.is_finished:
+                del self._detok[req.request_id]
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
             text_delta=text_delta, finished=req.is_finished, finish_reason=req.status.finish_reason,

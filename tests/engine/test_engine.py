@@ -103,3 +103,28 @@ def test_half_precision_engines_run_and_mostly_agree_with_fp32(dtype):
     tokens = half.generate([prompt], params)[0].output_token_ids
     assert len(tokens) == 8
     assert tokens[0] == fp32[0]  # rounding may change later tokens, not the first on a peaked model
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_detokenize_off_keeps_text_only_for_stop_strings(engine, async_scheduling):
+    """Pods run with `detokenize=False`: no tokenizer work for a request without stop strings, and
+    one with stop strings ends exactly where the detokenizing engine ends it."""
+    (free,) = engine.generate(["abc"], SamplingParams(temperature=0.0, max_tokens=30))
+    if len(free.text) < 4:
+        pytest.skip("the tiny model's text is too short for a stop string")
+    stop = SamplingParams(temperature=0.0, max_tokens=30, stop=[free.text[2:4]])
+    (want,) = engine.generate(["abc"], stop)
+    lean = Engine(EngineConfig(model="tiny", detokenize=False, async_scheduling=async_scheduling,
+                               cache=CacheConfig(block_size=16, num_blocks=256),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    lean.add_request("abc", SamplingParams(temperature=0.0, max_tokens=30), request_id="plain")
+    lean.add_request("abc", stop, request_id="stops")
+    assert set(lean._detok) == {"stops"}            # the plain request has no detokenizer
+    final = {}
+    while lean.has_unfinished_requests():
+        final.update((o.request_id, o) for o in lean.step() if o.finished)
+    assert final["plain"].output_token_ids == free.output_token_ids and final["plain"].text == ""
+    got = final["stops"]
+    assert (got.output_token_ids, got.text, got.finish_reason, got.stop_reason) == \
+        (want.output_token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert not lean._detok
