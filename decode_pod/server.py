@@ -7,6 +7,10 @@ batch with the first token P sampled. If P is unreachable or its stream breaks, 
 the prompt itself when it has headroom (same tokens: seeded sampling is positional), else it fails
 fast with UNAVAILABLE. Bad KV (checksum, layout) fails the request; it never yields tokens.
 With `prefill_from` empty the pod prefills locally: that is the colocated engine.
+
+A stream costs the event loop one wake and one message per engine step at most: the handler
+takes everything queued for its request at once (fewer, larger messages when the client is slow),
+and one timer per stream, not one per token, enforces the deadline.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 
 from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
+from engine.loop import drain
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup, host_store
 from kvtransfer.pair_setup import open_pair
@@ -43,10 +48,18 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     local_prefill: bool = False
     kv_transfer_seconds: float = 0.0
+    kv_pulled_at: float | None = None   # monotonic: the pull ended, the first token is known
     task: asyncio.Task | None = None
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+
+class _DeadlineExceeded(RequestFailed):
+    """Queued by a stream's deadline timer: ends the stream as a timeout."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish before the deadline")
 
 
 class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
@@ -67,7 +80,7 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
             if req is not None:
                 self.rt.loop.loop.call_soon_threadsafe(self._start_pull, req_id, tuple(req.block_ids),
                                                        req.num_prompt_tokens)
-        self.rt.refresh(engine)
+        self.rt.after_step(engine)
 
     def on_idle(self, engine: Engine) -> None:
         self.rt.refresh(engine)
@@ -113,13 +126,12 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
                                                 transport=job.transport,
                                                 nccl_group=group.group_name if group else "")
             result = await pull_kv(self._stub(job.prefill_from), request, sink, timeout=job.remaining())
+            job.kv_pulled_at = time.monotonic()
             job.kv_transfer_seconds = result.seconds
             rt.metrics.kv_transfer.observe(result.seconds)
             rt.metrics.kv_bytes.inc(result.num_bytes)
             first_lp = logprobs_from_pb(result.first_token_logprobs)
-            out = await rt.loop.run(lambda e: e.land_remote_kv(req_id, result.first_token_id, first_lp))
-            if out is not None:
-                rt.loop.publish([out])
+            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp))
         except asyncio.CancelledError:
             raise
         except (SourceLostError, SourceAbortedError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
@@ -131,6 +143,13 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
                                              f"KV from {job.prefill_from} does not fit this pod: {e}"))
         except KVTransferError as e:
             self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
+
+    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp) -> None:
+        """Engine thread: the request joins the batch; its first token is published from here, so
+        it is queued before anything the next step produces for it."""
+        out = engine.land_remote_kv(req_id, first_token_id, first_lp)
+        if out is not None:
+            self.rt.loop.publish([out])
 
     async def _fall_back(self, req_id: str, job: Job, reason: str) -> None:
         rt = self.rt
@@ -162,10 +181,11 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
         if req_id in self.jobs:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already here")
         remaining = context.time_remaining()
-        job = self.jobs[req_id] = Job(request.prefill_from, transport,
-                                      time.monotonic() + (remaining if remaining is not None else 3600.0))
+        remaining = remaining if remaining is not None else 3600.0
+        job = self.jobs[req_id] = Job(request.prefill_from, transport, time.monotonic() + remaining)
         job.local_prefill = not request.prefill_from
         outputs = rt.loop.subscribe(req_id)
+        deadline = asyncio.get_running_loop().call_later(remaining, outputs.put_nowait, _DeadlineExceeded())
         finished = False
         index = 0
         first_token_at = None
@@ -174,44 +194,58 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
                 await rt.loop.run(lambda e: e.add_request(prompt, params, req_id, request.priority,
                                                           remote_kv=bool(request.prefill_from)))
                 while not finished:
-                    item = await asyncio.wait_for(outputs.get(), job.remaining())
-                    if isinstance(item, RequestFailed):
-                        rt.metrics.request_finished("error")
-                        await context.abort(item.code, str(item))
-                    if isinstance(item, BaseException):
-                        rt.metrics.request_finished("error")
-                        await context.abort(grpc.StatusCode.INTERNAL, str(item))
-                    response = cbserve_pb2.GenerateResponse(
-                        request_id=req_id, index=index, token_ids=item.new_token_ids,
-                        finished=item.finished, finish_reason=item.finish_reason or "",
-                        num_prompt_tokens=item.num_prompt_tokens)
-                    for lp in item.new_logprobs:
-                        if lp is not None:
-                            response.logprobs.append(logprobs_to_pb(lp))
-                    if index == 0:
-                        first_token_at = time.monotonic()
-                        rt.metrics.ttft.observe(first_token_at - job.arrival)
-                        response.local_prefill = job.local_prefill
-                        response.kv_transfer_seconds = job.kv_transfer_seconds
-                        response.num_cached_tokens = item.num_cached_tokens
-                    index += len(item.new_token_ids)
-                    finished = item.finished
-                    yield response
+                    token_ids, logprobs, last, error = [], [], None, None
+                    for item in await drain(outputs):
+                        if isinstance(item, BaseException):
+                            error = item
+                            break
+                        token_ids += item.new_token_ids
+                        logprobs += item.new_logprobs
+                        last = item
+                        if item.finished:
+                            break
+                    if last is not None:
+                        response = cbserve_pb2.GenerateResponse(
+                            request_id=req_id, index=index, token_ids=token_ids, finished=last.finished,
+                            finish_reason=last.finish_reason or "", num_prompt_tokens=last.num_prompt_tokens,
+                            logprobs=[logprobs_to_pb(lp) for lp in logprobs if lp is not None])
+                        now = time.monotonic()
+                        if index == 0:
+                            first_token_at = now
+                            rt.metrics.ttft.observe(now - job.arrival)
+                            response.local_prefill = job.local_prefill
+                            response.kv_transfer_seconds = job.kv_transfer_seconds
+                            response.num_cached_tokens = last.num_cached_tokens
+                        if job.kv_pulled_at is not None and index <= 1 < index + len(token_ids):
+                            rt.metrics.decode_first_step.observe(now - job.kv_pulled_at)
+                        index += len(token_ids)
+                        finished = last.finished
+                        yield response
+                    if error is not None:
+                        await self._end_with(error, context)
                 now = time.monotonic()
                 rt.metrics.e2e.observe(now - job.arrival)
                 if index > 1 and first_token_at is not None:
                     rt.metrics.tpot.observe((now - first_token_at) / (index - 1))
-                rt.metrics.request_finished(item.finish_reason or "stop")
-            except asyncio.TimeoutError:
-                rt.metrics.request_finished("timeout")
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish before the deadline")
+                rt.metrics.request_finished(last.finish_reason or "stop")
             finally:
+                deadline.cancel()
                 rt.loop.unsubscribe(req_id)
                 self.jobs.pop(req_id, None)
                 if job.task is not None and not job.task.done():
                     job.task.cancel()   # ends the PullKV stream: the prefill pod frees its blocks
                 if not finished:
                     rt.loop.call(lambda e: e.abort(req_id))
+
+    async def _end_with(self, error: BaseException, context) -> None:
+        """End a stream on a failure from its queue (raises: `context.abort` does)."""
+        metrics = self.rt.metrics
+        if isinstance(error, _DeadlineExceeded):
+            metrics.request_finished("timeout")
+        else:
+            metrics.request_finished("error")
+        code = error.code if isinstance(error, RequestFailed) else grpc.StatusCode.INTERNAL
+        await context.abort(code, str(error))
 
 
 async def serve(runtime: PodRuntime) -> None:

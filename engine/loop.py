@@ -1,8 +1,9 @@
 """Runs an `Engine` in its own thread and connects it to asyncio servers.
 
 The engine is single-threaded by design; servers live on an event loop. Everything that touches
-the engine runs in the engine thread, between steps: callers submit functions (`call`), and each
-step's outputs go back to per-request asyncio queues with `call_soon_threadsafe`. A step that
+the engine runs in the engine thread, between steps: callers submit functions (`call`); each
+step's outputs go back to per-request asyncio queues in one `call_soon_threadsafe`, and
+subscribers take them with `drain` (everything queued at once, not one wake per token). A step that
 raises fails the requests it touched, not the process: one bad request never kills the engine.
 """
 
@@ -23,6 +24,17 @@ from engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_SECONDS = 0.05
+
+
+async def drain(outputs: asyncio.Queue) -> list:
+    """Waits for a subscriber's next item, then takes every item already queued with it.
+
+    A consumer that handles the whole list per wake costs the event loop one wake per engine step
+    (a step's outputs arrive in one callback), and fewer when it falls behind."""
+    items = [await outputs.get()]
+    while not outputs.empty():
+        items.append(outputs.get_nowait())
+    return items
 
 
 class EngineLoop:

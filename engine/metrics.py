@@ -36,6 +36,12 @@ class EngineMetrics:
                         LATENCY_BUCKETS)
         self.kv_transfer = hist("cbserve_kv_transfer_seconds", "KV transfer time per request", LATENCY_BUCKETS)
         self.step = hist("cbserve_step_seconds", "Engine step time", TPOT_BUCKETS)
+        # The decode pod's share of the prefill->decode gap (the router's `kv_transfer` and
+        # `decode` phases straddle it): KV pulled -> landed in the batch -> first decode step out.
+        self.decode_first_step = hist(
+            "cbserve_decode_first_step_seconds",
+            "Decode pod: KV pull done to the request's second token (KV landing + first decode step)",
+            TPOT_BUCKETS)
         self.running = gauge("cbserve_requests_running", "Requests in the running batch")
         self.waiting = gauge("cbserve_requests_waiting", "Requests queued (incl. waiting for blocks)")
         self.prefill_queue_tokens = gauge("cbserve_prefill_queue_tokens", "Prompt tokens not yet computed")

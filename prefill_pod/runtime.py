@@ -4,12 +4,15 @@ A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grp
 Health follows the standard `grpc.health.v1` service: SERVING once the model is loaded and warm,
 NOT_SERVING from the first SIGTERM on, while in-flight streams and pending KV pulls finish; the
 process exits when they are done or the drain window has passed. Load reports and metrics are
-read from a snapshot the engine thread refreshes, never from live engine state.
+read from a snapshot the engine thread refreshes, never from live engine state: every
+`REFRESH_SECONDS` (not every step: `engine.stats()` walks the prefill queue), and at once when the
+count of held KV changes (a finished Prefill call can read its own hold in the next report).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
@@ -31,6 +34,8 @@ from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
 
 log = logging.getLogger(__name__)
+REFRESH_SECONDS = 0.05     # snapshot age bound while busy; WatchLoad's default interval
+NUM_SNAPSHOT_SAMPLES = 64  # step samples kept for load reports (each report sends up to 32 new ones)
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ class PodRuntime:
     def __init__(self, engine_config: EngineConfig, pod: PodConfig, role_label: str) -> None:
         self.pod = pod
         self.role_label = role_label
-        self.engine = Engine(engine_config)
+        # The router turns ids into text; the engine detokenizes only requests with stop strings.
+        self.engine = Engine(dataclasses.replace(engine_config, detokenize=False))
         self.metrics = EngineMetrics(role_label)
         self.layout = KVLayout.from_tensor(self.engine.kv_cache)
         self.model_info = self.layout.to_model_info(
@@ -94,16 +100,29 @@ class PodRuntime:
         self.snapshot: EngineStats = self.engine.stats()
         self.num_held = 0
         self._samples: list[tuple[int, object]] = []
+        self._refreshed_at = 0.0
+        self._steps_timed = 0
         self._idle = asyncio.Event()
 
     # ------------------------------------------------------------------ engine thread hooks
+    def after_step(self, engine: Engine, num_held: int = 0) -> None:
+        """Engine thread, after every step: time it; refresh the snapshot if it is due (or the
+        held count changed)."""
+        if engine.num_steps != self._steps_timed and engine.step_samples:
+            self._steps_timed = engine.num_steps
+            self.metrics.step.observe(engine.step_samples[-1].seconds)
+        if num_held != self.num_held or time.monotonic() - self._refreshed_at >= REFRESH_SECONDS:
+            self.refresh(engine, num_held)
+
     def refresh(self, engine: Engine, num_held: int = 0) -> None:
         """Engine thread: snapshot statistics for load reports and metrics."""
+        self._refreshed_at = time.monotonic()
         self.snapshot = engine.stats()
         self.num_held = num_held
         self.metrics.update(self.snapshot, num_held)
-        base = engine.num_steps - len(engine.step_samples)
-        self._samples = [(base + i, s) for i, s in enumerate(engine.step_samples)][-64:]
+        recent = list(engine.step_samples)[-NUM_SNAPSHOT_SAMPLES:]
+        base = engine.num_steps - len(recent)
+        self._samples = [(base + i, s) for i, s in enumerate(recent)]
 
     def warm_up(self) -> None:
         """One real request through the engine before SERVING (kernels compile on first use)."""

@@ -56,7 +56,7 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
             progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
             if req_id not in self.pulling:   # nobody pulls yet: the TTL starts now
                 self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
-        self.rt.refresh(engine, self.held.num_held)
+        self.rt.after_step(engine, self.held.num_held)
 
     def on_idle(self, engine: Engine) -> None:
         for req_id in self.held.expire():
@@ -87,7 +87,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
         async with rt.track():
             try:
                 await rt.loop.run(lambda e: e.add_request(prompt, params, req_id, request.priority))
-                item = await asyncio.wait_for(outputs.get(), context.time_remaining())
+                async with asyncio.timeout(context.time_remaining()):   # a timer, not a task
+                    item = await outputs.get()
                 if isinstance(item, RequestFailed):
                     await context.abort(item.code, str(item))
                 if isinstance(item, BaseException):

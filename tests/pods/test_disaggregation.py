@@ -55,6 +55,15 @@ PARAMS = {
 }
 
 
+def _assert_indexed(messages) -> None:
+    """A message may carry several tokens (all a step left queued): `index` is its first one's."""
+    starts = [0]
+    for m in messages[:-1]:
+        starts.append(starts[-1] + len(m.token_ids))
+    assert [m.index for m in messages] == starts
+    assert all(m.token_ids for m in messages)
+
+
 @pytest.mark.parametrize("transport", ["grpc", "nccl"])
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 def test_disaggregated_equals_colocated(pods, reference, transport, mode):
@@ -71,7 +80,7 @@ def test_disaggregated_equals_colocated(pods, reference, transport, mode):
     assert [tokens for tokens, _ in results] == expected
     for _, messages in results:
         assert not messages[0].local_prefill           # the KV really came from the prefill pod
-        assert [m.index for m in messages] == list(range(len(messages)))
+        _assert_indexed(messages)
         assert messages[-1].finished and messages[-1].finish_reason == "length"
 
 
@@ -91,9 +100,40 @@ def test_decode_pod_alone_is_the_colocated_engine(pods, reference):
     assert [t for m in messages for t in m.token_ids] == expected
 
 
+def test_stop_strings_end_streams_where_the_engine_ends_them(pods, reference):
+    """Pod engines detokenize only requests with stop strings; those still stop on the string."""
+    prefill, decode = pods
+    prompt = [1] + [random.Random(9).randrange(4, 260) for _ in range(40)]
+    free = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30))[0]
+    if len(free.text) < 6:
+        pytest.skip("the tiny model's text is too short for a stop string")
+    params = dict(temperature=0.0, max_tokens=30, stop=[free.text[3:6]])
+    want = reference.generate([prompt], SamplingParams(**params))[0]
+    assert want.finish_reason == "stop" and len(want.output_token_ids) < len(free.output_token_ids)
+
+    async def both():
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            alone = [m async for m in pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
+                request_id="stop-local", prompt_token_ids=prompt, sampling=sampling(**params)), timeout=60)]
+        pulled = await disaggregated(prefill, decode, "stop-pulled", prompt, sampling(**params))
+        return alone, pulled[1]
+
+    for messages in run(both()):
+        assert [t for m in messages for t in m.token_ids] == want.output_token_ids
+        assert messages[-1].finished and messages[-1].finish_reason == "stop"
+        _assert_indexed(messages)
+
+
+def _metric(text: str, name: str, role: str) -> float:
+    prefix = f'{name}{{role="{role}"}} '
+    return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+
 def test_metrics_exported(pods):
     import urllib.request
 
+    prefill, decode = pods
+    run(disaggregated(prefill, decode, "metrics-0", [1] + list(range(10, 60)), sampling(max_tokens=4)))
     for pod in pods:
         text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=5).read().decode()
         for name in ("cbserve_requests_running", "cbserve_requests_waiting", "cbserve_prefill_queue_tokens",
@@ -102,8 +142,11 @@ def test_metrics_exported(pods):
                      "cbserve_kv_transfer_seconds_bucket", "cbserve_time_to_first_token_seconds_bucket",
                      "cbserve_kv_lease_expired_total", "cbserve_local_prefill_fallbacks_total"):
             assert name in text, f"{pod.role} lacks {name}"
+        assert _metric(text, "cbserve_step_seconds_count", pod.role) > 0, f"{pod.role} times no step"
     decode_text = urllib.request.urlopen(f"http://127.0.0.1:{pods[1].metrics_port}/metrics").read().decode()
     assert 'cbserve_kv_transfer_bytes_total{role="decode"} 0.0' not in decode_text
+    # The decode pod's share of the prefill->decode gap: KV pulled -> the second token out.
+    assert _metric(decode_text, "cbserve_decode_first_step_seconds_count", "decode") > 0
 
 
 def test_watch_load_streams_reports(pods):
