@@ -5,8 +5,9 @@ Health follows the standard `grpc.health.v1` service: SERVING once the model is 
 NOT_SERVING from the first SIGTERM on, while in-flight streams and pending KV pulls finish; the
 process exits when they are done or the drain window has passed. Load reports and metrics are
 read from a snapshot the engine thread refreshes, never from live engine state: every
-`REFRESH_SECONDS` (not every step: `engine.stats()` walks the prefill queue), and at once when the
-count of held KV changes (a finished Prefill call can read its own hold in the next report).
+`REFRESH_SECONDS` while busy (not every step: `engine.stats()` walks the prefill queue), and at
+once after the step that leaves the engine idle or changes the count of held KV, so a client whose
+stream (or Prefill call) has ended reads a report that includes it.
 """
 
 from __future__ import annotations
@@ -106,12 +107,13 @@ class PodRuntime:
 
     # ------------------------------------------------------------------ engine thread hooks
     def after_step(self, engine: Engine, num_held: int = 0) -> None:
-        """Engine thread, after every step: time it; refresh the snapshot if it is due (or the
-        held count changed)."""
+        """Engine thread, after every step: time it; refresh the snapshot if it is due, the held
+        count changed, or the engine has nothing left to do."""
         if engine.num_steps != self._steps_timed and engine.step_samples:
             self._steps_timed = engine.num_steps
             self.metrics.step.observe(engine.step_samples[-1].seconds)
-        if num_held != self.num_held or time.monotonic() - self._refreshed_at >= REFRESH_SECONDS:
+        if num_held != self.num_held or time.monotonic() - self._refreshed_at >= REFRESH_SECONDS \
+                or not engine.has_unfinished_requests():
             self.refresh(engine, num_held)
 
     def refresh(self, engine: Engine, num_held: int = 0) -> None:

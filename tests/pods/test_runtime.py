@@ -45,11 +45,16 @@ def test_snapshot_refreshes_on_a_timer_or_when_held_kv_changes(rt, monkeypatch):
         assert rt.snapshot is before                    # not due: no stats() walk this step
         rt.after_step(engine, num_held=1)
         assert rt.snapshot is not before and rt.snapshot.num_waiting == 1 and rt.num_held == 1
+        engine.add_request([1, 5, 9], SamplingParams(max_tokens=4), request_id="more")
         monkeypatch.setattr(runtime_mod, "REFRESH_SECONDS", 0.0)
-        engine.abort("queued")
         rt.after_step(engine, num_held=1)
-        assert rt.snapshot.num_waiting == 0             # due: refreshed
+        assert rt.snapshot.num_waiting == 2             # due: refreshed
+        monkeypatch.setattr(runtime_mod, "REFRESH_SECONDS", 3600.0)
+        engine.abort("queued"), engine.abort("more")
+        rt.after_step(engine, num_held=1)
+        assert rt.snapshot.num_waiting == 0             # idle now: a finished stream's report shows it
     finally:
+        engine.abort("more")
         engine.abort("queued")
         rt.refresh(engine)
 
