@@ -103,7 +103,8 @@ def rope_and_write_kv(
 
     Returns the rotated ``(q, k)`` (new tensors in q's dtype) exactly as ``apply_rope`` does, and
     leaves the caches exactly as ``write_kv(k_rotated, v, ...)`` would."""
-    checks.check_rope_and_write_kv(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    checks.check_rope(q, k, positions, cos_sin_cache)
+    checks.check_write_kv(k, v, key_cache, value_cache, slot_mapping)
     if _use_triton(q):
         return _triton_fn("rope_kv_triton", "rope_and_write_kv_triton")(
             q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile_triton import attend_tile, head_pad
+from kernels.attention_tile_triton import attend_decode, group_rows, head_pad
 from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
 PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
@@ -61,41 +61,17 @@ def _split_k_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
-    offs_r = tl.arange(0, ROWS)
-    head = kv_head * GROUP + offs_r  # [ROWS]
-    row_ok = offs_r < GROUP
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_DIM
-    q_off = token * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, HEAD_PAD]
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634
     p_start = part * PARTITION_SIZE
     p_end = tl.minimum(p_start + PARTITION_SIZE, seq_len)  # the decode token sees every key
     block_row_ptr = block_tables_ptr + seq * stride_bt
-    # Whole key tiles need no masks (padded rows hold q = 0 and are never stored); only the
-    # partition's last, partial tile does.
-    n_full = p_start + tl.maximum(p_end - p_start, 0) // BLOCK_N * BLOCK_N
-    for n_start in range(p_start, n_full, BLOCK_N):
-        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
-                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                    stride_kb, stride_ks, stride_kh, stride_kd,
-                                    stride_vb, stride_vs, stride_vh, stride_vd,
-                                    BLOCK_SIZE, IEEE_FP32, MASKED=False)
-    for n_start in range(n_full, p_end, BLOCK_N):
-        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        k_ok = k_pos < p_end
-        visible = k_ok[None, :] & row_ok[:, None]
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
-                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                    stride_kb, stride_ks, stride_kh, stride_kd,
-                                    stride_vb, stride_vs, stride_vh, stride_vd,
-                                    BLOCK_SIZE, IEEE_FP32, MASKED=True)
+    acc, m_i, l_i = attend_decode(q_ptr, token, kv_head, p_start, p_end, scale, block_row_ptr, k_cache_ptr, v_cache_ptr,
+                                  stride_qt, stride_qh, stride_qd,
+                                  stride_kb, stride_ks, stride_kh, stride_kd,
+                                  stride_vb, stride_vs, stride_vh, stride_vd,
+                                  HEAD_DIM, HEAD_PAD, GROUP, ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32)
 
+    head, row_ok = group_rows(kv_head, GROUP, ROWS)
+    offs_d = tl.arange(0, HEAD_PAD)
     # Partial results are laid out contiguously: [num_seqs, num_heads, num_parts(, HEAD_PAD)].
     ml_off = (seq * num_heads + head).to(tl.int64) * num_parts + part  # [ROWS]
     tl.store(part_max_ptr + ml_off, m_i, mask=row_ok)

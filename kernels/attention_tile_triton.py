@@ -1,14 +1,16 @@
-"""One online-softmax step over a tile of paged keys, shared by the unified and split-K kernels.
+"""Online-softmax attention over paged keys, shared by the unified and split-K kernels.
 
-Design: the caller owns the loop over key tiles and decides which (row, key) pairs may attend
-(the unified kernel adds the causal limit, split-K only its partition bounds), or says with
-``MASKED=False`` that the whole tile holds keys every row may see (the tiles before the causal
-diagonal and the sequence end: most of them), which skips the masks and the ``where``; this step finds
-each key's cache block through the block table, scores the tile with ``tl.dot``, folds it into
-the running max and sum in fp32 (log2 units: ``qk_scale`` already holds log2(e)) and accumulates
-``P @ V``. Block ids are widened to int64 before they meet a stride, so offsets into a large cache
-cannot overflow int32. Both dots have K >= 16 as long as the caller pads ``HEAD_PAD`` and
-``BLOCK_N`` to at least 16 (``head_pad`` below), which the GPU compiler requires.
+Design: ``attend_range`` walks a range of key tiles for the unified kernel's query tiles and
+decode programs and for split-K's partitions, which differ only in the range and in each row's
+last visible key (causal for prefill rows, the range end for decode rows). It says with
+``MASKED=False`` that a whole tile holds keys every row may see (the tiles before the causal
+diagonal and the range end: most of them), which skips the masks and the ``where``, and masks
+only the tail. ``attend_tile`` is one step: it finds each key's cache block through the block
+table, scores the tile with ``tl.dot``, folds it into the running max and sum in fp32 (log2
+units: ``qk_scale`` already holds log2(e)) and accumulates ``P @ V``. Block ids are widened to
+int64 before they meet a stride, so offsets into a large cache cannot overflow int32. Both dots
+have K >= 16 as long as the caller pads ``HEAD_PAD`` and ``BLOCK_N`` to at least 16
+(``head_pad`` below), which the GPU compiler requires.
 """
 
 from __future__ import annotations
@@ -87,3 +89,109 @@ def attend_tile(
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def attend_range(
+    acc,  # [ROWS, HEAD_PAD] fp32, unnormalised output so far
+    m_i,  # [ROWS] fp32, running max of the scaled scores (log2 units)
+    l_i,  # [ROWS] fp32, running sum of exp2(score - m_i)
+    q,  # [ROWS, HEAD_PAD], zero in padded rows and dims
+    row_ok,  # [ROWS] rows that hold a query (the others are padding and see no key)
+    row_end,  # [ROWS, 1] or scalar: one past the last key position each row may see
+    start,  # first key position of the range
+    n_full,  # keys [start, n_full) are visible to every row; start + a multiple of BLOCK_N
+    end,  # one past the last key of the range: row_end <= end
+    qk_scale,  # softmax scale * log2(e)
+    block_row_ptr,  # this sequence's row of the block table, int32 block ids
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_head,
+    offs_d,  # [HEAD_PAD] arange
+    d_ok,  # [HEAD_PAD] offs_d < head_dim
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    """Fold keys [start, end) into ``(acc, m_i, l_i)`` and return the updated triple.
+
+    Design: the whole tiles before ``n_full`` run ``attend_tile`` with ``MASKED=False`` (no masks,
+    no ``where``: most of a long context); the rest, up to ``end``, is masked per (row, key) by
+    ``k_pos < row_end``. That one rule covers every caller: a prefill row sees keys up to its own
+    position, ``row_end = context_len + q_pos + 1``, and a decode row sees every key of its
+    range, so it passes the scalar ``end`` (the test is then ``k_ok`` itself, which the compiler
+    reuses). ``row_ok`` stays a separate factor of the mask: with a constant ``GROUP`` the
+    compiler then drops the padded rows' softmax in the masked tile."""
+    for n_start in range(start, n_full, BLOCK_N):
+        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
+                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                    stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd,
+                                    BLOCK_SIZE, IEEE_FP32, MASKED=False)
+    for n_start in range(n_full, end, BLOCK_N):
+        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_ok = k_pos < end
+        visible = (k_pos[None, :] < row_end) & row_ok[:, None]  # [ROWS, BLOCK_N]; implies k_ok
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
+                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                    stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd,
+                                    BLOCK_SIZE, IEEE_FP32, MASKED=True)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def group_rows(kv_head, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """The ``GROUP`` query heads that share ``kv_head`` (GQA) as ``ROWS`` rows: returns each row's
+    head and whether it holds one (rows r >= GROUP pad the group to ROWS >= 16 for ``tl.dot``)."""
+    offs_r = tl.arange(0, ROWS)
+    return kv_head * GROUP + offs_r, offs_r < GROUP  # [ROWS], [ROWS]
+
+
+@triton.jit
+def attend_decode(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    token,  # int64 row of q: the decode token
+    kv_head,
+    start,  # keys [start, end) of the token's sequence
+    end,
+    scale,
+    block_row_ptr,  # this sequence's row of the block table, int32 block ids
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    """One decode token's ``GROUP`` query heads of ``kv_head`` over keys [start, end); returns the
+    unnormalised ``(acc, m_i, l_i)``, rows as in ``group_rows`` (padded rows hold nothing to store).
+
+    Shared by the unified kernel's decode programs (the whole context) and split-K's partitions:
+    the token sees every key, so only the range's last, partial tile is masked. An empty range
+    (a partition past the sequence end) returns the empty state: max -inf, sum 0."""
+    head, row_ok = group_rows(kv_head, GROUP, ROWS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_off = token * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, HEAD_PAD]
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # fold log2(e) in: exp2 is cheaper than exp
+    n_full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # an empty range has no whole tile
+    return attend_range(acc, m_i, l_i, q, row_ok, end, start, n_full, end, qk_scale, block_row_ptr,
+                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                        stride_kb, stride_ks, stride_kh, stride_kd,
+                        stride_vb, stride_vs, stride_vh, stride_vd,
+                        BLOCK_N, BLOCK_SIZE, IEEE_FP32)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_splitk_triton import launch_split_k, use_split_k
-from kernels.attention_tile_triton import attend_tile, head_pad
+from kernels.attention_tile_triton import attend_decode, attend_range, group_rows, head_pad
 from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
 @triton.jit
@@ -101,23 +101,13 @@ def _query_tile(
         last_q = tl.minimum(query_len, q_first + BLOCK_Q) - 1
         kv_end = context_len + last_q + 1
         n_full = (context_len + q_first + 1) // BLOCK_N * BLOCK_N
+        row_end = (context_len + q_pos + 1)[:, None]  # [BLOCK_M, 1] causal: a row sees keys up to its own
         block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for n_start in range(0, n_full, BLOCK_N):
-            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
-                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                        stride_kb, stride_ks, stride_kh, stride_kd,
-                                        stride_vb, stride_vs, stride_vh, stride_vd,
-                                        BLOCK_SIZE, IEEE_FP32, MASKED=False)
-        for n_start in range(n_full, kv_end, BLOCK_N):
-            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            k_ok = k_pos < kv_end
-            visible = (k_pos[None, :] <= context_len + q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
-                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                        stride_kb, stride_ks, stride_kh, stride_kd,
-                                        stride_vb, stride_vs, stride_vh, stride_vd,
-                                        BLOCK_SIZE, IEEE_FP32, MASKED=True)
+        acc, m_i, l_i = attend_range(acc, m_i, l_i, q, row_ok, row_end, 0, n_full, kv_end, qk_scale, block_row_ptr,
+                                     k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+                                     stride_kb, stride_ks, stride_kh, stride_kd,
+                                     stride_vb, stride_vs, stride_vh, stride_vd,
+                                     BLOCK_N, BLOCK_SIZE, IEEE_FP32)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
@@ -142,41 +132,19 @@ def _decode_row(
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if query_len == 1:
         seq_len = tl.load(seq_lens_ptr + seq)
-        offs_r = tl.arange(0, ROWS)
-        head = kv_head * GROUP + offs_r  # [ROWS]
-        row_ok = offs_r < GROUP
-        offs_d = tl.arange(0, HEAD_PAD)
-        d_ok = offs_d < HEAD_DIM
         token = q_start.to(tl.int64)
-        q_off = token * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, HEAD_PAD]
-
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-        qk_scale = scale * 1.4426950408889634
         block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        n_full = seq_len // BLOCK_N * BLOCK_N  # the decode token sees every key: only the tail is masked
-        for n_start in range(0, n_full, BLOCK_N):
-            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
-                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                        stride_kb, stride_ks, stride_kh, stride_kd,
-                                        stride_vb, stride_vs, stride_vh, stride_vd,
-                                        BLOCK_SIZE, IEEE_FP32, MASKED=False)
-        for n_start in range(n_full, seq_len, BLOCK_N):
-            k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            k_ok = k_pos < seq_len
-            visible = k_ok[None, :] & row_ok[:, None]
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
-                                        k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                        stride_kb, stride_ks, stride_kh, stride_kd,
-                                        stride_vb, stride_vs, stride_vh, stride_vd,
-                                        BLOCK_SIZE, IEEE_FP32, MASKED=True)
+        acc, m_i, l_i = attend_decode(q_ptr, token, kv_head, 0, seq_len, scale, block_row_ptr, k_cache_ptr, v_cache_ptr,
+                                      stride_qt, stride_qh, stride_qd,
+                                      stride_kb, stride_ks, stride_kh, stride_kd,
+                                      stride_vb, stride_vs, stride_vh, stride_vd,
+                                      HEAD_DIM, HEAD_PAD, GROUP, ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32)
 
+        head, row_ok = group_rows(kv_head, GROUP, ROWS)
+        offs_d = tl.arange(0, HEAD_PAD)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = token * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit

@@ -171,21 +171,6 @@ def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     raise ValueError(f"cos_sin_cache dtype {cos_sin_cache.dtype} not floating")
 
 
-def check_rope_and_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Validate the inputs of ``rope_and_write_kv``: those of ``apply_rope`` and of ``write_kv``."""
-    check_rope(q, k, positions, cos_sin_cache)
-    check_write_kv(k, v, key_cache, value_cache, slot_mapping)
-
-
 def check_silu_and_mul(x: torch.Tensor) -> None:
     """Validate the input of ``silu_and_mul``: ``[num_tokens, 2 * intermediate]`` floating point."""
     xs = x.shape

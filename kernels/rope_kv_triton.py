@@ -4,8 +4,8 @@ writes the rotated k and its v into the token's cache slot.
 Unfused, the rotated keys go out to memory, come back in the KV-write kernel and go out again
 into the cache (two launches per layer). Here they are stored once to the returned ``k`` and once
 to the cache from the same registers, rounded once to the cache dtype, so the cache holds exactly
-what ``write_kv(apply_rope(q, k)[1], v)`` would write. The rotation is ``rope_triton.rotate_pair``
-(the same arithmetic as ``apply_rope``); partial rotary copies the tail dims in the kernel, so the
+what ``write_kv(apply_rope(q, k)[1], v)`` would write. The rotation is ``rope_triton.rotate_heads``
+(the same code as ``apply_rope``); partial rotary copies the tail dims in the kernel, so the
 tail reaches the cache too. Block ids are int64 (``slot_mapping`` is int64) before they meet a
 stride; padding tokens (slot -1) are rotated but not written.
 """
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_write_triton import write_kv_triton
-from kernels.rope_triton import apply_rope_triton, rotate_pair
+from kernels.rope_triton import apply_rope_triton, load_cos_sin, rotate_heads, unit_last
 
 
 @triton.jit
@@ -50,21 +50,12 @@ def _rope_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token)
     offs_x = tl.arange(0, HALF_PAD)
-    x_ok = offs_x < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, offs_x, HALF)
 
-    # q: rotate every head; the tail (partial rotary) is copied.
-    offs_qh = tl.arange(0, Q_HEADS_PAD)
-    q_mask = (offs_qh < num_heads)[:, None] & x_ok[None, :]
-    q_src = q_ptr + token * stride_qt + offs_qh[:, None] * stride_qh + offs_x[None, :]
-    q_dst = q_out_ptr + token * stride_qot + offs_qh[:, None] * stride_qoh + offs_x[None, :]
-    q1, q2 = rotate_pair(tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32),
-                         tl.load(q_src + HALF, mask=q_mask, other=0.0).to(tl.float32), cos, sin)
-    tl.store(q_dst, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_dst + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    # q: rotate every head; the tail (partial rotary) is copied below.
+    rotate_heads(q_out_ptr, q_ptr, token, num_heads, stride_qot, stride_qoh, stride_qt, stride_qh,
+                 cos, sin, offs_x, HALF, Q_HEADS_PAD)
 
     # Where this token's k and v go in the cache (padding tokens, slot -1, write nothing there).
     slot = tl.load(slot_mapping_ptr + token)
@@ -75,16 +66,9 @@ def _rope_kv_kernel(
     k_row = k_cache_ptr + block_id * stride_ckb + in_block * stride_cks + offs_kh[:, None] * stride_ckh
     v_row = v_cache_ptr + block_id * stride_cvb + in_block * stride_cvs + offs_kh[:, None] * stride_cvh
 
-    # k: rotate, round once to the cache dtype, store to the returned k and to the cache.
-    k_mask = kh_ok[:, None] & x_ok[None, :]
-    k_src = k_ptr + token * stride_kt + offs_kh[:, None] * stride_kh + offs_x[None, :]
-    k_dst = k_out_ptr + token * stride_kot + offs_kh[:, None] * stride_koh + offs_x[None, :]
-    k1, k2 = rotate_pair(tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32),
-                         tl.load(k_src + HALF, mask=k_mask, other=0.0).to(tl.float32), cos, sin)
-    k1 = k1.to(k_out_ptr.dtype.element_ty)
-    k2 = k2.to(k_out_ptr.dtype.element_ty)
-    tl.store(k_dst, k1, mask=k_mask)
-    tl.store(k_dst + HALF, k2, mask=k_mask)
+    # k: rotate, round once to the cache dtype, store to the returned k (in rotate_heads) and to the cache.
+    k1, k2, k_mask = rotate_heads(k_out_ptr, k_ptr, token, num_kv_heads, stride_kot, stride_koh, stride_kt,
+                                  stride_kh, cos, sin, offs_x, HALF, K_HEADS_PAD)
     if slot >= 0:
         tl.store(k_row + offs_x[None, :], k1, mask=k_mask)
         tl.store(k_row + HALF + offs_x[None, :], k2, mask=k_mask)
@@ -92,6 +76,7 @@ def _rope_kv_kernel(
     if TAIL > 0:  # partial rotary: dims [2 * HALF, HEAD_DIM) pass through to q, k and the cache
         offs_t = 2 * HALF + tl.arange(0, TAIL_PAD)
         t_ok = offs_t < HEAD_DIM
+        offs_qh = tl.arange(0, Q_HEADS_PAD)
         qt_mask = (offs_qh < num_heads)[:, None] & t_ok[None, :]
         q_tail = tl.load(q_ptr + token * stride_qt + offs_qh[:, None] * stride_qh + offs_t[None, :], mask=qt_mask)
         tl.store(q_out_ptr + token * stride_qot + offs_qh[:, None] * stride_qoh + offs_t[None, :], q_tail,
@@ -111,10 +96,6 @@ def _rope_kv_kernel(
         tl.store(v_row + offs_d[None, :], v, mask=v_mask)
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def rope_and_write_kv_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,7 +112,7 @@ def rope_and_write_kv_triton(
         q_rot, k_rot = apply_rope_triton(q, k, positions, cos_sin_cache)
         write_kv_triton(k_rot, v, key_cache, value_cache, slot_mapping)
         return q_rot, k_rot
-    q, k, v, cos_sin_cache = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(cos_sin_cache)
+    q, k, v, cos_sin_cache = unit_last(q), unit_last(k), unit_last(v), unit_last(cos_sin_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -12,25 +12,36 @@ import triton.language as tl
 
 
 @triton.jit
-def rotate_pair(x1, x2, cos, sin):
-    """HF ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` on the two halves of x (fp32
-    ``[heads, HALF_PAD]``; cos/sin ``[HALF_PAD]``). Shared with the fused RoPE + KV write kernel so
-    both compile the same arithmetic and agree bit for bit."""
-    return x1 * cos[None, :] + (-x2) * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+def load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, offs_x, HALF: tl.constexpr):
+    """The token's cos and sin halves in fp32 (``[HALF_PAD]``, zero past ``HALF``); each row of
+    the cache is ``cat(cos, sin)``."""
+    pos = tl.load(positions_ptr + token)
+    x_ok = offs_x < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
-def _rotate_heads(dst_ptr, src_ptr, token, num_heads, stride_dt, stride_dh, stride_st, stride_sh,
-                  cos, sin, offs_x, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+def rotate_heads(dst_ptr, src_ptr, token, num_heads, stride_dt, stride_dh, stride_st, stride_sh,
+                 cos, sin, offs_x, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """Rotate the first ``2 * HALF`` dims of one token's heads from src into dst; return the two
+    stored halves (``[HEADS_PAD, HALF_PAD]`` in dst's dtype) and their mask.
+
+    HF ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` on the two halves of x, in fp32.
+    Shared with the fused RoPE + KV write kernel, which stores the returned k halves into the
+    cache too: both compile the same arithmetic and agree bit for bit."""
     offs_h = tl.arange(0, HEADS_PAD)
     mask = (offs_h < num_heads)[:, None] & (offs_x < HALF)[None, :]
     src = src_ptr + token * stride_st + offs_h[:, None] * stride_sh + offs_x[None, :]
+    dst = dst_ptr + token * stride_dt + offs_h[:, None] * stride_dh + offs_x[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF_PAD]
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1, out2 = rotate_pair(x1, x2, cos, sin)
-    dst = dst_ptr + token * stride_dt + offs_h[:, None] * stride_dh + offs_x[None, :]
-    tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
+    out1 = (x1 * cos[None, :] + (-x2) * sin[None, :]).to(dst_ptr.dtype.element_ty)
+    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dst_ptr.dtype.element_ty)
+    tl.store(dst, out1, mask=mask)
+    tl.store(dst + HALF, out2, mask=mask)
+    return out1, out2, mask
 
 
 @triton.jit
@@ -52,18 +63,16 @@ def _rope_kernel(
     K_HEADS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token)
     offs_x = tl.arange(0, HALF_PAD)
-    x_ok = offs_x < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-    _rotate_heads(q_out_ptr, q_ptr, token, num_heads, stride_qot, stride_qoh, stride_qt, stride_qh,
-                  cos, sin, offs_x, HALF, Q_HEADS_PAD)
-    _rotate_heads(k_out_ptr, k_ptr, token, num_kv_heads, stride_kot, stride_koh, stride_kt, stride_kh,
-                  cos, sin, offs_x, HALF, K_HEADS_PAD)
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cs, offs_x, HALF)
+    rotate_heads(q_out_ptr, q_ptr, token, num_heads, stride_qot, stride_qoh, stride_qt, stride_qh,
+                 cos, sin, offs_x, HALF, Q_HEADS_PAD)
+    rotate_heads(k_out_ptr, k_ptr, token, num_kv_heads, stride_kot, stride_koh, stride_kt, stride_kh,
+                 cos, sin, offs_x, HALF, K_HEADS_PAD)
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride on its last dim (the kernels' loads assume it); copies only if needed."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -71,7 +80,7 @@ def apply_rope_triton(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return rotated copies of q and k (inputs already validated by ``kernels.checks``)."""
-    q, k, cos_sin_cache = _unit_last(q), _unit_last(k), _unit_last(cos_sin_cache)
+    q, k, cos_sin_cache = unit_last(q), unit_last(k), unit_last(cos_sin_cache)
     rotary_dim = cos_sin_cache.shape[1]
     q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format)
