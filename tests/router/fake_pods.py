@@ -41,7 +41,8 @@ class Script:
     """How a fake pod behaves; tests mutate it while the pod runs."""
 
     first_token_delay: float = 0.0          # prefill time (P) or local-prefill time (colocated/D)
-    token_delay: float = 0.0                # between decode tokens
+    token_delay: float = 0.0                # between decode messages
+    tokens_per_message: int = 1             # tokens per GenerateResponse (a real pod sends one per step)
     fail_generate: grpc.StatusCode | None = None
     fail_generate_after: int | None = None  # Generate breaks (UNAVAILABLE) after this many tokens
     abort_generate: bool = False            # Generate ends at once with finish_reason "abort"
@@ -175,17 +176,18 @@ class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
             await asyncio.sleep(s.first_token_delay)
             tokens = expected_tokens(request.prompt_token_ids, request.sampling.max_tokens,
                                      None if request.sampling.ignore_eos else s.eos_at)
-            for i, token in enumerate(tokens):
+            for i in range(0, len(tokens), s.tokens_per_message):
                 if i > 0:
                     await asyncio.sleep(s.token_delay)
-                if s.fail_generate_after is not None and i == s.fail_generate_after:
+                ids = tokens[i:i + s.tokens_per_message]
+                if s.fail_generate_after is not None and i <= s.fail_generate_after < i + len(ids):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted mid-stream failure")
-                last = i == len(tokens) - 1
-                reason = ("stop" if token == EOS_ID else "length") if last else ""
+                last = i + len(ids) == len(tokens)
+                reason = ("stop" if ids[-1] == EOS_ID else "length") if last else ""
                 response = pb.GenerateResponse(
-                    request_id=request.request_id, index=i, token_ids=[token],
-                    logprobs=[self._logprobs(token, request.sampling)], finished=last, finish_reason=reason,
-                    num_prompt_tokens=len(request.prompt_token_ids))
+                    request_id=request.request_id, index=i, token_ids=ids,
+                    logprobs=[self._logprobs(token, request.sampling) for token in ids], finished=last,
+                    finish_reason=reason, num_prompt_tokens=len(request.prompt_token_ids))
                 if i == 0:
                     response.local_prefill = not request.prefill_from
                     response.kv_transfer_seconds = 0.0 if not request.prefill_from else 0.002

@@ -1,0 +1,199 @@
+"""Router CPU per output token: the router's own cost of streaming tokens, with fake pods.
+
+Fake pods (tests/router/fake_pods.py: real grpc.aio servers on loopback, no model) answer every
+Generate at once with `--num-tokens` tokens, `k` tokens per GenerateResponse (a real decode pod
+sends one message per engine step). A router runs in its own process in front of them and
+`--concurrency` streaming /v1/completions run through it over httpx until `--requests` finished.
+The router's CPU seconds come from /proc/<pid>/stat (utime + stime), read around the measured
+batch only (a warm-up batch comes first); tokens are counted from each stream's usage chunk, and
+every stream's text is checked against what the fake model says it must be.
+
+`--tree NAME=PATH` runs the router from another checkout (its `router/` and `engine/` on
+PYTHONPATH; pods and this driver always come from this checkout), so a base and a changed router
+are measured side by side in one run, alternating, `--rounds` times each; the table shows medians.
+
+    git worktree add /tmp/router-base HEAD   # before the change
+    .venv/bin/python bench/router_overhead.py --tree base=/tmp/router-base --tree new=. [--pd]
+
+µs/token is router CPU per output token; tokens/s is end to end on this machine (the pods and the
+client share its cores, so it is an upper bound on nothing, only a comparison between trees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (fields 14 and 15, after the parenthesised name)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+# -- the two child processes ------------------------------------------------------------------------
+async def serve_pods(tokens_per_message: int, pd: bool) -> None:
+    """Fake pods in this process; prints their addresses as one JSON line, then serves forever."""
+    sys.path.insert(0, str(REPO / "tests" / "router"))
+    from fake_pods import FakePod, Script
+
+    script = Script(tokens_per_message=tokens_per_message, max_model_len=4096)
+    roles = ("prefill", "decode") if pd else ("colocated",)
+    pods = {role: await FakePod(role, script, pod_id=f"bench-{role}").start() for role in roles}
+    print(json.dumps({role: pod.address for role, pod in pods.items()}), flush=True)
+    await asyncio.Event().wait()
+
+
+async def serve_router(addresses: dict[str, str]) -> None:
+    """The router (from whatever tree is on PYTHONPATH) on a free port; prints the port."""
+    import socket
+
+    import uvicorn
+
+    from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    tokenizer = Tokenizer.from_pretrained(build_byte_level_tokenizer(Path(tempfile.mkdtemp())))
+    config = RouterConfig(model="fake-model", api_key_env=None, probe_interval_seconds=0.5,
+                          request_timeout_seconds=600, **{role: (a,) for role, a in addresses.items()})
+    app = create_app(config, tokenizer=tokenizer, default_max_model_len=4096)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    print(sock.getsockname()[1], flush=True)
+    await task
+
+
+# -- the driver ------------------------------------------------------------------------------------
+def _spawn(args: list[str], pythonpath: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def expected_text(prompt: str, num_tokens: int) -> str:
+    """The fake model's output for `prompt` (byte-level tokenizer: byte b is id 4 + b, plus BOS)."""
+    sys.path.insert(0, str(REPO / "tests" / "router"))
+    from fake_pods import BYTE_OFFSET, expected_tokens
+
+    prompt_ids = [1] + [BYTE_OFFSET + b for b in prompt.encode()]
+    return bytes(t - BYTE_OFFSET for t in expected_tokens(prompt_ids, num_tokens)).decode()
+
+
+async def _one(client: httpx.AsyncClient, prompt: str, num_tokens: int) -> tuple[int, str]:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": num_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        raw = b"".join([part async for part in response.aiter_raw()])
+    text, tokens = [], 0
+    for event in raw.decode().split("\n\n"):
+        if not event.startswith("data: {"):
+            continue
+        chunk = json.loads(event[6:])
+        text += [c["text"] for c in chunk["choices"]]
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return tokens, "".join(text)
+
+
+async def _batch(url: str, num_requests: int, concurrency: int, num_tokens: int) -> tuple[int, float, float]:
+    """(output tokens, wall seconds, client CPU seconds) of `num_requests` streams, `concurrency` at once."""
+    prompts = [f"p{i % 17}" for i in range(num_requests)]
+    expected = {p: expected_text(p, num_tokens) for p in set(prompts)}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        queue = list(reversed(prompts))
+        total = 0
+
+        async def worker() -> None:
+            nonlocal total
+            while queue:
+                prompt = queue.pop()
+                tokens, text = await _one(client, prompt, num_tokens)
+                assert tokens == num_tokens and text == expected[prompt], (tokens, text, expected[prompt])
+                total += tokens
+
+        wall, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        return total, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(tree: Path, tokens_per_message: int, args: argparse.Namespace) -> dict[str, float]:
+    pods = _spawn(["--serve-pods", str(tokens_per_message)] + (["--pd"] if args.pd else []), str(REPO))
+    router = None
+    try:
+        addresses = json.loads(pods.stdout.readline())
+        router = _spawn(["--serve-router", json.dumps(addresses)], f"{tree}:{REPO}")
+        url = f"http://127.0.0.1:{int(router.stdout.readline())}"
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "router never became ready"
+            time.sleep(0.05)
+        asyncio.run(_batch(url, args.concurrency, args.concurrency, args.num_tokens))       # warm-up
+        router_cpu, pods_cpu = cpu_seconds(router.pid), cpu_seconds(pods.pid)
+        tokens, wall, client_cpu = asyncio.run(_batch(url, args.requests, args.concurrency, args.num_tokens))
+        router_cpu, pods_cpu = cpu_seconds(router.pid) - router_cpu, cpu_seconds(pods.pid) - pods_cpu
+    finally:
+        for proc in (router, pods):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+    return {"us_per_token": 1e6 * router_cpu / tokens,
+            "us_per_message": 1e6 * router_cpu / (tokens / tokens_per_message),
+            "tokens_per_s": tokens / wall, "router_cpu_s": router_cpu, "pods_cpu_s": pods_cpu,
+            "client_cpu_s": client_cpu, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                        help="a checkout whose router to measure (repeatable; default: this one)")
+    parser.add_argument("--tokens-per-message", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--num-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--requests", type=int, default=256, help="measured requests per round")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pd", action="store_true", help="a prefill and a decode pod instead of a colocated one")
+    parser.add_argument("--serve-pods", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-router", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_pods is not None:
+        return asyncio.run(serve_pods(args.serve_pods, args.pd))
+    if args.serve_router is not None:
+        return asyncio.run(serve_router(json.loads(args.serve_router)))
+
+    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this", str(REPO))]
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for k in args.tokens_per_message:
+            for name, path in trees:           # alternate trees so drift hits both alike
+                results.setdefault((name, k), []).append(measure(Path(path).resolve(), k, args))
+    mode = "prefill+decode" if args.pd else "colocated"
+    print(f"{mode}, {args.num_tokens} tokens/request, {args.requests} requests x {args.rounds} rounds, "
+          f"concurrency {args.concurrency}; medians")
+    columns = ("us_per_token", "us_per_message", "tokens_per_s", "router_cpu_s", "pods_cpu_s", "client_cpu_s")
+    print(f"{'tree':<8} {'tok/msg':>7} " + " ".join(f"{c:>14}" for c in columns))
+    for (name, k), runs in results.items():
+        row = [statistics.median(r[c] for r in runs) for c in columns]
+        print(f"{name:<8} {k:>7} " + " ".join(f"{v:>14.2f}" for v in row))
+
+
+if __name__ == "__main__":
+    main()
