@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -15,8 +14,8 @@ from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
 from router.prompts import chat_prompt, check_context_length
 from router.protocol import ChatCompletionRequest
-from router.serving import (ServingState, build_specs, check_model, execute, new_request_id, parse_body,
-                            sampling_or_400)
+from router.serving import (ServingState, StreamFormat, build_specs, check_model, execute, new_request_id,
+                            parse_body, sampling_or_400)
 
 
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
@@ -47,26 +46,33 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
         return R.chat_body(request_id, created, model, choices,
                            R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=False)
 
-    async def chunks(run: RequestRun) -> AsyncIterator[str]:
+    def stream_format() -> StreamFormat:
         include_usage = request.wants_usage_in_stream()
 
-        def chunk(choice: dict[str, Any]) -> str:
-            body = R.chat_body(request_id, created, model, [choice], None, chunk=True)
+        def body(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            chunk = R.chat_body(request_id, created, model, choices, None, chunk=True)
             if not include_usage:
-                body.pop("usage")
-            return R.sse(body)
+                chunk.pop("usage")
+            return chunk
 
-        for i in range(len(specs)):
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        async for event in run.events():
-            yield chunk(_chat_delta(tokenizer, event, request.logprobs))
-        if include_usage:
-            yield R.sse(R.chat_body(request_id, created, model, [],
-                                    R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=True))
-        yield R.sse("[DONE]")
+        deltas = [R.sse_template(body([{"index": i, "delta": {"content": R.TEXT}, "logprobs": None,
+                                        "finish_reason": None}])) for i in range(len(specs))]
 
-    return await execute(state, http, arrival, specs, request.stream, whole, chunks)
+        def chunk(event: ChoiceEvent) -> str:
+            if event.finish_reason is None and not request.logprobs:
+                return deltas[event.index](event.text)
+            return R.sse(body([_chat_delta(tokenizer, event, request.logprobs)]))
+
+        def tail(run: RequestRun) -> str:
+            usage = R.usage(len(prompt.token_ids), sum(run.num_output_tokens))
+            return (R.sse(R.chat_body(request_id, created, model, [], usage, chunk=True)) if include_usage
+                    else "") + R.sse("[DONE]")
+
+        head = "".join(R.sse(body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}])) for i in range(len(specs)))
+        return StreamFormat(head, chunk, tail)
+
+    return await execute(state, http, arrival, specs, request.stream, whole, stream_format)
 
 
 def _chat_delta(tokenizer: Tokenizer, event: ChoiceEvent, logprobs: bool) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -11,11 +10,11 @@ from fastapi.responses import Response
 
 from router import responses as R
 from router.errors import bad_request
-from router.generation import RequestRun
+from router.generation import ChoiceEvent, RequestRun
 from router.prompts import check_context_length, completion_prompts
 from router.protocol import CompletionRequest
-from router.serving import (ServingState, build_specs, check_model, execute, new_request_id, parse_body,
-                            sampling_or_400)
+from router.serving import (ServingState, StreamFormat, build_specs, check_model, execute, new_request_id,
+                            parse_body, sampling_or_400)
 
 
 async def create_completion(state: ServingState, http: Request) -> Response:
@@ -57,30 +56,38 @@ async def create_completion(state: ServingState, http: Request) -> Response:
         return R.completion_body(request_id, created, model, choices,
                                  R.usage(num_prompt_tokens, sum(run.num_output_tokens)))
 
-    async def chunks(run: RequestRun) -> AsyncIterator[str]:
+    def stream_format() -> StreamFormat:
         include_usage = request.wants_usage_in_stream()
-        offsets = [0] * len(specs)
-        if request.echo:
-            for i in range(len(specs)):
-                offsets[i] = len(echo_text(i))
-                yield R.sse(R.completion_body(request_id, created, model, [
-                    {"index": i, "text": echo_text(i), "logprobs": None, "finish_reason": None}],
-                    None) | ({"usage": None} if include_usage else {}))
-        async for event in run.events():
+
+        def body(choice: dict[str, Any]) -> dict[str, Any]:
+            chunk = R.completion_body(request_id, created, model, [choice], None)
+            if not include_usage:
+                chunk.pop("usage")
+            return chunk
+
+        texts = [R.sse_template(body({"index": i, "text": R.TEXT, "logprobs": None, "finish_reason": None}))
+                 for i in range(len(specs))]
+        offsets = [len(echo_text(i)) if request.echo else 0 for i in range(len(specs))]   # text_offset
+
+        def chunk(event: ChoiceEvent) -> str:
             logprobs = None
             if request.logprobs is not None:
                 logprobs = R.completion_logprobs(tokenizer, event.token_ids[:len(event.logprobs)], event.logprobs,
                                                  offsets[event.index])
-            offsets[event.index] += len(event.text)
-            body = R.completion_body(request_id, created, model, [
-                {"index": event.index, "text": event.text, "logprobs": logprobs,
-                 "finish_reason": event.finish_reason}], None)
-            if not include_usage:
-                body.pop("usage")
-            yield R.sse(body)
-        if include_usage:
-            yield R.sse(R.completion_body(request_id, created, model, [],
-                                          R.usage(num_prompt_tokens, sum(run.num_output_tokens))))
-        yield R.sse("[DONE]")
+                offsets[event.index] += len(event.text)
+            elif event.finish_reason is None:
+                return texts[event.index](event.text)
+            return R.sse(body({"index": event.index, "text": event.text, "logprobs": logprobs,
+                               "finish_reason": event.finish_reason}))
 
-    return await execute(state, http, arrival, specs, request.stream, whole, chunks)
+        def tail(run: RequestRun) -> str:
+            usage = R.usage(num_prompt_tokens, sum(run.num_output_tokens))
+            return (R.sse(R.completion_body(request_id, created, model, [], usage)) if include_usage
+                    else "") + R.sse("[DONE]")
+
+        head = "".join(R.sse(R.completion_body(request_id, created, model, [
+            {"index": i, "text": echo_text(i), "logprobs": None, "finish_reason": None}], None))
+            for i in range(len(specs))) if request.echo else ""
+        return StreamFormat(head, chunk, tail)
+
+    return await execute(state, http, arrival, specs, request.stream, whole, stream_format)

@@ -1,15 +1,15 @@
-"""Running one output sequence on the pods: admit, call, merge, deduplicate, retry, cancel.
+"""Running one output sequence on the pods: admit, route, call, retry before the first token.
 
-Disaggregated: `Prefill` on P and `Generate(prefill_from=P)` on D start together. P's answer carries
-the first token, streamed to the client at once; D's stream repeats it (index 0) and continues, so
-tokens are deduplicated by `GenerateResponse.index`. Colocated: only `Generate`, empty
-`prefill_from`. Every call carries the request's deadline as its gRPC timeout.
+`Dispatcher.start` admits the sequence, routes it and starts its pod calls (a `SequenceStream`:
+disaggregated, `Prefill` on P and `Generate(prefill_from=P)` on D together; colocated, only
+`Generate`), and returns once the first tokens have arrived. Every call carries the request's
+deadline as its gRPC timeout.
 
-Failures: a call that fails before the client has seen any token is retried on other pods (the
-failed pod is excluded and, for connection-level errors, taken out of routing until a probe
-succeeds). After the first token the request fails with an error the client sees. When the
-consumer stops early (client disconnect, stop string found by the router), both calls are
-cancelled, which frees their state on the pods, and a best-effort `Abort` follows.
+Failures: a call that fails before the first token is retried on other pods (the failed pod is
+excluded and, for connection-level errors, taken out of routing until a probe succeeds). After the
+first token the request fails with an error the client sees. When the consumer stops early (client
+disconnect, stop string found by the router), `SequenceStream.close` cancels both calls, which
+frees their state on the pods, and a best-effort `Abort` follows.
 """
 
 from __future__ import annotations
@@ -17,24 +17,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
 
 from cbserve.pb import cbserve_pb2 as pb
-from engine.sampling_params import SamplingParams, to_proto
+from engine.sampling_params import SamplingParams
 from router.admission import AdmissionController
-from router.errors import timeout_error, unavailable, upstream_error
+from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.metrics import RouterMetrics
+from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
 from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
 
 log = logging.getLogger(__name__)
 
-# Connection-level failures: the pod is taken out of routing. Others only exclude it for this request.
-_POD_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.DATA_LOSS}
 _NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
@@ -53,17 +50,6 @@ class SequenceSpec:
     priority: int = 0
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """New output tokens; `index` is the output position of token_ids[0]."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[pb.TokenLogprobs]
-    finished: bool = False
-    finish_reason: str | None = None
-
-
 @dataclass
 class SequenceTrace:
     """What happened to one sequence, for metrics and for explaining a slow request."""
@@ -73,17 +59,10 @@ class SequenceTrace:
     prefill_seconds: float | None = None
     kv_transfer_seconds: float | None = None
     decode_queue_seconds: float | None = None
+    pd_gap_seconds: float | None = None    # P's first token to D's first token, as the router saw them
     num_cached_tokens: int = 0
     local_prefill: bool = False
     attempts: list[str] = field(default_factory=list)   # "P@addr+D@addr" per attempt
-
-
-class _AttemptFailed(Exception):
-    def __init__(self, pod: PodState, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{pod.role} pod {pod.address}: {code.name} {details}")
-        self.pod = pod
-        self.code = code
-        self.details = details
 
 
 def with_ttft_budget_left(routing: RoutingRequest, waited_seconds: float) -> RoutingRequest:
@@ -125,158 +104,78 @@ class Dispatcher:
             self.metrics.running.inc()
         return decision
 
-    def _release(self, decision: RoutingDecision) -> None:
+    def release(self, decision: RoutingDecision) -> None:
+        """The routed sequence is done: its pods' in-flight slots are free again."""
         for pod in {decision.prefill, decision.decode} - {None}:
             pod.on_finish()
         self.metrics.running.dec()
         self.admission.wake()
 
-    async def run(self, spec: SequenceSpec, trace: SequenceTrace) -> AsyncIterator[TokenEvent]:
-        """Tokens of one sequence. Raises APIError before the first token if it cannot be served."""
+    async def start(self, spec: SequenceSpec, trace: SequenceTrace) -> SequenceStream:
+        """The sequence's pod calls once its first tokens arrived (in `first_message`).
+
+        Raises APIError if it cannot be served: refused by admission, no pod, or every try failed.
+        """
         start = time.monotonic()
         decision = await self.admission.admit(
             lambda: self._try_route(with_ttft_budget_left(spec.routing, time.monotonic() - start)),
-            spec.deadline, self._release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
+            spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
         trace.router_queue_seconds = time.monotonic() - start
         self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
         routing = spec.routing
         attempt = 0
         while True:
-            emitted = [False]
+            stream = SequenceStream(self, spec, decision, attempt, trace)
             try:
-                async for event in self._attempt(spec, decision, attempt, trace, emitted):
-                    yield event
-                return
-            except _AttemptFailed as failed:
-                code = failed.code
-                if code in _POD_DOWN:
-                    self.tracker.mark_failed(failed.pod, f"{code.name}: {failed.details}")
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise timeout_error("The request's deadline passed before it finished.") from None
-                if emitted[0] or code in _NOT_RETRYABLE or attempt >= self.max_retries:
-                    raise upstream_error(f"Generation failed: {failed}") from None
-                log.warning("request %s: %s; retrying on another pod", spec.request_id, failed)
-                self.metrics.retries.inc()
-                # Admission already accepted this request: a retry goes to any other pod, SLO or not.
-                routing = replace(routing, exclude=routing.exclude | {failed.pod.address},
-                                  slo_ttft_seconds=float("inf"), slo_tpot_seconds=float("inf"))
-                decision = self._try_route(routing)
-                if isinstance(decision, NoRoute):
-                    raise unavailable(f"Generation failed and no other pod is ready: {failed}") from None
-                attempt += 1
+                await stream.first()
+                return stream
+            except PodFailure as exc:
+                stream.close()
+                failed = exc
+            except BaseException:
+                stream.close()
+                raise
+            error = self.failure_error(failed, retry=attempt < self.max_retries)
+            if error is not None:
+                raise error from None
+            log.warning("request %s: %s; retrying on another pod", spec.request_id, failed)
+            self.metrics.retries.inc()
+            # Admission already accepted this request: a retry goes to any other pod, SLO or not.
+            routing = replace(routing, exclude=routing.exclude | {failed.pod.address},
+                              slo_ttft_seconds=float("inf"), slo_tpot_seconds=float("inf"))
+            decision = self._try_route(routing)
+            if isinstance(decision, NoRoute):
+                raise unavailable(f"Generation failed and no other pod is ready: {failed}") from None
+            attempt += 1
 
-    async def _attempt(self, spec: SequenceSpec, decision: RoutingDecision, attempt: int,
-                       trace: SequenceTrace, emitted: list[bool]) -> AsyncIterator[TokenEvent]:
-        """One try on one (P, D) pair; yields deduplicated token events."""
-        request_id = spec.request_id if attempt == 0 else f"{spec.request_id}-retry{attempt}"
-        prefill_pod, decode_pod = decision.prefill, decision.decode
-        routed_at = time.monotonic()
-        trace.attempts.append(f"P@{prefill_pod.address}+D@{decode_pod.address}" if prefill_pod
-                              else f"C@{decode_pod.address}")
-        sampling = to_proto(spec.params)
-        timeout = max(0.001, spec.deadline - time.monotonic())
-        gen_call = decode_pod.client.generate(pb.GenerateRequest(
-            request_id=request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
-            priority=spec.priority, prefill_from=prefill_pod.address if prefill_pod else "",
-            kv_transport=self.kv_transport if prefill_pod else "", arrival_time=spec.arrival_time),
-            timeout=timeout)
-        prefill_call = None
-        if prefill_pod is not None:
-            prefill_call = prefill_pod.client.prefill(pb.PrefillRequest(
-                request_id=request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
-                priority=spec.priority, arrival_time=spec.arrival_time), timeout=timeout)
-        inbox: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump_generate(gen_call, inbox))]
-        if prefill_call is not None:
-            pumps.append(asyncio.create_task(self._pump_prefill(prefill_call, inbox)))
-        finished = False
-        finished_by_prefill = False    # the first token ended it: D's call is cut short
-        prefill_failure: grpc.aio.AioRpcError | None = None
-        next_index = 0
-        first_token_at: float | None = None   # monotonic; for the pod's TPOT calibration
-        try:
-            while True:
-                kind, item = await inbox.get()
-                if kind == "prefill_error":
-                    # D pulls the KV from P; with P gone, D prefills locally or fails on its own.
-                    prefill_failure = item
-                    if item.code() in _POD_DOWN:
-                        self.tracker.mark_failed(prefill_pod, f"Prefill: {item.code().name}")
-                    continue
-                if kind == "gen_error":
-                    if prefill_failure is not None and prefill_failure.code() in _POD_DOWN:
-                        # D failed because its source died (no local fallback): P's fault, not D's.
-                        raise _AttemptFailed(prefill_pod, prefill_failure.code(),
-                                             f"{prefill_failure.details()}; decode: {item.details()}")
-                    raise _AttemptFailed(decode_pod, item.code(), item.details() or "")
-                if kind == "gen_end":
-                    if not finished:
-                        raise upstream_error(f"decode pod {decode_pod.address} ended the stream early")
-                    return
-                if kind == "prefill":
-                    trace.prefill_queue_seconds = item.queue_seconds
-                    trace.prefill_seconds = item.prefill_seconds
-                    trace.num_cached_tokens = item.num_cached_tokens
-                    event = TokenEvent(0, [item.first_token_id], [item.first_token_logprobs],
-                                       item.finished, item.finish_reason or None)
-                    finished_by_prefill = item.finished and next_index == 0
-                else:
-                    if item.finished and item.finish_reason == "abort":
-                        # The pod gave the request up (draining, out of room): like a failed call.
-                        raise _AttemptFailed(decode_pod, grpc.StatusCode.ABORTED, "the pod aborted the request")
-                    if item.index == 0 and item.token_ids:
-                        self._record_generate_trace(item, trace)
-                    event = TokenEvent(item.index, list(item.token_ids), list(item.logprobs),
-                                       item.finished, item.finish_reason or None)
-                # Deduplicate: keep only tokens at positions not yet emitted.
-                if event.index > next_index:
-                    raise upstream_error(f"token gap from pods: got index {event.index}, expected {next_index}")
-                skip = next_index - event.index
-                if skip >= len(event.token_ids) and not event.finished:
-                    continue
-                event = replace(event, index=next_index, token_ids=event.token_ids[skip:],
-                                logprobs=event.logprobs[skip:])
-                next_index += len(event.token_ids)
-                emitted[0] = emitted[0] or bool(event.token_ids)
-                if first_token_at is None and event.token_ids:
-                    first_token_at = time.monotonic()
-                    self._observe_ttft(decision, first_token_at - routed_at)
-                finished = event.finished
-                if finished and first_token_at is not None:
-                    # Before the yield: a consumer that stops at the last token never resumes us.
-                    self._observe_tpot(decision, time.monotonic() - first_token_at, next_index)
-                yield event
-                if finished:
-                    return
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            gen_call.cancel()
-            if prefill_call is not None:
-                prefill_call.cancel()
-            if not finished or finished_by_prefill:
-                # Cut short: make sure neither pod keeps state (P may hold the KV for a pull).
-                for pod in (prefill_pod, decode_pod):
-                    if pod is not None:
-                        self._spawn(pod.client.abort(request_id))
-            self._release(decision)
+    def failure_error(self, failed: PodFailure, retry: bool) -> APIError | None:
+        """Take a pod that is down out of routing; the error the client gets, or None to retry."""
+        code = failed.code
+        if code in POD_DOWN:
+            self.tracker.mark_failed(failed.pod, f"{code.name}: {failed.details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return timeout_error("The request's deadline passed before it finished.")
+        if not retry or code in _NOT_RETRYABLE:
+            return upstream_error(f"Generation failed: {failed}")
+        return None
 
-    def _observe_ttft(self, decision: RoutingDecision, ttft_seconds: float) -> None:
+    def observe_ttft(self, decision: RoutingDecision, ttft_seconds: float) -> None:
         """Feed the prefilling pod's TTFT calibration: routing to first token, measured here."""
         if decision.predicted_ttft_seconds is not None:
             pod = decision.prefill or decision.decode
             pod.ttft_calibration.observe(ttft_seconds, decision.predicted_ttft_seconds)
             self.metrics.calibration(pod.address, "ttft", pod.ttft_calibration.factor)
 
-    def _observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
-        """Feed the decode pod's calibration with the TPOT measured here, as the client sees it."""
+    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
+        """Feed the decode pod's calibration with the TPOT measured here, as the client sees it
+        (the P→D gap included, as in the SLO it is compared with)."""
         if decision.predicted_tpot_seconds is not None and num_tokens > 1:
             pod = decision.decode
             pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), decision.predicted_tpot_seconds)
             self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
 
     @staticmethod
-    def _record_generate_trace(item: pb.GenerateResponse, trace: SequenceTrace) -> None:
+    def record_generate_trace(item: pb.GenerateResponse, trace: SequenceTrace) -> None:
         trace.local_prefill = item.local_prefill
         if item.local_prefill:
             trace.prefill_queue_seconds = item.queue_seconds
@@ -285,23 +184,8 @@ class Dispatcher:
             trace.kv_transfer_seconds = item.kv_transfer_seconds
             trace.decode_queue_seconds = item.queue_seconds
 
-    @staticmethod
-    async def _pump_prefill(call: grpc.aio.UnaryUnaryCall, inbox: asyncio.Queue) -> None:
-        try:
-            inbox.put_nowait(("prefill", await call))
-        except grpc.aio.AioRpcError as exc:
-            inbox.put_nowait(("prefill_error", exc))
-
-    @staticmethod
-    async def _pump_generate(call: grpc.aio.UnaryStreamCall, inbox: asyncio.Queue) -> None:
-        try:
-            async for response in call:
-                inbox.put_nowait(("gen", response))
-            inbox.put_nowait(("gen_end", None))
-        except grpc.aio.AioRpcError as exc:
-            inbox.put_nowait(("gen_error", exc))
-
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
+        """Run `coro` in the background (best-effort calls such as Abort)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -312,4 +196,4 @@ class Dispatcher:
         return bool(pods["colocated"]) or bool(pods["prefill"] and pods["decode"])
 
 
-__all__ = ["Dispatcher", "SequenceSpec", "SequenceTrace", "TokenEvent"]
+__all__ = ["Dispatcher", "SequenceSpec", "SequenceStream", "SequenceTrace"]

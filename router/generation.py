@@ -1,136 +1,109 @@
 """One HTTP request's choices running on the pods, turned into text events.
 
-Each choice (prompt x n) runs in its own task: tokens from `Dispatcher.run`, text from the same
-`IncrementalDetokenizer` the decode pod uses (so both agree on where a stop string cuts), and its
-latency metrics. Events from all choices meet in one queue. `prime()` waits until every choice has
-produced its first event or failed, so admission errors (429, 503) and routing failures become a
-proper HTTP status even for streaming requests, before any header is sent.
+Each choice (prompt x n) is a `Choice`: `start()` routes it and waits for its first tokens
+(`Dispatcher.start`, retries included); `events()` turns its pod messages into text with the same
+`IncrementalDetokenizer` the decode pod uses (so both agree on where a stop string cuts), one
+`update` per pod message (a message carries every token of one engine step), and records the
+choice's latency metrics at its end. `RequestRun.prime()` starts every choice and waits for all
+first tokens, so admission errors (429, 503) and routing failures become a proper HTTP status even
+for streaming requests, before any header is sent.
+
+With one choice, `RequestRun.events()` is that choice's own generator: the task that writes the
+HTTP response reads the pod's stream itself, with no task or queue in between. With several, each
+choice runs in its own task and their events meet in one queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 
 from cbserve.pb import cbserve_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from router.dispatch import Dispatcher, SequenceSpec, SequenceTrace
+from router.dispatch import Dispatcher, SequenceSpec, SequenceStream, SequenceTrace
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ChoiceEvent:
-    """New text of choice `index`; `finish_reason` is set on its last event."""
+class ChoiceEvent(NamedTuple):
+    """New text of choice `index` (from one pod message); `finish_reason` is set on its last event."""
 
     index: int
     text: str
-    token_ids: list[int]
-    logprobs: list[pb.TokenLogprobs]
+    token_ids: Sequence[int]
+    logprobs: Sequence[pb.TokenLogprobs]
     finish_reason: str | None = None
 
 
-class RequestRun:
-    """Runs the sequences of one HTTP request and merges their events."""
+class Choice:
+    """One output sequence of a request: its pod stream as text events, and its metrics."""
 
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, metrics: RouterMetrics,
-                 specs: list[SequenceSpec], arrival: float) -> None:
+    def __init__(self, index: int, spec: SequenceSpec, dispatcher: Dispatcher, tokenizer: Tokenizer,
+                 metrics: RouterMetrics, arrival: float) -> None:
+        self.index = index
+        self.spec = spec
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.specs = specs
-        self.arrival = arrival                    # monotonic seconds the HTTP request arrived
-        self.num_output_tokens = [0] * len(specs)
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._buffer: list = []
-        self._tasks = [asyncio.create_task(self._run_choice(i, spec)) for i, spec in enumerate(specs)]
+        self.arrival = arrival                  # monotonic seconds the HTTP request arrived
+        self.trace = SequenceTrace()
+        self.stream: SequenceStream | None = None
 
-    async def prime(self) -> None:
-        """Wait for each choice's first event; re-raise the first error (and cancel the rest)."""
-        started: set[int] = set()
-        while len(started) < len(self.specs):
-            item = await self._queue.get()
-            index, payload = item
-            if isinstance(payload, BaseException):
-                self.cancel()
-                raise payload
-            self._buffer.append(item)
-            started.add(index)
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens the pods produced for this choice so far (deduplicated; usage counts these)."""
+        return self.stream.next_index if self.stream is not None else 0
+
+    async def start(self) -> None:
+        """Route the choice and wait for its first tokens; raises APIError if it cannot be served."""
+        self.stream = await self.dispatcher.start(self.spec, self.trace)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """All choice events in arrival order; raises a choice's error when it happens."""
-        remaining = len(self.specs)
-        buffered, self._buffer = self._buffer, []
-        for _, payload in buffered:
-            if payload is None:
-                remaining -= 1
-            else:
-                yield payload
-        while remaining:
-            _, payload = await self._queue.get()
-            if payload is None:
-                remaining -= 1
-            elif isinstance(payload, BaseException):
-                raise payload
-            else:
-                yield payload
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    async def wait_closed(self) -> None:
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _run_choice(self, index: int, spec: SequenceSpec) -> None:
-        try:
-            await self._generate(index, spec)
-            self._queue.put_nowait((index, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # handed to the HTTP side, which answers in OpenAI's shape
-            self._queue.put_nowait((index, exc))
-
-    async def _generate(self, index: int, spec: SequenceSpec) -> None:
-        params = spec.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, params)
+        """Text events, one per pod message, until the one with `finish_reason`. Needs `start()`."""
+        stream, index, params = self.stream, self.index, self.spec.params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, self.spec.prompt_token_ids, params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.eos_token_ids)
-        trace = SequenceTrace()
-        first_token_at: float | None = None
-        finish_reason = None
-        async with contextlib.aclosing(self.dispatcher.run(spec, trace)) as tokens:
-            async for event in tokens:
-                if event.token_ids and first_token_at is None:
-                    first_token_at = time.monotonic()
-                self.num_output_tokens[index] += len(event.token_ids)
-                stop_terminated = (event.finished and event.finish_reason == "stop" and bool(event.token_ids)
-                                   and event.token_ids[-1] in stop_ids)
-                delta = detokenizer.update(event.token_ids, stop_terminated)
-                text = delta.text
+        message = stream.first_message
+        try:
+            while True:
+                token_ids = message.token_ids
+                finished = message.finished
+                stop_terminated = (finished and message.finish_reason == "stop" and len(token_ids) > 0
+                                   and token_ids[-1] in stop_ids)
+                delta = detokenizer.update(token_ids, stop_terminated)
                 if delta.stopped:
                     finish_reason = "stop"     # a stop string: the pod stops too, or is cancelled now
-                elif event.finished:
-                    text += detokenizer.flush().text
-                    finish_reason = event.finish_reason or "stop"
-                self._queue.put_nowait((index, ChoiceEvent(index, text, event.token_ids, event.logprobs,
-                                                           finish_reason)))
-                if finish_reason is not None:
+                    text = delta.text
                     break
-        self._record(spec, trace, first_token_at, self.num_output_tokens[index])
+                if finished:
+                    finish_reason = message.finish_reason or "stop"
+                    text = delta.text + detokenizer.flush().text
+                    break
+                yield ChoiceEvent(index, delta.text, token_ids, message.logprobs)
+                message = await stream.next()
+        finally:
+            stream.close()
+        # Before the last yield: a consumer that stops at the last event never resumes us.
+        self._record()
+        yield ChoiceEvent(index, text, token_ids, message.logprobs, finish_reason)
 
-    def _record(self, spec: SequenceSpec, trace: SequenceTrace, first_token_at: float | None,
-                num_tokens: int) -> None:
-        """Client-facing latencies, SLO attainment and the per-phase breakdown of one sequence."""
+    def _record(self) -> None:
+        """Client-facing latencies, SLO attainment and the per-phase breakdown of one sequence.
+
+        TPOT is the client's (OpenAI's, vLLM's): the mean gap after the first token, so with P/D it
+        includes the wait from P's first token to D's first one; that wait is also its own phase,
+        `pd_gap`, to tell a slow hand-over from slow decode steps.
+        """
         now = time.monotonic()
-        m = self.metrics
+        m, spec, trace = self.metrics, self.spec, self.trace
+        first_token_at, num_tokens = self.stream.first_token_at, self.num_output_tokens
         e2e = now - self.arrival
         m.e2e.observe(e2e)
         if first_token_at is None:
@@ -143,7 +116,7 @@ class RequestRun:
         m.observe_phase("decode", now - first_token_at)
         for phase, value in (("prefill_queue", trace.prefill_queue_seconds), ("prefill", trace.prefill_seconds),
                              ("kv_transfer", trace.kv_transfer_seconds),
-                             ("decode_queue", trace.decode_queue_seconds)):
+                             ("decode_queue", trace.decode_queue_seconds), ("pd_gap", trace.pd_gap_seconds)):
             if value is not None:
                 m.observe_phase(phase, value)
         if trace.kv_transfer_seconds is not None:
@@ -158,7 +131,71 @@ class RequestRun:
             m.slo_met("all")
         else:
             log.info("request %s missed its SLO: ttft=%.3fs tpot=%.4fs tokens=%d | router_queue=%.3fs "
-                     "prefill_queue=%s prefill=%s kv_transfer=%s decode_queue=%s cached=%d local_prefill=%s "
-                     "attempts=%s", spec.request_id, ttft, tpot, num_tokens, trace.router_queue_seconds,
-                     trace.prefill_queue_seconds, trace.prefill_seconds, trace.kv_transfer_seconds,
-                     trace.decode_queue_seconds, trace.num_cached_tokens, trace.local_prefill, trace.attempts)
+                     "prefill_queue=%s prefill=%s kv_transfer=%s decode_queue=%s pd_gap=%s cached=%d "
+                     "local_prefill=%s attempts=%s", spec.request_id, ttft, tpot, num_tokens,
+                     trace.router_queue_seconds, trace.prefill_queue_seconds, trace.prefill_seconds,
+                     trace.kv_transfer_seconds, trace.decode_queue_seconds, trace.pd_gap_seconds,
+                     trace.num_cached_tokens, trace.local_prefill, trace.attempts)
+
+
+class RequestRun:
+    """Runs the choices of one HTTP request and merges their events."""
+
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, metrics: RouterMetrics,
+                 specs: list[SequenceSpec], arrival: float) -> None:
+        self.metrics = metrics
+        self.choices = [Choice(i, spec, dispatcher, tokenizer, metrics, arrival) for i, spec in enumerate(specs)]
+        self._tasks: list[asyncio.Future] = []
+
+    @property
+    def num_output_tokens(self) -> list[int]:
+        return [choice.num_output_tokens for choice in self.choices]
+
+    async def prime(self) -> None:
+        """Start every choice and wait for its first tokens; re-raise the first error (and cancel the rest)."""
+        if len(self.choices) == 1:
+            await self.choices[0].start()
+            return
+        self._tasks = [asyncio.ensure_future(choice.start()) for choice in self.choices]
+        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in self._tasks:
+            if task.done() and task.exception() is not None:
+                self.cancel()
+                raise task.exception()
+
+    def events(self) -> AsyncIterator[ChoiceEvent]:
+        """All choice events in arrival order; raises a choice's error when it happens. Needs `prime()`."""
+        return self.choices[0].events() if len(self.choices) == 1 else self._merged()
+
+    def cancel(self) -> None:
+        """Stop every choice: their pod calls are cancelled (and aborted) and the pods released."""
+        for task in self._tasks:
+            task.cancel()
+        for choice in self.choices:
+            if choice.stream is not None:
+                choice.stream.close()
+
+    async def _merged(self) -> AsyncIterator[ChoiceEvent]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(_pump(choice, queue)) for choice in self.choices]
+        remaining = len(self.choices)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+
+
+async def _pump(choice: Choice, queue: asyncio.Queue) -> None:
+    """One choice's events into the request's queue, then None (or its error)."""
+    try:
+        async for event in choice.events():
+            queue.put_nowait(event)
+        queue.put_nowait(None)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # handed to the HTTP side, which answers in OpenAI's shape
+        queue.put_nowait(exc)

@@ -2,15 +2,18 @@
 
 Client-facing latencies (TTFT, TPOT, end to end) plus one histogram per phase of a request's life,
 `cbserve_request_phase_seconds{phase}` with phase in PHASES, so a slow request can be explained:
-router queue -> prefill queue -> prefill -> KV transfer -> decode queue -> decode. Every metric
-carries `role="router"`. Each app gets its own registry, so several routers can live in one test.
+router queue -> prefill queue -> prefill -> KV transfer -> decode queue -> decode. `pd_gap` is the
+P/D hand-over as the router sees it: P's first token to D's first token (KV pull, D's queue and
+first step; part of `decode`, and of TPOT, which counts from the first token as OpenAI's does).
+Every metric carries `role="router"`. Each app gets its own registry, so several routers can live
+in one test.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-PHASES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
+PHASES = ("router_queue", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "pd_gap", "decode")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
                     3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,

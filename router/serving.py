@@ -26,7 +26,7 @@ from router import responses as R
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, SequenceSpec
 from router.errors import APIError, bad_request, not_found
-from router.generation import RequestRun
+from router.generation import ChoiceEvent, RequestRun
 from router.metrics import RouterMetrics
 from router.policy import RoutingRequest, block_hashes
 from router.prompts import Prompt
@@ -172,6 +172,7 @@ async def _unless_disconnected(http: Request, work: Awaitable[Any], run: Request
 
 async def _collect(run: RequestRun, count: int) -> list[R.ChoiceResult]:
     results = [R.ChoiceResult() for _ in range(count)]
+    await run.prime()
     async for event in run.events():
         result = results[event.index]
         result.text += event.text
@@ -186,13 +187,24 @@ def _failure_status(exc: Exception) -> str:
     return "rejected" if isinstance(exc, APIError) and exc.status in (429, 503) else "error"
 
 
+@dataclass(frozen=True)
+class StreamFormat:
+    """How an endpoint streams: the SSE text before any event (chat's role deltas, an echo), one
+    chunk per event (from a pre-rendered template in the common case), and the end (usage, [DONE])."""
+
+    head: str
+    chunk: Callable[[ChoiceEvent], str]
+    tail: Callable[[RequestRun], str]
+
+
 async def execute(state: ServingState, http: Request, arrival: float, specs: list[SequenceSpec], stream: bool,
                   whole: Callable[[list[R.ChoiceResult], RequestRun], dict[str, Any]],
-                  chunks: Callable[[RequestRun], AsyncIterator[str]]) -> Response:
+                  stream_format: Callable[[], StreamFormat]) -> Response:
     """Run the sequences; answer as one JSON body or as an SSE stream.
 
     `arrival` (monotonic) is when the HTTP request arrived: client-facing TTFT counts from there,
-    tokenization included.
+    tokenization included. Streaming, each pod message becomes one SSE write, made by the task
+    that read the message (one choice) or by the one merging the choices' events (n > 1).
     """
     run = RequestRun(state.dispatcher, state.tokenizer, state.metrics, specs, arrival)
     if not stream:
@@ -218,17 +230,21 @@ async def execute(state: ServingState, http: Request, arrival: float, specs: lis
     outcome = await _unless_disconnected(http, prime(), run)
     if isinstance(outcome, Response):
         return outcome
+    fmt = stream_format()
 
     async def body() -> AsyncIterator[str]:
         status = "cancelled"
         try:
-            async for chunk in chunks(run):
-                yield chunk
+            if fmt.head:
+                yield fmt.head
+            chunk = fmt.chunk
+            async for event in run.events():
+                yield chunk(event)
+            yield fmt.tail(run)
             status = "success"
         except APIError as exc:
             status = "error"
-            yield R.sse(exc.body())
-            yield R.sse("[DONE]")
+            yield R.sse(exc.body()) + R.sse("[DONE]")
         finally:
             run.cancel()
             state.metrics.request_finished(status)
