@@ -14,9 +14,12 @@ are measured side by side in one run, alternating, `--rounds` times each; the ta
 
     git worktree add /tmp/router-base HEAD   # before the change
     .venv/bin/python bench/router_overhead.py --tree base=/tmp/router-base --tree new=. [--pd]
+    ... --tree new-uvloop=.@/tmp/uvenv/bin/python     # the same router on uvloop + httptools
 
-µs/token is router CPU per output token; tokens/s is end to end on this machine (the pods and the
-client share its cores, so it is an upper bound on nothing, only a comparison between trees).
+us_per_token is router CPU (all threads) per output token, loop_us_per_token the part of it on the
+main thread (the event loop: the router's Python, HTTP and the Python side of grpc.aio; the rest
+is gRPC core's own threads); tokens/s is end to end on this machine, where the pods and the client
+share the cores: a comparison between trees, not a capacity.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ REPO = Path(__file__).resolve().parent.parent
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (fields 14 and 15, after the parenthesised name)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """utime + stime of a process (or one of its threads), from /proc: fields 14 and 15."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
@@ -57,8 +61,9 @@ async def serve_pods(tokens_per_message: int, pd: bool) -> None:
     await asyncio.Event().wait()
 
 
-async def serve_router(addresses: dict[str, str]) -> None:
-    """The router (from whatever tree is on PYTHONPATH) on a free port; prints the port."""
+def serve_router(addresses: dict[str, str]) -> None:
+    """The router (from whatever tree is on PYTHONPATH) on a free port; prints the port, then serves
+    as `cbserve router` does: uvicorn runs the loop, "auto" picks uvloop and httptools if installed."""
     import socket
 
     import uvicorn
@@ -73,18 +78,14 @@ async def serve_router(addresses: dict[str, str]) -> None:
     app = create_app(config, tokenizer=tokenizer, default_max_model_len=4096)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
     print(sock.getsockname()[1], flush=True)
-    await task
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
 
 
 # -- the driver ------------------------------------------------------------------------------------
-def _spawn(args: list[str], pythonpath: str) -> subprocess.Popen:
+def _spawn(args: list[str], pythonpath: str, python: str = sys.executable) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([python, __file__, *args], env=env, stdout=subprocess.PIPE, text=True)
 
 
 def expected_text(prompt: str, num_tokens: int) -> str:
@@ -135,27 +136,33 @@ async def _batch(url: str, num_requests: int, concurrency: int, num_tokens: int)
         return total, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(tree: Path, tokens_per_message: int, args: argparse.Namespace) -> dict[str, float]:
+def measure(tree: Path, python: str, tokens_per_message: int, args: argparse.Namespace) -> dict[str, float]:
     pods = _spawn(["--serve-pods", str(tokens_per_message)] + (["--pd"] if args.pd else []), str(REPO))
     router = None
     try:
         addresses = json.loads(pods.stdout.readline())
-        router = _spawn(["--serve-router", json.dumps(addresses)], f"{tree}:{REPO}")
+        router = _spawn(["--serve-router", json.dumps(addresses)], f"{tree}:{REPO}", python)
         url = f"http://127.0.0.1:{int(router.stdout.readline())}"
         deadline = time.monotonic() + 30
         while httpx.get(url + "/ready").status_code != 200:
             assert time.monotonic() < deadline, "router never became ready"
             time.sleep(0.05)
         asyncio.run(_batch(url, args.concurrency, args.concurrency, args.num_tokens))       # warm-up
-        router_cpu, pods_cpu = cpu_seconds(router.pid), cpu_seconds(pods.pid)
+        before = cpu_seconds(router.pid), cpu_seconds(router.pid, router.pid), cpu_seconds(pods.pid)
         tokens, wall, client_cpu = asyncio.run(_batch(url, args.requests, args.concurrency, args.num_tokens))
-        router_cpu, pods_cpu = cpu_seconds(router.pid) - router_cpu, cpu_seconds(pods.pid) - pods_cpu
+        after = cpu_seconds(router.pid), cpu_seconds(router.pid, router.pid), cpu_seconds(pods.pid)
+        router_cpu, loop_cpu, pods_cpu = (b - a for a, b in zip(before, after))
     finally:
         for proc in (router, pods):
             if proc is not None:
                 proc.terminate()
-                proc.wait(10)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     return {"us_per_token": 1e6 * router_cpu / tokens,
+            "loop_us_per_token": 1e6 * loop_cpu / tokens,
             "us_per_message": 1e6 * router_cpu / (tokens / tokens_per_message),
             "tokens_per_s": tokens / wall, "router_cpu_s": router_cpu, "pods_cpu_s": pods_cpu,
             "client_cpu_s": client_cpu, "wall_s": wall}
@@ -163,8 +170,9 @@ def measure(tree: Path, tokens_per_message: int, args: argparse.Namespace) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
-                        help="a checkout whose router to measure (repeatable; default: this one)")
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH[@PYTHON]",
+                        help="a checkout whose router to measure, optionally with another interpreter "
+                             "(one with uvloop and httptools, say); repeatable; default: this one")
     parser.add_argument("--tokens-per-message", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--num-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--requests", type=int, default=256, help="measured requests per round")
@@ -177,18 +185,23 @@ def main() -> None:
     if args.serve_pods is not None:
         return asyncio.run(serve_pods(args.serve_pods, args.pd))
     if args.serve_router is not None:
-        return asyncio.run(serve_router(json.loads(args.serve_router)))
+        return serve_router(json.loads(args.serve_router))
 
-    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this", str(REPO))]
+    trees = []
+    for spec in args.tree or [f"this={REPO}"]:
+        name, where = spec.split("=", 1)
+        path, _, python = where.partition("@")
+        trees.append((name, Path(path).resolve(), python or sys.executable))
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for k in args.tokens_per_message:
-            for name, path in trees:           # alternate trees so drift hits both alike
-                results.setdefault((name, k), []).append(measure(Path(path).resolve(), k, args))
+            for name, path, python in trees:   # alternate trees so drift hits both alike
+                results.setdefault((name, k), []).append(measure(path, python, k, args))
     mode = "prefill+decode" if args.pd else "colocated"
     print(f"{mode}, {args.num_tokens} tokens/request, {args.requests} requests x {args.rounds} rounds, "
           f"concurrency {args.concurrency}; medians")
-    columns = ("us_per_token", "us_per_message", "tokens_per_s", "router_cpu_s", "pods_cpu_s", "client_cpu_s")
+    columns = ("us_per_token", "loop_us_per_token", "us_per_message", "tokens_per_s", "router_cpu_s", "pods_cpu_s",
+               "client_cpu_s")
     print(f"{'tree':<8} {'tok/msg':>7} " + " ".join(f"{c:>14}" for c in columns))
     for (name, k), runs in results.items():
         row = [statistics.median(r[c] for r in runs) for c in columns]

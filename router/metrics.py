@@ -38,6 +38,7 @@ class RouterMetrics:
                                      labels, buckets=_LATENCY_BUCKETS, registry=r).labels(ROLE)
         self._phase = Histogram("cbserve_request_phase_seconds", "Time a request spent in each phase",
                                 ["role", "phase"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._phases: dict[str, object] = {}     # labelled children, made on first use (no empty series)
         self._requests = Counter("cbserve_requests", "Finished requests by status", ["role", "status"], registry=r)
         self._slo_met = Counter("cbserve_slo_met", "Requests that met an SLO (ttft, tpot, all)",
                                 ["role", "slo"], registry=r)
@@ -53,8 +54,11 @@ class RouterMetrics:
                                   registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
-        assert phase in PHASES, phase
-        self._phase.labels(ROLE, phase).observe(max(0.0, seconds))
+        child = self._phases.get(phase)
+        if child is None:
+            assert phase in PHASES, phase
+            child = self._phases[phase] = self._phase.labels(ROLE, phase)
+        child.observe(max(0.0, seconds))
 
     def request_finished(self, status: str) -> None:
         self._requests.labels(ROLE, status).inc()

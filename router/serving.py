@@ -233,14 +233,19 @@ async def execute(state: ServingState, http: Request, arrival: float, specs: lis
     fmt = stream_format()
 
     async def body() -> AsyncIterator[str]:
+        # One write per event; the head goes out with the first, the tail with the last one.
         status = "cancelled"
         try:
-            if fmt.head:
-                yield fmt.head
-            chunk = fmt.chunk
+            head, chunk, unfinished = fmt.head, fmt.chunk, len(specs)
             async for event in run.events():
-                yield chunk(event)
-            yield fmt.tail(run)
+                text = chunk(event)
+                if head:
+                    text, head = head + text, ""
+                if event.finish_reason is not None:
+                    unfinished -= 1
+                    if not unfinished:
+                        text += fmt.tail(run)
+                yield text
             status = "success"
         except APIError as exc:
             status = "error"
