@@ -16,6 +16,10 @@ are measured side by side in one run, alternating, `--rounds` times each; the ta
     .venv/bin/python bench/router_overhead.py --tree base=/tmp/router-base --tree new=. [--pd]
     ... --tree new-uvloop=.@/tmp/uvenv/bin/python     # the same router on uvloop + httptools
 
+`--in-process` measures the router's own Python alone: the app is called through ASGI (no server,
+no sockets) over fake pod clients whose Generate hands out prebuilt messages, one loop turn each;
+the CPU is the process's `time.process_time()` around the measured batch.
+
 us_per_token is router CPU (all threads) per output token, loop_us_per_token the part of it on the
 main thread (the event loop: the router's Python, HTTP and the Python side of grpc.aio; the rest
 is gRPC core's own threads); tokens/s is end to end on this machine, where the pods and the client
@@ -80,6 +84,155 @@ def serve_router(addresses: dict[str, str]) -> None:
     sock.bind(("127.0.0.1", 0))
     print(sock.getsockname()[1], flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+# -- in process: the router's own Python, without sockets or gRPC ----------------------------------
+class _FakeCall:
+    """A Generate call that hands out prebuilt messages, one loop turn each (as a network read)."""
+
+    def __init__(self, messages: list) -> None:
+        self._messages = iter(messages)
+
+    async def read(self):
+        import grpc
+
+        await asyncio.sleep(0)
+        return next(self._messages, grpc.aio.EOF)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        try:
+            return next(self._messages)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _FakeWatch:
+    """A WatchLoad call: the same report every interval until cancelled."""
+
+    def __init__(self, report, interval_seconds: float) -> None:
+        self._report, self._interval, self._first = report, interval_seconds, True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._first:
+            await asyncio.sleep(self._interval)
+        self._first = False
+        return self._report
+
+    def cancel(self) -> bool:
+        return True
+
+
+def _fake_pod_client(tokens_per_message: int):
+    """A stand-in for router.pod_client.PodClient: answers at once, never touches a socket."""
+    sys.path.insert(0, str(REPO / "tests" / "router"))
+    from fake_pods import expected_tokens
+
+    from cbserve.pb import cbserve_pb2 as pb
+
+    messages: dict[tuple, list] = {}
+
+    class FakePodClient:
+        def __init__(self, address: str, role: str) -> None:
+            self.address, self.role = address, role
+
+        async def close(self) -> None:
+            pass
+
+        async def handshake(self, timeout: float):
+            return pb.HandshakeResponse(pod_id=self.address, kv_transports=["grpc"], model=pb.ModelInfo(
+                model_name="fake", max_model_len=4096, vocab_size=260, block_size=16))
+
+        async def get_load(self, timeout: float):
+            return pb.LoadReport(pod_id=self.address, role=self.role)
+
+        def watch_load(self, interval_seconds: float):
+            return _FakeWatch(pb.LoadReport(pod_id=self.address, role=self.role), interval_seconds)
+
+        def generate(self, request, timeout: float) -> _FakeCall:
+            key = (tuple(request.prompt_token_ids), request.sampling.max_tokens)
+            if key not in messages:           # built once per prompt: not the router's cost
+                tokens, k = expected_tokens(*key), tokens_per_message
+                batches = [(i, tokens[i:i + k], i + k >= len(tokens)) for i in range(0, len(tokens), k)]
+                messages[key] = [pb.GenerateResponse(
+                    index=i, token_ids=ids, logprobs=[pb.TokenLogprobs(logprob=-0.5)] * len(ids), finished=last,
+                    finish_reason="length" if last else "") for i, ids, last in batches]
+            return _FakeCall(messages[key])
+
+        async def abort(self, request_id: str, timeout: float = 1.0) -> None:
+            pass
+
+    return FakePodClient
+
+
+async def _in_process(tokens_per_message: int, args: argparse.Namespace) -> dict[str, float]:
+    """Drive the app through ASGI (no server, no sockets) over fake pod clients; process CPU."""
+    import router.load
+    from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    router.load.PodClient = _fake_pod_client(tokens_per_message)
+    tokenizer = Tokenizer.from_pretrained(build_byte_level_tokenizer(Path(tempfile.mkdtemp())))
+    config = RouterConfig(model="fake-model", api_key_env=None, colocated=("fake:1",), request_timeout_seconds=600)
+    app = create_app(config, tokenizer=tokenizer, default_max_model_len=4096)
+    num_chunks = 0
+
+    async def one(prompt: str) -> None:
+        nonlocal num_chunks
+        body = json.dumps({"model": "fake-model", "prompt": prompt, "max_tokens": args.num_tokens, "stream": True,
+                           "ignore_eos": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        done = asyncio.Event()
+        sent = [False]
+
+        async def receive():
+            if not sent[0]:
+                sent[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            nonlocal num_chunks
+            if message["type"] == "http.response.body":
+                num_chunks += 1
+                if not message.get("more_body"):
+                    done.set()
+
+        await app(scope, receive, send)
+
+    async def batch(num_requests: int) -> None:
+        prompts = [f"p{i % 17}" for i in range(num_requests)]
+
+        async def worker() -> None:
+            while prompts:
+                await one(prompts.pop())
+        await asyncio.gather(*[worker() for _ in range(args.concurrency)])
+
+    async with app.router.lifespan_context(app):
+        while not app.state.serving.dispatcher.is_ready():
+            await asyncio.sleep(0.01)
+        await batch(args.concurrency)                                          # warm-up
+        num_chunks = 0
+        cpu = time.process_time()
+        await batch(args.requests)
+        cpu = time.process_time() - cpu
+    tokens = args.requests * args.num_tokens
+    return {"us_per_token": 1e6 * cpu / tokens, "us_per_message": 1e6 * cpu / (tokens / tokens_per_message),
+            "chunks": num_chunks}
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -168,6 +321,14 @@ def measure(tree: Path, python: str, tokens_per_message: int, args: argparse.Nam
             "client_cpu_s": client_cpu, "wall_s": wall}
 
 
+def measure_in_process(tree: Path, python: str, tokens_per_message: int, args: argparse.Namespace) -> dict:
+    command = [python, __file__, "--in-process-run", str(tokens_per_message), "--num-tokens", str(args.num_tokens),
+               "--requests", str(args.requests), "--concurrency", str(args.concurrency)]
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{REPO}"}
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH[@PYTHON]",
@@ -179,6 +340,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pd", action="store_true", help="a prefill and a decode pod instead of a colocated one")
+    parser.add_argument("--in-process", action="store_true",
+                        help="the app driven through ASGI over fake pod clients: the router's Python alone")
+    parser.add_argument("--in-process-run", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-pods", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-router", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,6 +350,9 @@ def main() -> None:
         return asyncio.run(serve_pods(args.serve_pods, args.pd))
     if args.serve_router is not None:
         return serve_router(json.loads(args.serve_router))
+    if args.in_process_run is not None:
+        print(json.dumps(asyncio.run(_in_process(args.in_process_run, args))))
+        return None
 
     trees = []
     for spec in args.tree or [f"this={REPO}"]:
@@ -196,12 +363,18 @@ def main() -> None:
     for _ in range(args.rounds):
         for k in args.tokens_per_message:
             for name, path, python in trees:   # alternate trees so drift hits both alike
-                results.setdefault((name, k), []).append(measure(path, python, k, args))
-    mode = "prefill+decode" if args.pd else "colocated"
-    print(f"{mode}, {args.num_tokens} tokens/request, {args.requests} requests x {args.rounds} rounds, "
-          f"concurrency {args.concurrency}; medians")
-    columns = ("us_per_token", "loop_us_per_token", "us_per_message", "tokens_per_s", "router_cpu_s", "pods_cpu_s",
-               "client_cpu_s")
+                results.setdefault((name, k), []).append(
+                    measure_in_process(path, python, k, args) if args.in_process else measure(path, python, k, args))
+    if args.in_process:
+        print(f"in process (ASGI, fake pod clients, no sockets), {args.num_tokens} tokens/request, "
+              f"{args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}; medians")
+        columns = ("us_per_token", "us_per_message", "chunks")
+    else:
+        mode = "prefill+decode" if args.pd else "colocated"
+        print(f"{mode}, {args.num_tokens} tokens/request, {args.requests} requests x {args.rounds} rounds, "
+              f"concurrency {args.concurrency}; medians")
+        columns = ("us_per_token", "loop_us_per_token", "us_per_message", "tokens_per_s", "router_cpu_s",
+                   "pods_cpu_s", "client_cpu_s")
     print(f"{'tree':<8} {'tok/msg':>7} " + " ".join(f"{c:>14}" for c in columns))
     for (name, k), runs in results.items():
         row = [statistics.median(r[c] for r in runs) for c in columns]
