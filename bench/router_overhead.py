@@ -289,6 +289,13 @@ async def _batch(url: str, num_requests: int, concurrency: int, num_tokens: int)
         return total, time.perf_counter() - wall, time.process_time() - cpu
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready").status_code == 200
+    except httpx.ConnectError:          # the socket is bound, uvicorn not listening yet
+        return False
+
+
 def measure(tree: Path, python: str, tokens_per_message: int, args: argparse.Namespace) -> dict[str, float]:
     pods = _spawn(["--serve-pods", str(tokens_per_message)] + (["--pd"] if args.pd else []), str(REPO))
     router = None
@@ -297,7 +304,7 @@ def measure(tree: Path, python: str, tokens_per_message: int, args: argparse.Nam
         router = _spawn(["--serve-router", json.dumps(addresses)], f"{tree}:{REPO}", python)
         url = f"http://127.0.0.1:{int(router.stdout.readline())}"
         deadline = time.monotonic() + 30
-        while httpx.get(url + "/ready").status_code != 200:
+        while not _ready(url):
             assert time.monotonic() < deadline, "router never became ready"
             time.sleep(0.05)
         asyncio.run(_batch(url, args.concurrency, args.concurrency, args.num_tokens))       # warm-up
