@@ -69,6 +69,13 @@ class IncrementalDetokenizer:
         if stop_terminated and tokens and not self._params.include_stop_str_in_output:
             tokens.pop()
         start = len(self._output_text)
+        if not self._params.stop:
+            # No stop string to find between tokens: one decode for the whole message (the text
+            # is the same; a message ending mid-character waits for the next, as one token would).
+            self._ids.extend(tokens)
+            self._num_output_tokens += len(tokens)
+            self._output_text += self._decode_new_text(final=False)
+            tokens = ()
         for token_id in tokens:
             self._ids.append(token_id)
             self._num_output_tokens += 1
