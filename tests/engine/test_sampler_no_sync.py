@@ -90,14 +90,19 @@ def logits_for(n: int, vocab: int = 500) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("device_formulation", [False, True], ids=["cpu", "device"])
-@pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_sample_on_device_reads_nothing_back(batch, device_formulation, monkeypatch):
+def _case(batch: str, device_formulation: bool, monkeypatch):
+    """(requests, logits, sampler) of a BATCHES case; `device_formulation` makes the CPU take the
+    path a GPU takes (no numpy reads of host memory)."""
     if device_formulation:
         monkeypatch.setattr(random_sampling, "host_memory", lambda device: False)
     requests = [request(output=(7, 8), **kw) for kw in BATCHES[batch]]
-    logits = logits_for(len(requests))
-    sampler = Sampler([EOS])
+    return requests, logits_for(len(requests)), Sampler([EOS])
+
+
+@pytest.mark.parametrize("device_formulation", [False, True], ids=["cpu", "device"])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_sample_on_device_reads_nothing_back(batch, device_formulation, monkeypatch):
+    requests, logits, sampler = _case(batch, device_formulation, monkeypatch)
     sampler.sample_on_device(logits, requests)          # first call: generators, lazy imports
     with count_reads(monkeypatch, also_numpy=device_formulation) as hits:
         sample = sampler.sample_on_device(logits, requests)
@@ -108,11 +113,7 @@ def test_sample_on_device_reads_nothing_back(batch, device_formulation, monkeypa
 @pytest.mark.parametrize("device_formulation", [False, True], ids=["cpu", "device"])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_resolve_gives_what_sample_gives(batch, device_formulation, monkeypatch):
-    if device_formulation:
-        monkeypatch.setattr(random_sampling, "host_memory", lambda device: False)
-    requests = [request(output=(7, 8), **kw) for kw in BATCHES[batch]]
-    logits = logits_for(len(requests))
-    sampler = Sampler([EOS])
+    requests, logits, sampler = _case(batch, device_formulation, monkeypatch)
     torch.manual_seed(0)                                 # the unseeded rows' draws
     expected = sampler.sample(logits, requests)
     torch.manual_seed(0)
