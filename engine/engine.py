@@ -21,9 +21,9 @@ from typing import Iterable, Sequence
 import torch
 
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
+from engine.cuda_graphs import graph_memory_estimate
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import allocate_kv_cache
-from engine.cuda_graphs import graph_memory_estimate
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
 from engine.model_config import ModelConfig
