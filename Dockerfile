@@ -26,6 +26,8 @@ ENV PATH=/opt/cbserve/bin:${PATH}
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY wire/ wire/
+COPY pod/ pod/
 COPY cbserve/ cbserve/
 COPY engine/ engine/
 COPY kernels/ kernels/

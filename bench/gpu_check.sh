@@ -33,7 +33,7 @@
 #     grpcio-health-checking==1.85.1 protobuf==7.36.2
 # Why these: the router imports fastapi (-> starlette, pydantic, pydantic-core, annotated-types,
 # annotated-doc, typing-inspection, opentelemetry-api), uvicorn, and the pods grpc_health
-# (grpcio-health-checking); cbserve/pb was generated for grpcio >= 1.85.1 and protobuf >= 7.35.1,
+# (grpcio-health-checking); wire was generated for grpcio >= 1.85.1 and protobuf >= 7.35.1,
 # newer than the image may hold; pydantic-core needs typing-extensions >= 4.16; fastapi anyio >= 4.1.
 # The image already has click, h11, httpx, httpcore, jinja2, prometheus-client, transformers.
 # About 11 MB. This script installs them itself (into /tmp/site, first on PYTHONPATH) when .whl exists.

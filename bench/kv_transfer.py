@@ -36,7 +36,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # keep grpc's INFO lines out o
 
 import grpc  # noqa: E402
 
-from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc  # noqa: E402
+from wire import cbserve_pb2, cbserve_pb2_grpc  # noqa: E402
 from kvtransfer.collective import PairGroup, connect_store, host_store  # noqa: E402
 from kvtransfer.grpc_options import channel_options  # noqa: E402
 from kvtransfer.grpc_transport import KVSink, pull_kv  # noqa: E402

@@ -147,8 +147,8 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
     """Every prompt through Generate, `--concurrency` streams at a time; step samples via WatchLoad."""
     import grpc
 
-    from cbserve.pb import cbserve_pb2 as pb
-    from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+    from wire import cbserve_pb2 as pb
+    from wire import cbserve_pb2_grpc as pb_grpc
     from engine.sampling_params import SamplingParams, to_proto
 
     sampling = to_proto(SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))

@@ -137,7 +137,7 @@ def _fake_pod_client(tokens_per_message: int):
     sys.path.insert(0, str(REPO / "tests" / "router"))
     from fake_pods import expected_tokens
 
-    from cbserve.pb import cbserve_pb2 as pb
+    from wire import cbserve_pb2 as pb
 
     messages: dict[tuple, list] = {}
 

@@ -109,7 +109,7 @@ def _set_threads() -> None:
 def cmd_pod(args: argparse.Namespace) -> int:
     import asyncio
 
-    from prefill_pod.runtime import PodConfig, PodRuntime
+    from pod.runtime import PodConfig, PodRuntime
 
     _set_threads()
     role = "prefill" if args.command == "prefill" else ("colocated" if args.colocated else "decode")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from wire import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
 from engine.loop import drain
 from engine.outputs import RequestOutput
@@ -34,7 +34,7 @@ from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, Sour
                                SourceLostError)
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
-from prefill_pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
+from pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.DecodeService"

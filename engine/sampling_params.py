@@ -2,7 +2,7 @@
 
 Torch-free, because the router imports it to validate HTTP bodies before anything reaches a pod.
 The ranges follow OpenAI's API and vLLM. `to_proto`/`from_proto` map it to the wire message
-`cbserve.pb.cbserve_pb2.SamplingParams`; the proto stores floats in 32 bits, so `from_proto` turns
+`wire.cbserve_pb2.SamplingParams`; the proto stores floats in 32 bits, so `from_proto` turns
 each float back into the shortest decimal that rounds to the same float32 (0.7 stays 0.7), which
 makes `from_proto(to_proto(p)) == p` for every value a client can reasonably send.
 """
@@ -161,7 +161,7 @@ _PLAIN_FIELDS = ("top_k", "max_tokens", "min_tokens", "ignore_eos", "skip_specia
 def to_proto(params: SamplingParams, msg: Any = None) -> Any:
     """Fill (or create) a `cbserve_pb2.SamplingParams` message from `params`; returns the message."""
     if msg is None:
-        from cbserve.pb import cbserve_pb2
+        from wire import cbserve_pb2
 
         msg = cbserve_pb2.SamplingParams()
     for name in _PLAIN_FIELDS:

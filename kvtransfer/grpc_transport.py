@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from cbserve.pb import cbserve_pb2
+from wire import cbserve_pb2
 from kvtransfer.errors import (LayoutError, ProtocolError, SourceAbortedError, SourceLostError,
                                StreamEndedError)
 from kvtransfer.layout import KVLayout

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbserve.pb import cbserve_pb2
+from wire import cbserve_pb2
 from kvtransfer.errors import LayoutError
 
 # The wire names of the KV dtypes (ModelInfo.kv_dtype) and their torch dtypes.

@@ -26,7 +26,7 @@ import asyncio
 import torch
 import torch.distributed as dist
 
-from cbserve.pb import cbserve_pb2
+from wire import cbserve_pb2
 from kvtransfer.collective import PairGroup, connect_store
 
 

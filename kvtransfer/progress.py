@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from cbserve.pb import cbserve_pb2
+from wire import cbserve_pb2
 from kvtransfer.errors import SourceAbortedError
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from wire import cbserve_pb2, cbserve_pb2_grpc
 from kvtransfer.collective import PairGroup
 from kvtransfer.errors import LayoutError, SourceAbortedError
 from kvtransfer.grpc_options import server_options

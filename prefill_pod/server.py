@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from wire import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup
@@ -25,7 +25,7 @@ from kvtransfer.grpc_transport import KVSource
 from kvtransfer.layout import check_compatible
 from kvtransfer.leases import HeldKVTable
 from kvtransfer.progress import KVProgress
-from prefill_pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_to_pb
+from pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.PrefillService"

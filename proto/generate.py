@@ -1,6 +1,6 @@
 """Regenerate the committed wire modules: `python proto/generate.py [OUT_DIR]`.
 
-The generated files live in `cbserve/pb/` (not in a top-level package named `proto`, which is the
+The generated files live in `wire/` (not in a top-level package named `proto`, which is the
 import name of the `proto-plus` library). `tests/test_proto_current.py` fails when they are stale.
 """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from engine.sampling_params import SamplingParams
 from router.admission import AdmissionController
 from router.errors import APIError, timeout_error, unavailable, upstream_error

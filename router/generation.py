@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from router.dispatch import Dispatcher, SequenceSpec, SequenceStream, SequenceTrace

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
 from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration

@@ -1,6 +1,6 @@
 """PodClient: one gRPC channel to one pod and the calls the router makes on it.
 
-The router talks to pods only through the generated stubs (`cbserve.pb.cbserve_pb2_grpc`). Prefill
+The router talks to pods only through the generated stubs (`wire.cbserve_pb2_grpc`). Prefill
 pods serve `PrefillService`; decode and colocated pods serve `DecodeService`. Both offer Handshake,
 Abort, GetLoad and WatchLoad, so the load tracker and the health probe treat every pod alike.
 """
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cbserve.pb import cbserve_pb2 as pb
-from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from engine.sampling_params import to_proto
 from router.errors import upstream_error
 

@@ -13,8 +13,8 @@ import pytest
 
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
-from cbserve.pb import cbserve_pb2 as pb
-from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
 

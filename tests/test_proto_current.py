@@ -21,5 +21,5 @@ def test_generated_modules_are_current(tmp_path):
 
 
 def test_wire_modules_import_without_torch():
-    code = "import sys, cbserve.pb.cbserve_pb2_grpc; assert 'torch' not in sys.modules"
+    code = "import sys, wire.cbserve_pb2_grpc; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cbserve.pb import cbserve_pb2
+from wire import cbserve_pb2
 from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto, to_proto
 
 

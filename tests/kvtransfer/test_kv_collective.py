@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from wire import cbserve_pb2, cbserve_pb2_grpc
 from kvtransfer.collective import PairGroup, host_store, request_key
 from kvtransfer.errors import SourceLostError
 from kvtransfer.grpc_options import channel_options

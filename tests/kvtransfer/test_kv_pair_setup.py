@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from cbserve.pb import cbserve_pb2, cbserve_pb2_grpc
+from wire import cbserve_pb2, cbserve_pb2_grpc
 from kvtransfer.collective import host_store
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv

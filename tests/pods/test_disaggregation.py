@@ -9,8 +9,8 @@ import random
 import grpc
 import pytest
 
-from cbserve.pb import cbserve_pb2 as pb
-from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cbserve.pb import cbserve_pb2 as pb
-from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
 from tests.pods.podproc import Pod, run, sampling
 
 pytestmark = pytest.mark.slow

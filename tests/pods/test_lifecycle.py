@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
-from cbserve.pb import cbserve_pb2 as pb
-from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams

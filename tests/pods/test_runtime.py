@@ -8,8 +8,8 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import EngineConfig
 from engine.sampling_params import SamplingParams
-from prefill_pod import runtime as runtime_mod
-from prefill_pod.runtime import PodConfig, PodRuntime
+from pod import runtime as runtime_mod
+from pod.runtime import PodConfig, PodRuntime
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cbserve.pb import cbserve_pb2 as pb
-from cbserve.pb import cbserve_pb2_grpc as pb_grpc
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
 
 EOS_ID = 2                      # `</s>` in engine.tokenizer.build_byte_level_tokenizer
 BYTE_OFFSET = 4                 # byte b has id 4 + b there

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from router.discovery.base import PodEndpoint
 from router.load import PodState
 from router.policy.base import RoutingRequest

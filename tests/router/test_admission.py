@@ -8,7 +8,7 @@ import time
 import openai
 import pytest
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from fake_pods import Script
 from router.admission import AdmissionController
 from router.errors import APIError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from fake_pods import Script
 from router_harness import running_router
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from fake_pods import Script, start_pods
 from router.discovery.base import PodEndpoint
 from router.load import LoadTracker

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cbserve.pb import cbserve_pb2 as pb
+from wire import cbserve_pb2 as pb
 from fake_pods import Script
 from policy_pods import pod, request
 from router_harness import running_router

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from cbserve.pb import cbserve_pb2 as cbserve_dot_pb_dot_cbserve__pb2
+from wire import cbserve_pb2 as wire_dot_cbserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in cbserve/pb/cbserve_pb2_grpc.py depends on'
+        + ' but the generated code in wire/cbserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class PrefillServiceStub:
         """
         self.Handshake = channel.unary_unary(
                 '/cbserve.v1.PrefillService/Handshake',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/cbserve.v1.PrefillService/Prefill',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.PrefillResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.PullKV = channel.unary_stream(
                 '/cbserve.v1.PrefillService/PullKV',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.PullKVRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.KVChunk.FromString,
+                request_serializer=wire_dot_cbserve__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.KVChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/cbserve.v1.PrefillService/Abort',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.AbortResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/cbserve.v1.PrefillService/GetLoad',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.LoadRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+                request_serializer=wire_dot_cbserve__pb2.LoadRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.WatchLoad = channel.unary_stream(
                 '/cbserve.v1.PrefillService/WatchLoad',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+                request_serializer=wire_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.SetupTransport = channel.unary_unary(
                 '/cbserve.v1.PrefillService/SetupTransport',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.SetupTransportRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.SetupTransportResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.SetupTransportRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.SetupTransportResponse.FromString,
                 _registered_method=True)
 
 
@@ -121,38 +121,38 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.HandshakeRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.HandshakeResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.PrefillRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.PrefillRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.PrefillResponse.SerializeToString,
             ),
             'PullKV': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKV,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.PullKVRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.KVChunk.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.PullKVRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.KVChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.AbortRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.AbortRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.AbortResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.LoadRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.LoadRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoadReport.SerializeToString,
             ),
             'WatchLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLoad,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.WatchLoadRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.WatchLoadRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoadReport.SerializeToString,
             ),
             'SetupTransport': grpc.unary_unary_rpc_method_handler(
                     servicer.SetupTransport,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.SetupTransportRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.SetupTransportResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.SetupTransportRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.SetupTransportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,8 +180,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/Handshake',
-            cbserve_dot_pb_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.HandshakeResponse.FromString,
+            wire_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
+            wire_dot_cbserve__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -207,8 +207,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/Prefill',
-            cbserve_dot_pb_dot_cbserve__pb2.PrefillRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.PrefillResponse.FromString,
+            wire_dot_cbserve__pb2.PrefillRequest.SerializeToString,
+            wire_dot_cbserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -234,8 +234,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/PullKV',
-            cbserve_dot_pb_dot_cbserve__pb2.PullKVRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.KVChunk.FromString,
+            wire_dot_cbserve__pb2.PullKVRequest.SerializeToString,
+            wire_dot_cbserve__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -261,8 +261,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/Abort',
-            cbserve_dot_pb_dot_cbserve__pb2.AbortRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.AbortResponse.FromString,
+            wire_dot_cbserve__pb2.AbortRequest.SerializeToString,
+            wire_dot_cbserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -288,8 +288,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/GetLoad',
-            cbserve_dot_pb_dot_cbserve__pb2.LoadRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+            wire_dot_cbserve__pb2.LoadRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -315,8 +315,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/WatchLoad',
-            cbserve_dot_pb_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+            wire_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -342,8 +342,8 @@ class PrefillService:
             request,
             target,
             '/cbserve.v1.PrefillService/SetupTransport',
-            cbserve_dot_pb_dot_cbserve__pb2.SetupTransportRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.SetupTransportResponse.FromString,
+            wire_dot_cbserve__pb2.SetupTransportRequest.SerializeToString,
+            wire_dot_cbserve__pb2.SetupTransportResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -366,28 +366,28 @@ class DecodeServiceStub:
         """
         self.Handshake = channel.unary_unary(
                 '/cbserve.v1.DecodeService/Handshake',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/cbserve.v1.DecodeService/Generate',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.GenerateResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/cbserve.v1.DecodeService/Abort',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.AbortResponse.FromString,
+                request_serializer=wire_dot_cbserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/cbserve.v1.DecodeService/GetLoad',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.LoadRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+                request_serializer=wire_dot_cbserve__pb2.LoadRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.WatchLoad = channel.unary_stream(
                 '/cbserve.v1.DecodeService/WatchLoad',
-                request_serializer=cbserve_dot_pb_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
-                response_deserializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+                request_serializer=wire_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoadReport.FromString,
                 _registered_method=True)
 
 
@@ -429,28 +429,28 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.HandshakeRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.HandshakeResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.GenerateRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.GenerateRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.AbortRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.AbortRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.AbortResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.LoadRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.LoadRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoadReport.SerializeToString,
             ),
             'WatchLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLoad,
-                    request_deserializer=cbserve_dot_pb_dot_cbserve__pb2.WatchLoadRequest.FromString,
-                    response_serializer=cbserve_dot_pb_dot_cbserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=wire_dot_cbserve__pb2.WatchLoadRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -478,8 +478,8 @@ class DecodeService:
             request,
             target,
             '/cbserve.v1.DecodeService/Handshake',
-            cbserve_dot_pb_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.HandshakeResponse.FromString,
+            wire_dot_cbserve__pb2.HandshakeRequest.SerializeToString,
+            wire_dot_cbserve__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -505,8 +505,8 @@ class DecodeService:
             request,
             target,
             '/cbserve.v1.DecodeService/Generate',
-            cbserve_dot_pb_dot_cbserve__pb2.GenerateRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.GenerateResponse.FromString,
+            wire_dot_cbserve__pb2.GenerateRequest.SerializeToString,
+            wire_dot_cbserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -532,8 +532,8 @@ class DecodeService:
             request,
             target,
             '/cbserve.v1.DecodeService/Abort',
-            cbserve_dot_pb_dot_cbserve__pb2.AbortRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.AbortResponse.FromString,
+            wire_dot_cbserve__pb2.AbortRequest.SerializeToString,
+            wire_dot_cbserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -559,8 +559,8 @@ class DecodeService:
             request,
             target,
             '/cbserve.v1.DecodeService/GetLoad',
-            cbserve_dot_pb_dot_cbserve__pb2.LoadRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+            wire_dot_cbserve__pb2.LoadRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -586,8 +586,8 @@ class DecodeService:
             request,
             target,
             '/cbserve.v1.DecodeService/WatchLoad',
-            cbserve_dot_pb_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
-            cbserve_dot_pb_dot_cbserve__pb2.LoadReport.FromString,
+            wire_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

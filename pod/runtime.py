@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from cbserve.pb import cbserve_pb2
+from wire import cbserve_pb2
 from engine.engine import Engine, EngineConfig, EngineRequestError
 from engine.loop import EngineLoop
 from engine.metrics import EngineMetrics

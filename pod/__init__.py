@@ -1,0 +1,1 @@
+"""What both pods share: the engine thread, gRPC server, health, metrics, load reports and drain."""
