@@ -20,13 +20,14 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import grpc
 
 from wire import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
 from engine.loop import drain
+from decode_pod.open_request import Job, OpenRequest, refused
+from decode_pod.session import Session
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup, host_store
 from kvtransfer.pair_setup import open_pair
@@ -34,32 +35,10 @@ from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, Sour
                                SourceLostError)
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
-from pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
+from pod.runtime import CommonRPCs, PodRuntime, RequestFailed, logprobs_from_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.DecodeService"
-
-
-@dataclass
-class Job:
-    prefill_from: str
-    transport: str
-    deadline: float                     # monotonic
-    arrival: float = field(default_factory=time.monotonic)
-    local_prefill: bool = False
-    kv_transfer_seconds: float = 0.0
-    kv_pulled_at: float | None = None   # monotonic: the pull ended, the first token is known
-    task: asyncio.Task | None = None
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-
-class _DeadlineExceeded(RequestFailed):
-    """Queued by a stream's deadline timer: ends the stream as a timeout."""
-
-    def __init__(self) -> None:
-        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish before the deadline")
 
 
 class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
@@ -174,78 +153,38 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
         if transport == "nccl" and self.rt.pod.kv_transport != "nccl":
             raise ValueError("this decode pod was not started with --kv-transport nccl")
 
-    async def Generate(self, request: cbserve_pb2.GenerateRequest, context):
-        rt, req_id = self.rt, request.request_id
-        prompt, params = await rt.intake(request, context, self._check_transport)
-        transport = request.kv_transport or "grpc"
-        if req_id in self.jobs:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already here")
-        remaining = context.time_remaining()
-        remaining = remaining if remaining is not None else 3600.0
-        job = self.jobs[req_id] = Job(request.prefill_from, transport, time.monotonic() + remaining)
-        job.local_prefill = not request.prefill_from
-        outputs = rt.loop.subscribe(req_id)
-        deadline = asyncio.get_running_loop().call_later(remaining, outputs.put_nowait, _DeadlineExceeded())
-        finished = False
-        index = 0
-        first_token_at = None
-        async with rt.track():
-            try:
-                await rt.loop.run(lambda e: e.add_request(prompt, params, req_id, request.priority,
-                                                          remote_kv=bool(request.prefill_from)))
-                while not finished:
-                    token_ids, logprobs, last, error = [], [], None, None
-                    for item in await drain(outputs):
-                        if isinstance(item, BaseException):
-                            error = item
-                            break
-                        token_ids += item.new_token_ids
-                        logprobs += item.new_logprobs
-                        last = item
-                        if item.finished:
-                            break
-                    if last is not None:
-                        response = cbserve_pb2.GenerateResponse(
-                            request_id=req_id, index=index, token_ids=token_ids, finished=last.finished,
-                            finish_reason=last.finish_reason or "", num_prompt_tokens=last.num_prompt_tokens,
-                            logprobs=[logprobs_to_pb(lp) for lp in logprobs if lp is not None])
-                        now = time.monotonic()
-                        if index == 0:
-                            first_token_at = now
-                            rt.metrics.ttft.observe(now - job.arrival)
-                            response.local_prefill = job.local_prefill
-                            response.kv_transfer_seconds = job.kv_transfer_seconds
-                            response.num_cached_tokens = last.num_cached_tokens
-                        if job.kv_pulled_at is not None and index <= 1 < index + len(token_ids):
-                            rt.metrics.decode_first_step.observe(now - job.kv_pulled_at)
-                        index += len(token_ids)
-                        finished = last.finished
-                        yield response
-                    if error is not None:
-                        await self._end_with(error, context)
-                now = time.monotonic()
-                rt.metrics.e2e.observe(now - job.arrival)
-                if index > 1 and first_token_at is not None:
-                    rt.metrics.tpot.observe((now - first_token_at) / (index - 1))
-                rt.metrics.request_finished(last.finish_reason or "stop")
-            finally:
-                deadline.cancel()
-                rt.loop.unsubscribe(req_id)
-                self.jobs.pop(req_id, None)
-                if job.task is not None and not job.task.done():
-                    job.task.cancel()   # ends the PullKV stream: the prefill pod frees its blocks
-                if not finished:
-                    rt.loop.call(lambda e: e.abort(req_id))
+    def open(self, request: cbserve_pb2.GenerateRequest, timeout: float, deliver) -> tuple[OpenRequest, object]:
+        """Validate and register a request (raises RequestFailed); queues it in the engine."""
+        prompt, params = self.rt.validate(request, self._check_transport)
+        req = OpenRequest(self, request, timeout, deliver)
+        return req, req.start(prompt, params, request)
 
-    async def _end_with(self, error: BaseException, context) -> None:
-        """End a stream on a failure from its queue (raises: `context.abort` does)."""
-        metrics = self.rt.metrics
-        if isinstance(error, _DeadlineExceeded):
-            metrics.request_finished("timeout")
-        else:
-            metrics.request_finished("error")
-        code = error.code if isinstance(error, RequestFailed) else grpc.StatusCode.INTERNAL
-        await context.abort(code, str(error))
+    async def Generate(self, request: cbserve_pb2.GenerateRequest, context):
+        """One request on a call of its own (tests and simple clients; the router uses `Session`)."""
+        remaining = context.time_remaining()
+        outputs: asyncio.Queue = asyncio.Queue()
+        try:
+            req, added = self.open(request, remaining if remaining is not None else 3600.0, outputs.put_nowait)
+        except RequestFailed as e:
+            await context.abort(e.code, str(e))
+        try:
+            try:
+                await asyncio.wrap_future(added)
+            except Exception as e:  # noqa: BLE001 - the engine refused it: the caller gets why
+                await context.abort(*req.failed(refused(e)))
+            while not req.finished:
+                response, error = req.respond(await drain(outputs))
+                if response is not None:
+                    yield response
+                if error is not None:
+                    await context.abort(*req.failed(error))
+        finally:
+            req.close()
+
+    async def Session(self, request_iterator, context):
+        """Many requests on one stream, one message per engine step (see `decode_pod.session`)."""
+        async for message in Session(self).run(request_iterator):
+            yield message
 
 
 async def serve(runtime: PodRuntime) -> None:

@@ -2,8 +2,9 @@
 
 The engine is single-threaded by design; servers live on an event loop. Everything that touches
 the engine runs in the engine thread, between steps: callers submit functions (`call`); each
-step's outputs go back to per-request asyncio queues in one `call_soon_threadsafe`, and
-subscribers take them with `drain` (everything queued at once, not one wake per token). A step that
+step's outputs go back to their subscribers in one `call_soon_threadsafe`: a per-request asyncio
+queue that the subscriber takes with `drain` (everything queued at once, not one wake per token),
+or a callback (a pod's Session collects a whole step for many requests and sends one message). A step that
 raises fails the requests it touched, not the process: one bad request never kills the engine.
 """
 
@@ -50,7 +51,7 @@ class EngineLoop:
         self.on_idle = on_idle
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = \
             queue.SimpleQueue()
-        self._subscribers: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._subscribers: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -75,17 +76,21 @@ class EngineLoop:
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Outputs of `request_id` (call before the request is added, from the event loop)."""
         q: asyncio.Queue = asyncio.Queue()
-        self._subscribers[request_id] = q
+        self._subscribers[request_id] = q.put_nowait
         return q
+
+    def subscribe_with(self, request_id: str, deliver: Callable[[RequestOutput | BaseException], None]) -> None:
+        """As `subscribe`, with `deliver(item)` called on the event loop for each output or failure."""
+        self._subscribers[request_id] = deliver
 
     def unsubscribe(self, request_id: str) -> None:
         self._subscribers.pop(request_id, None)
 
     # ------------------------------------------------------------------ engine thread
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        q = self._subscribers.get(request_id)
-        if q is not None:
-            q.put_nowait(item)
+        deliver = self._subscribers.get(request_id)
+        if deliver is not None:
+            deliver(item)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: hand outputs to their subscribers."""

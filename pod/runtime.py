@@ -151,11 +151,11 @@ class PodRuntime:
             raise ValueError(str(e)) from None
         return list(prompt_token_ids), params
 
-    async def intake(self, request, context, check=None):
-        """The boundary of a Prefill/Generate call: refuse while draining, validate the request
-        (plus `check(request)`, which raises ValueError), or end the call with a clear status."""
+    def validate(self, request, check=None):
+        """The boundary of a Prefill/Generate request: refuse while draining, validate it (plus
+        `check(request)`, which raises ValueError); returns (prompt, params) or raises RequestFailed."""
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role_label} pod is draining")
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{self.role_label} pod is draining")
         try:
             parsed = self.parse(request.prompt_token_ids, request.sampling, request.request_id)
             if check is not None:
@@ -163,7 +163,14 @@ class PodRuntime:
             return parsed
         except ValueError as e:
             self.metrics.rejected("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    async def intake(self, request, context, check=None):
+        """`validate` for a call of its own: a refusal ends the call with its status."""
+        try:
+            return self.validate(request, check)
+        except RequestFailed as e:
+            await context.abort(e.code, str(e))
 
     def track(self) -> "_Inflight":
         return _Inflight(self)

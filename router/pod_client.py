@@ -14,6 +14,7 @@ import grpc
 
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
+from router.pod_session import DecodeSession, SessionCall
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _CHANNEL_OPTIONS = [
 class PodClient:
     """The router's handle on one pod at `address` ("host:port") with role prefill|decode|colocated."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, inactivity_seconds: float = 10.0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.address = address
@@ -42,8 +43,12 @@ class PodClient:
             self._stub: pb_grpc.PrefillServiceStub | pb_grpc.DecodeServiceStub = pb_grpc.PrefillServiceStub(self._channel)
         else:
             self._stub = pb_grpc.DecodeServiceStub(self._channel)
+        self.inactivity_seconds = inactivity_seconds
+        self._session: DecodeSession | None = None
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
         await self._channel.close(grace=None)
 
     async def handshake(self, timeout: float) -> pb.HandshakeResponse:
@@ -61,10 +66,14 @@ class PodClient:
         assert self.role == "prefill", f"Prefill on a {self.role} pod"
         return self._stub.Prefill(request, timeout=timeout)
 
-    def generate(self, request: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
-        """Start Generate; iterate the call for GenerateResponse messages, cancel it to abort."""
+    def generate(self, request: pb.GenerateRequest, timeout: float) -> SessionCall:
+        """Start a request on this pod's Session (opened on first use, reopened after it broke);
+        `read()` the call for GenerateResponse messages, `cancel()` it to abort."""
         assert self.role != "prefill", "Generate on a prefill pod"
-        return self._stub.Generate(request, timeout=timeout)
+        session = self._session
+        if session is None or session.broken:
+            session = self._session = DecodeSession(self._stub, self.address, self.inactivity_seconds)
+        return session.generate(request, timeout)
 
     async def abort(self, request_id: str, timeout: float = 1.0) -> None:
         """Best-effort Abort: cancellation already frees the pod's state; this covers a lost cancel."""

@@ -374,6 +374,11 @@ class DecodeServiceStub:
                 request_serializer=wire_dot_cbserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=wire_dot_cbserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/cbserve.v1.DecodeService/Session',
+                request_serializer=wire_dot_cbserve__pb2.SessionRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/cbserve.v1.DecodeService/Abort',
                 request_serializer=wire_dot_cbserve__pb2.AbortRequest.SerializeToString,
@@ -401,6 +406,12 @@ class DecodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -436,6 +447,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=wire_dot_cbserve__pb2.GenerateRequest.FromString,
                     response_serializer=wire_dot_cbserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=wire_dot_cbserve__pb2.SessionRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.SessionResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -507,6 +523,33 @@ class DecodeService:
             '/cbserve.v1.DecodeService/Generate',
             wire_dot_cbserve__pb2.GenerateRequest.SerializeToString,
             wire_dot_cbserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cbserve.v1.DecodeService/Session',
+            wire_dot_cbserve__pb2.SessionRequest.SerializeToString,
+            wire_dot_cbserve__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

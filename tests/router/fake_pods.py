@@ -71,7 +71,60 @@ class _Records:
         return len(self.prefill_requests) + len(self.generate_requests)
 
 
-class FakePod(pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _RequestContext:
+    """What a fake `Generate` handler uses of a call's context, for a request on a Session."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
+class SessionOverGenerate:
+    """A fake pod's `Session`: its `Generate` handler per request, one message per response (a
+    real pod packs a whole engine step into one; the fakes need not), a heartbeat every second."""
+
+    async def Session(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def run_one(request: pb.GenerateRequest) -> None:
+            try:
+                async for response in self.Generate(request, _RequestContext()):
+                    response.request_id = request.request_id
+                    out.put_nowait(pb.SessionResponse(outputs=[response]))
+            except _Aborted as e:
+                out.put_nowait(pb.SessionResponse(errors=[pb.RequestError(
+                    request_id=request.request_id, code=e.code.value[0], message=e.details)]))
+            finally:
+                tasks.pop(request.request_id, None)
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("kind") == "generate":
+                    tasks[message.generate.request_id] = asyncio.create_task(run_one(message.generate))
+                elif (task := tasks.pop(message.cancel_request_id, None)) is not None:
+                    task.cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            yield pb.SessionResponse(heartbeat_seconds=1.0)
+            while True:
+                try:
+                    yield await asyncio.wait_for(out.get(), 1.0)
+                except asyncio.TimeoutError:
+                    yield pb.SessionResponse()
+        finally:
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
+
+
+class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.DecodeServiceServicer):
     """One fake pod; `role` is "prefill", "decode" or "colocated"."""
 
     def __init__(self, role: str, script: Script | None = None, pod_id: str = "") -> None:
