@@ -75,6 +75,10 @@ class DecodeSession:
     def generate(self, request: pb.GenerateRequest, timeout: float) -> SessionCall:
         request.timeout_seconds = timeout
         call = SessionCall(self, request.request_id)
+        if request.request_id in self._calls:        # replies are matched by id: never two alike
+            call._items.put_nowait(rpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                                             f"request {request.request_id!r} is already open on this session"))
+            return call
         if not self._calls:
             self._last_heard = self._loop.time()     # silence counts from when there is work
             if self._check is None:

@@ -1,10 +1,11 @@
 """The pod calls of one attempt at one sequence, read as a stream of deduplicated token messages.
 
-Disaggregated: `Prefill` on P and `Generate(prefill_from=P)` on D start together. P's answer
-carries the first token; D's stream repeats it (index 0) and continues. Until the first tokens
-arrive the two calls are raced (`first()`); after that D's stream is read directly, one
-`GenerateResponse` per pod message (a pod sends one per engine step, with every token of that
-step), with no task or queue in between: the per-message work is one read, an index comparison
+Disaggregated: `Prefill` on P and `Generate(prefill_from=P)` on D start together (D's request
+travels on the router's `Session` with D: `router.pod_session`). P's answer carries the first
+token; D's stream repeats it (index 0) and continues. Until the first tokens arrive the two are
+raced (`first()`); after that D's `SessionCall` is read directly, one `GenerateResponse` per pod
+message (a pod sends one message per engine step for all its requests; the session's reader puts
+each request's part in its queue): the per-message work here is one read, an index comparison
 and, rarely, a trimmed copy of a message that repeats tokens already given.
 
 `close()` ends the attempt: it cancels both calls (which frees their state on the pods), sends a
