@@ -1,12 +1,15 @@
 """Pod overhead on the token path: a real decode pod (colocated, `tiny`) vs the same engine offline.
 
-A decode pod process (`cbserve decode --colocated`) serves `--requests` Generate streams,
-`--concurrency` at a time, from a grpc.aio client in this process: greedy, ignore_eos,
+A decode pod process (`cbserve decode --colocated`) serves `--requests` requests, `--concurrency`
+at a time, from a grpc.aio client in this process, as the router sends them: on one `Session`
+(the router's own `DecodeSession`), or, for a tree named `NAME=PATH@generate` (checkouts from before
+the Session), one `Generate` stream per request: greedy, ignore_eos,
 `--prompt-len`-token prompts, `--output-len` output tokens each. Reported per tree:
 - output tokens/s, end to end, and the pod's CPU µs per output token (/proc/<pid>/stat, utime +
   stime, read around the measured batch only; a warm-up batch comes first), in all and in its main
   thread alone: the event loop, where the gRPC handlers run (the engine has its own thread);
-- mean tokens per GenerateResponse message (1.0 = one message per token);
+- mean tokens per gRPC message from the pod (1.0 = one message per token; a Session message
+  carries every request that moved in a step, so it goes above 1 with concurrency);
 - the pod's mean engine step time from its LoadReport step samples (WatchLoad), decode-only steps
   and all steps, against the same engine run offline in a subprocess on the same workload with
   the same concurrency (closed loop), its step times read the same way (`engine.step_samples`).
@@ -17,7 +20,7 @@ so a base and a changed pod are measured side by side in one run, alternating, `
 the table shows medians.
 
     git worktree add /tmp/pod-base <commit before the change>
-    .venv/bin/python bench/pod_overhead.py --tree base=/tmp/pod-base --tree new=. --rounds 3
+    .venv/bin/python bench/pod_overhead.py --tree base=/tmp/pod-base@generate --tree new=. --rounds 3
 
 On a shared CPU the absolute figures mean little; compare trees, and the pod step against the
 offline step of the same tree (the difference is what serving adds inside the step: GIL
@@ -143,26 +146,37 @@ async def wait_ready(proc, address: str, log: Path, timeout: float = 180.0) -> N
     raise TimeoutError(f"pod not ready:\n{log.read_text()[-3000:]}")
 
 
-async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
-    """Every prompt through Generate, `--concurrency` streams at a time; step samples via WatchLoad."""
+async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str) -> dict:
+    """Every prompt through the pod, `--concurrency` at a time, on one Session (`api="session"`) or
+    one Generate stream each (`api="generate"`); step samples via WatchLoad."""
     import grpc
 
     from wire import cbserve_pb2 as pb
     from wire import cbserve_pb2_grpc as pb_grpc
     from engine.sampling_params import SamplingParams, to_proto
+    from router.pod_session import DecodeSession
 
     sampling = to_proto(SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
     gate = asyncio.Semaphore(args.concurrency)
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.DecodeServiceStub(ch)
+        session = DecodeSession(stub, address, inactivity_seconds=600) if api == "session" else None
 
         async def one(i: int, prompt: list[int]) -> tuple[int, int]:
             async with gate:
                 messages = tokens = 0
-                async for m in stub.Generate(pb.GenerateRequest(request_id=f"{tag}-{i}", prompt_token_ids=prompt,
-                                                                sampling=sampling), timeout=600):
-                    messages += 1
-                    tokens += len(m.token_ids)
+                request = pb.GenerateRequest(request_id=f"{tag}-{i}", prompt_token_ids=prompt, sampling=sampling)
+                if session is not None:
+                    call = session.generate(request, timeout=600)
+                    while True:
+                        m = await call.read()
+                        tokens += len(m.token_ids)
+                        if m.finished:
+                            break
+                else:
+                    async for m in stub.Generate(request, timeout=600):
+                        messages += 1
+                        tokens += len(m.token_ids)
                 assert tokens == args.output_len, tokens
                 return messages, tokens
 
@@ -176,23 +190,28 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
         await asyncio.sleep(0.1)
         samples.clear()                 # what the pod did before this batch
         t0 = time.perf_counter()
+        messages0 = session.num_messages if session is not None else 0
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - t0
         await asyncio.sleep(0.15)       # the snapshot's last refresh (timer-based pods)
         watcher.cancel()
+        if session is not None:
+            session.close()
     messages, tokens = sum(m for m, _ in results), sum(t for _, t in results)
+    if session is not None:
+        messages = session.num_messages - messages0
     return {"tokens_per_s": tokens / elapsed, "tokens_per_message": tokens / messages, "tokens": tokens,
             **step_means(samples)}
 
 
-def measure_tree(path: Path, args) -> dict:
+def measure_tree(path: Path, args, api: str) -> dict:
     proc, address, log = start_pod(path, args)
     try:
         async def scenario():
             await wait_ready(proc, address, log)
-            await drive(address, workload(args, args.concurrency, seed=1), args, "warm")
+            await drive(address, workload(args, args.concurrency, seed=1), args, "warm", api)
             cpu0, loop0 = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
-            result = await drive(address, workload(args), args, "run")
+            result = await drive(address, workload(args), args, "run", api)
             result["pod_cpu_us_per_token"] = 1e6 * (cpu_seconds(proc.pid) - cpu0) / result["tokens"]
             result["loop_cpu_us_per_token"] = 1e6 * (cpu_seconds(proc.pid, proc.pid) - loop0) / result["tokens"]
             return result
@@ -225,8 +244,9 @@ def table(results: dict[str, list[dict]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
-                   help="a checkout to run the pod and the offline engine from (default: this one)")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH[@generate]",
+                   help="a checkout to run the pod and the offline engine from (default: this one); "
+                        "@generate drives it with one Generate stream per request instead of a Session")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--requests", type=int, default=128)
@@ -248,8 +268,9 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(ROOT)}
     results: dict[str, list[dict]] = {name: [] for name in trees}
     for r in range(args.rounds):
-        for name, path in trees.items():
-            result = measure_tree(Path(path).resolve(), args)
+        for name, spec in trees.items():
+            path, _, api = spec.partition("@")
+            result = measure_tree(Path(path).resolve(), args, api or "session")
             results[name].append(result)
             print(json.dumps({"round": r, "tree": name, **result}), flush=True)
     print(table(results))

@@ -67,6 +67,7 @@ class DecodeSession:
         self._last_heard = self._loop.time()
         self._silence: str | None = None
         self._closing = False
+        self.num_messages = 0               # pod messages read (benchmarks: tokens per message)
         self._check: asyncio.TimerHandle | None = None
         self._call = stub.Session(self._requests())
         self._reader = asyncio.ensure_future(self._read())
@@ -107,6 +108,7 @@ class DecodeSession:
         try:
             async for message in self._call:
                 self._last_heard = self._loop.time()
+                self.num_messages += 1
                 for out in message.outputs:
                     call = calls.get(out.request_id)
                     if call is not None:

@@ -85,8 +85,9 @@ class _RequestContext:
 
 
 class SessionOverGenerate:
-    """A fake pod's `Session`: its `Generate` handler per request, one message per response (a
-    real pod packs a whole engine step into one; the fakes need not), a heartbeat every second."""
+    """A fake pod's `Session`: its `Generate` handler per request; what the handlers produced
+    since the last message goes out in one (as a real pod packs an engine step), a heartbeat in
+    every idle second."""
 
     async def Session(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()
@@ -115,9 +116,12 @@ class SessionOverGenerate:
             yield pb.SessionResponse(heartbeat_seconds=1.0)
             while True:
                 try:
-                    yield await asyncio.wait_for(out.get(), 1.0)
+                    message = await asyncio.wait_for(out.get(), 1.0)
                 except asyncio.TimeoutError:
-                    yield pb.SessionResponse()
+                    message = pb.SessionResponse()
+                while not out.empty():
+                    message.MergeFrom(out.get_nowait())
+                yield message
         finally:
             reader.cancel()
             for task in list(tasks.values()):
