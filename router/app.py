@@ -77,7 +77,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
             max_len = max_len or max_model_len_of(model_dir)
         discovery = discovery or build_discovery(config)
         tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds,
-                              close_grace_seconds=config.request_timeout_seconds)
+                              close_grace_seconds=config.request_timeout_seconds,
+                              pod_inactivity_seconds=config.pod_inactivity_seconds)
         prefix_index = PrefixIndex(config.prefix_affinity_entries)
         admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
         tracker.add_listener(admission.wake)

@@ -56,6 +56,9 @@ class RouterConfig:
     # Load tracking and pod health.
     load_interval_seconds: float = 0.05      # WatchLoad interval; polling falls back to the same period
     probe_interval_seconds: float = 1.0      # how often a pod taken out is probed for re-admission
+    # A decode pod whose Session says nothing (not even its once-a-second heartbeat) for this long
+    # while it has requests is frozen: its requests fail over (router.pod_session).
+    pod_inactivity_seconds: float = 10.0
     default_prefill_tokens_per_second: float = 20000.0   # until a pod reports its measured rate
     prefix_affinity_entries: int = 200_000   # block hashes remembered for prefix affinity
 
@@ -81,7 +84,7 @@ class RouterConfig:
             if bool(self.prefill) != bool(self.decode):
                 raise ValueError("--prefill and --decode must both be given (or use --colocated)")
         for name in ("slo_ttft_ms", "slo_tpot_ms", "request_timeout_seconds", "load_interval_seconds",
-                     "probe_interval_seconds", "default_prefill_tokens_per_second"):
+                     "probe_interval_seconds", "default_prefill_tokens_per_second", "pod_inactivity_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.load_interval_seconds > 0.1:

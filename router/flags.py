@@ -43,6 +43,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--request-timeout-seconds", type=float, default=d.request_timeout_seconds)
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds)
+    p.add_argument("--pod-inactivity-seconds", type=float, default=d.pod_inactivity_seconds,
+                   help="a decode pod silent this long (no tokens, no heartbeat) while it has requests is "
+                        "taken as frozen: its requests fail over")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -58,4 +61,4 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_queue_seconds=args.max_queue_seconds, max_queue_size=args.max_queue_size,
         max_retries=args.max_retries, kv_transport=args.kv_transport or "", api_key_env=args.api_key_env or None,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
-        drain_seconds=args.drain_seconds)
+        drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds)

@@ -117,10 +117,11 @@ class LoadTracker:
     """Keeps one PodState per discovered endpoint, fed by its load stream and health probes."""
 
     def __init__(self, load_interval_seconds: float = 0.05, probe_interval_seconds: float = 1.0,
-                 close_grace_seconds: float = 600.0) -> None:
+                 close_grace_seconds: float = 600.0, pod_inactivity_seconds: float = 10.0) -> None:
         self.load_interval_seconds = load_interval_seconds
         self.probe_interval_seconds = probe_interval_seconds
         self.close_grace_seconds = close_grace_seconds   # longest wait for a removed pod's calls
+        self.pod_inactivity_seconds = pod_inactivity_seconds
         self.pods: dict[str, PodState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._closing: set[asyncio.Task] = set()
@@ -145,7 +146,7 @@ class LoadTracker:
                 self._remove(address)
         for address, endpoint in wanted.items():
             if address not in self.pods:
-                pod = PodState(endpoint, PodClient(address, endpoint.role))
+                pod = PodState(endpoint, PodClient(address, endpoint.role, self.pod_inactivity_seconds))
                 self.pods[address] = pod
                 self._tasks[address] = asyncio.get_running_loop().create_task(self._track(pod, 0.0))
         self._notify()
