@@ -12,16 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn (a constexpr: kernels read it)
 
 
 @triton.jit
 def to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr):
     """A tile of K or V in the cache's element type: quantized (``x * inv_scale``, saturated) for
     an fp8 cache, else x unchanged (it already is the cache dtype)."""
-    if FP8:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
-        return x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    if FP8:  # one return: the compiler types every return of a function alike
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX).to(
+            cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     return x
 
 
