@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -47,19 +49,22 @@ def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def quantize_rows_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """`[T, in]` float -> (`[T, in]` float8_e4m3fn, `[T, 1]` fp32 scales): per token (dynamic), or
-    with one static per-tensor scale (`[]` fp32, a checkpoint's `input_scale`), saturating."""
-    x = x.float()
-    if static_scale is None:
-        scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=_MIN_SCALE) / FP8_MAX
-    else:
-        scale = static_scale.expand(x.shape[0], 1)
-    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+    with one static per-tensor scale (`[]` fp32, a checkpoint's `input_scale`), saturating. One
+    Triton launch on CUDA (`kernels.quantize_fp8_rows`), the torch reference elsewhere."""
+    return kernels.quantize_fp8_rows(x, static_scale)
 
 
 def scaled_mm_capable(device: torch.device) -> bool:
     """A CUDA device with fp8 tensor cores (capability >= 8.9) and a torch with `_scaled_mm`."""
     return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
             and torch.cuda.get_device_capability(device) >= SCALED_MM_CAPABILITY)
+
+
+def _index(device: torch.device) -> int | None:
+    """The device's index, the current one for a bare "cuda" (one cache entry per real device)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.cuda.current_device()
+    return device.index
 
 
 @functools.cache
@@ -97,6 +102,8 @@ class Fp8Linear(nn.Module):
                      if bias else None)
         # _scaled_mm needs both matrix dims divisible by 16; other shapes take the reference path.
         self.use_scaled_mm = (scaled_mm_capable(device) and in_features % 16 == 0 and out_features % 16 == 0)
+        if self.use_scaled_mm:  # probe now, never first inside a CUDA graph capture
+            _rowwise_scaled_mm(device.type, _index(device), bias_dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -130,7 +137,7 @@ class Fp8Linear(nn.Module):
         w_t = self.weight.t()                               # [in, out], column-major as _scaled_mm wants
         w_scale = self.weight_scale[None, :]                # [1, out]
         device = x_q.device
-        if _rowwise_scaled_mm(device.type, device.index, out_dtype):
+        if _rowwise_scaled_mm(device.type, _index(device), out_dtype):
             return torch._scaled_mm(x_q, w_t, scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
         one = torch.ones((), device=device)
         acc = torch._scaled_mm(x_q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)

@@ -13,13 +13,14 @@ import torch
 from kernels import backend, checks
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
+from kernels.fp8_quant_ref import quantize_fp8_rows_ref
 from kernels.kv_write_ref import write_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul"]
+           "silu_and_mul", "quantize_fp8_rows"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -131,3 +132,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         return _triton_fn("activation_triton", "silu_and_mul_triton")(x)
     return silu_and_mul_ref(x)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor,  # [num_tokens, features], floating point
+    static_scale: torch.Tensor | None = None,  # [] or [1] fp32 per-tensor scale; None: one per row
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q, scale)``: ``x_q`` float8_e4m3fn ``[num_tokens, features]`` and ``scale`` fp32
+    ``[num_tokens, 1]`` with ``x ~= x_q * scale``; per-row scales are ``max|x| / 448``; values
+    saturate at +-448. One launch on CUDA (the activations of an fp8 linear)."""
+    checks.check_quantize_fp8_rows(x, static_scale)
+    if _use_triton(x):
+        return _triton_fn("fp8_quant_triton", "quantize_fp8_rows_triton")(x, static_scale)
+    return quantize_fp8_rows_ref(x, static_scale)

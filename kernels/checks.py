@@ -187,3 +187,15 @@ def check_silu_and_mul(x: torch.Tensor) -> None:
     if x.shape[1] % 2:
         raise ValueError(f"x's last dim ({x.shape[1]}) must be even: the gate and up halves")
     raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
+
+
+def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) -> None:
+    """Validate the inputs of ``quantize_fp8_rows``: 2-D float rows, an optional one-element fp32 scale."""
+    if (len(x.shape) == 2 and x.dtype in _FLOATS
+            and (static_scale is None or (static_scale.numel() == 1 and static_scale.dtype is torch.float32))):
+        return
+    if x.dim() != 2:
+        raise ValueError(f"x must be [num_tokens, features], got {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
+    raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")

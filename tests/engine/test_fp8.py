@@ -123,3 +123,46 @@ def test_quantize_model_fp8_keeps_the_lm_head_float():
     layer = model.layers[0].mlp.down_proj
     x = torch.randn(4, layer.in_features)
     torch.testing.assert_close(layer(x.bfloat16()).float(), layer(x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_mm_on_the_gpu_matches_the_reference_path(dtype):
+    """On a GPU with fp8 tensor cores the layer takes `_scaled_mm`; it must agree with the
+    dequantizing reference computed on the same device."""
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    lin = _linear(256, 688, bias=True).to(device=device, dtype=dtype)
+    layer = Fp8Linear.from_linear(lin)
+    assert layer.use_scaled_mm
+    x = (torch.randn(37, 256, device=device) * 2).to(dtype)
+    fast = layer(x)
+    layer.use_scaled_mm = False
+    reference = layer(x)
+    torch.testing.assert_close(fast.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    assert float((fast.float() - lin(x).float()).norm() / lin(x).float().norm()) <= LAYER_REL_ERROR
+
+
+@pytest.mark.gpu
+def test_fp8_engine_on_the_gpu_stays_close_to_bf16():
+    """`--quantization fp8 --kv-cache-dtype fp8` on CUDA (Triton kernels, `_scaled_mm`): the first
+    step's logits within 15% of the bf16 engine's (the CPU bound for per-tensor checkpoints)."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    logits = []
+    for quantization, kv in ((None, "auto"), ("fp8", "fp8")):
+        engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", quantization=quantization,
+                                     cache=CacheConfig(num_blocks=64, kv_cache_dtype=kv),
+                                     scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8)))
+        req = engine.add_request([1, 17, 200, 33, 90, 4, 250, 18, 77], SamplingParams(max_tokens=4))
+        logits.append(engine.runner.run(engine.scheduler.schedule().scheduled).float()[0].cpu())
+        engine.abort(req.request_id)
+        out = engine.generate([[1, 5, 9, 33]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert len(out[0].output_token_ids) == 8
+    ref, got = logits
+    assert float((got - ref).norm() / ref.norm()) <= 0.15

@@ -144,6 +144,11 @@ def elementwise() -> None:
              dict(HALF=32, HALF_PAD=32, TAIL=16, TAIL_PAD=16, HEAD_DIM=80, HEAD_PAD=128, Q_HEADS_PAD=32,
                   K_HEADS_PAD=8, BLOCK_SIZE=16, FP8=True), cache_strides)
     _compile(_silu_and_mul_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024))
+    from kernels.fp8_quant_triton import _quantize_rows_kernel
+    for static in (False, True):   # fp8 linears' activations: per-token, or the checkpoint's static scale
+        _compile(_quantize_rows_kernel,
+                 {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "x_ptr": "*bf16", "static_scale_ptr": "*fp32"},
+                 dict(BLOCK=1024, STATIC=static), {"min_scale": "fp32"})
 
 
 def main() -> int:
