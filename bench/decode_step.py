@@ -13,7 +13,12 @@ with a large device-to-device copy (bytes read + written, as METHOD.md counts th
 weights (every parameter except the embedding table, whose B rows are negligible) plus the K/V of
 every sequence at its mean context over the timed steps. `ratio` = median / bound (1.0 is ideal).
 
+`--quantization fp8` / `--kv-cache-dtype fp8` run the same steps with e4m3 weights and KV; the
+bound then counts 1 byte per projection weight and per K/V element, and `weight_memory_bytes`
+reports what the loaded model's parameters take (embedding and lm_head stay in the model dtype).
+
     python bench/decode_step.py --shape 1b --device cuda --batch 1,8,64,256 --context 256
+    python bench/decode_step.py --shape 8b --device cuda --batch 1,64 --quantization fp8 --kv-cache-dtype fp8
     python bench/decode_step.py --shape tiny --device cpu --batch 1,2 --context 32 --json
 """
 
@@ -33,7 +38,7 @@ if __package__ in (None, ""):   # `python bench/decode_step.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import SHAPES, engine_config_fields, model_dir  # noqa: E402
-from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.kv_cache import bytes_per_block  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
@@ -63,14 +68,23 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
     """Weight bytes a decode step reads: every layer, the final norm and the head; an untied
     embedding table only for its B rows (left out). From the config, not the module: the CPU path
-    repacks its parameters."""
+    repacks its parameters. fp8 (int8): projections at 1 byte plus an fp32 scale per output channel."""
     h = cfg.hidden_size
-    per_layer = (cfg.q_size + 2 * cfg.kv_size) * h + cfg.q_size * h + 3 * cfg.intermediate_size * h + 2 * h
-    numel = cfg.num_layers * per_layer + h + cfg.vocab_size * h
-    return numel * torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype).element_size()
+    proj_out = (cfg.q_size + 2 * cfg.kv_size) + h + 2 * cfg.intermediate_size + h    # qkv, o, gate_up, down
+    proj = (cfg.q_size + 2 * cfg.kv_size) * h + cfg.q_size * h + 3 * cfg.intermediate_size * h
+    proj_bytes = proj + 4 * proj_out if quantization else proj * elem
+    return cfg.num_layers * (proj_bytes + 2 * h * elem) + (h + cfg.vocab_size * h) * elem
+
+
+def weight_memory_bytes(model: torch.nn.Module) -> int:
+    """What the loaded model's weights take in memory, the embedding included: its parameters and
+    the buffers that replaced some (oneDNN-packed weights on CPU), not the RoPE table."""
+    tensors = list(model.parameters()) + [b for name, b in model.named_buffers() if not name.endswith("rope_cache")]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def kv_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, context: float) -> int:
@@ -136,7 +150,7 @@ def time_batch(engine: Engine, batch: int, args, device: torch.device, copy_bw: 
     # Sequences that finished prefill early decoded a few extra tokens; the mean context of the
     # per-step phase is `context + (steps - 1) / 2` for the last one prefilled.
     mean_context = args.context + (args.steps - 1) / 2
-    kv = kv_bytes(cfg, engine.dtype, batch, mean_context)
+    kv = kv_bytes(cfg, engine.kv_cache.dtype, batch, mean_context)
     bound_ms = (w_bytes + kv) / copy_bw * 1e3
     median = statistics.median(per_step)
     return {
@@ -156,11 +170,14 @@ def build_engine(args, path: Path, batches: list[int]) -> tuple[Engine, list[str
     max_len = args.context + 2 * args.steps + fill_steps + 8
     block_size = 16
     blocks = max(batches) * (-(-max_len // block_size) + 1) + 16
-    cache = CacheConfig(block_size=block_size,
-                        kv_cache_memory_bytes=blocks * bytes_per_block(cfg, block_size, DTYPES[dtype_name]),
-                        enable_prefix_caching=False)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPES[dtype_name]
+    kv_option = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}
+    cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=blocks * bytes_per_block(cfg, block_size, kv_dtype),
+                        enable_prefix_caching=False, **kv_option)
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(batches))
     options = {"enforce_eager": True} if args.enforce_eager else {}
+    if args.quantization:
+        options["quantization"] = args.quantization
     fields, missing = engine_config_fields(EngineConfig, **options)
     config = EngineConfig(model=str(path), device=args.device, dtype=dtype_name, max_model_len=max_len,
                           cache=cache, scheduler=scheduler, **fields)
@@ -178,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill budget while filling")
     ap.add_argument("--enforce-eager", action="store_true", help="EngineConfig.enforce_eager (if this engine has it)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="fp8: e4m3 linears (GPU: _scaled_mm)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="fp8: e4m3 KV cache")
     ap.add_argument("--copy-gb", type=float, default=None, help="copy size for the bandwidth (default 2 GB CUDA, 0.1 CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -198,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0 - build_s
     copy_gb = args.copy_gb if args.copy_gb is not None else (2.0 if device.type == "cuda" else 0.1)
     copy_bw = copy_bandwidth(device, int(copy_gb * 1e9))
-    w_bytes = weight_bytes(engine.model_config, engine.dtype)
+    w_bytes = weight_bytes(engine.model_config, engine.dtype, getattr(engine, "quantization", args.quantization))
+    w_memory = weight_memory_bytes(engine.model)
     rows = []
     for batch in batches:
         row = time_batch(engine, batch, args, device, copy_bw, w_bytes)
@@ -209,14 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(engine.dtype).removeprefix("torch."), "torch": torch.__version__,
         "enforce_eager": args.enforce_eager, "unsupported_options": missing,
-        "copy_bandwidth_gb_s": round(copy_bw / 1e9, 1), "weight_bytes": w_bytes,
+        "quantization": args.quantization, "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
+        "copy_bandwidth_gb_s": round(copy_bw / 1e9, 1), "weight_bytes": w_bytes, "weight_memory_bytes": w_memory,
         "kv_cache_blocks": engine.cache_config.num_blocks, "checkpoint_s": round(build_s, 1),
         "engine_load_s": round(load_s, 1), "steps": args.steps, "warmup": args.warmup, "rows": rows,
     }
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.shape} on {result['device_name']} ({result['dtype']}), weights {w_bytes / 1e9:.2f} GB, "
+    print(f"{args.shape} on {result['device_name']} ({result['dtype']}, quantization {args.quantization or 'none'}, "
+          f"KV {result['kv_cache_dtype']}), weights read {w_bytes / 1e9:.2f} GB, in memory {w_memory / 2**30:.2f} GiB, "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     print(f"{'batch':>5} {'ctx':>5} {'median ms':>10} {'p10':>8} {'p90':>8} {'window ms':>10} {'bound ms':>9} "
           f"{'ratio':>6} {'tok/s':>9}")

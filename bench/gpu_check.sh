@@ -11,9 +11,19 @@
 #                 transformers generate() at batch 128; 8b with 128 prompts if time is left (last)
 #   5 goodput     bench/goodput.py through `cbserve up`'s LocalCluster on the 1b shape, chat mix,
 #                 2 rates x 15 s: pd-goodput (1P+1D) then colocated-2, every pod on the one GPU
-# Run order (priority): 1, 2, 3 (1b), 3 (8b), 4 (1b), 5, 4 (8b); a section that no longer fits
-# before the deadline is skipped and says so. The shape checkpoints are cached under
-# ~/.cache/cbserve/models/llama-3.2-1b-shape-v1 and llama-3.1-8b-shape-v1 (2.5 and 15 GB).
+#   3/4 fp8       the 8b shape with --quantization fp8 --kv-cache-dtype fp8 (e4m3 weights through
+#                 torch._scaled_mm, e4m3 KV): decode step at batch 1 and 64 (its setup row gives the
+#                 weights' memory), offline throughput without transformers; compare with the bf16
+#                 rows of the same sections (targets: weights <= 9 GB, batch-1 step <= 0.6x bf16's,
+#                 throughput >= 1.5x bf16's)
+# Run order (priority): 1, 2, 3 (1b), 3 (8b), 4 (1b), 5, 4 (8b), 3 (8b fp8), 4 (8b fp8); a section
+# that no longer fits before the deadline is skipped and says so. The shape checkpoints are cached
+# under ~/.cache/cbserve/models/llama-3.2-1b-shape-v1 and llama-3.1-8b-shape-v1 (2.5 and 15 GB).
+#
+# GPU_CHECK_ONLY=fp8 runs only the FP8 comparison (budget 480 s; run(..., timeout_s=560)): the fp8
+# GPU tests, the 8b decode step at batch 1 and 64 in bf16 then in fp8 (the first builds the 8b
+# checkpoint), then 8b offline throughput (128 prompts, no transformers, both with a 32 GiB KV
+# cache budget: fp8 fits twice the tokens in it) in bf16 then in fp8.
 #
 # Output: the table on stdout (last), and under $OUT (else under the work folder it names):
 #   gpu_check.md           the table, with versions and settings above it
@@ -72,7 +82,8 @@ EOF
 fi
 
 SMOKE=${GPU_CHECK_SMOKE:-0}
-BUDGET=${GPU_CHECK_BUDGET_S:-460}
+ONLY=${GPU_CHECK_ONLY:-}
+BUDGET=${GPU_CHECK_BUDGET_S:-$([ "$ONLY" = fp8 ] && echo 480 || echo 460)}
 RESERVE=12                       # seconds kept for the table and the copies at the end
 DEADLINE=$((SECONDS + BUDGET))
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
@@ -173,6 +184,23 @@ if [ "$SMOKE" = 1 ]; then
         bash -c 'goodput_config "$@"' _ pd-goodput tiny cpu --rates 1 --duration 5 --warmup 1
     run_section goodput-colocated "goodput (colocated-2)" 150 30 goodput-colocated-2.json \
         bash -c 'goodput_config "$@"' _ colocated-2 tiny cpu --rates 1 --duration 5 --warmup 1
+    run_section decode-tiny-fp8 "decode step (fp8)" 90 10 decode-tiny-fp8.log \
+        "$PY" bench/decode_step.py --shape tiny --device cpu --batch 1,2 --context 32 --steps 5 --warmup 2 \
+        --quantization fp8 --kv-cache-dtype fp8 --json
+elif [ "$ONLY" = fp8 ]; then
+    DEV=cuda
+    FP8=(--quantization fp8 --kv-cache-dtype fp8)
+    THROUGHPUT_8B=(--shape 8b --device cuda --num-prompts 128 --max-num-seqs 256 --max-num-batched-tokens 8192
+                   --kv-cache-mb 32768 --skip-hf --json)
+    run_section tests "gpu tests (fp8)" 60 30 "" "$PY" -m pytest -q -m gpu -k "fp8 or scaled_mm" tests/kernels \
+        tests/kvtransfer tests/engine -p no:cacheprovider
+    run_section decode-8b "decode step" 150 60 decode-8b.log \
+        "$PY" bench/decode_step.py --shape 8b --device cuda --batch 1,64 --context 256 --json
+    run_section decode-8b-fp8 "decode step (fp8)" 90 60 decode-8b-fp8.log \
+        "$PY" bench/decode_step.py --shape 8b --device cuda --batch 1,64 --context 256 "${FP8[@]}" --json
+    run_section throughput-8b "offline throughput" 90 60 throughput-8b.log "$PY" bench/throughput.py "${THROUGHPUT_8B[@]}"
+    run_section throughput-8b-fp8 "offline throughput (fp8)" 90 60 throughput-8b-fp8.log \
+        "$PY" bench/throughput.py "${THROUGHPUT_8B[@]}" "${FP8[@]}"
 else
     DEV=cuda
     run_section tests "gpu tests" 100 30 "" "$PY" -m pytest -q -m gpu tests/kernels tests/kvtransfer tests/engine -p no:cacheprovider
@@ -196,6 +224,14 @@ else
     run_section throughput-8b "offline throughput" 100 60 throughput-8b.log \
         "$PY" bench/throughput.py --shape 8b --device cuda --num-prompts 128 --max-num-seqs 256 \
         --max-num-batched-tokens 8192 --kv-cache-mb 32768 --hf-batch-size 128 --json
+    # FP8 (e4m3 weights and KV) on the 8b shape, against the bf16 rows above; last: most likely skipped
+    # in a full run, GPU_CHECK_ONLY=fp8 runs these alone.
+    run_section decode-8b-fp8 "decode step (fp8)" 90 60 decode-8b-fp8.log \
+        "$PY" bench/decode_step.py --shape 8b --device cuda --batch 1,64 --context 256 \
+        --quantization fp8 --kv-cache-dtype fp8 --json
+    run_section throughput-8b-fp8 "offline throughput (fp8)" 100 60 throughput-8b-fp8.log \
+        "$PY" bench/throughput.py --shape 8b --device cuda --num-prompts 128 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --kv-cache-mb 32768 --skip-hf --quantization fp8 --kv-cache-dtype fp8 --json
 fi
 
 TABLE=$("$PY" bench/gpu_check_table.py "$WORK" 2> "$WORK/table.err") || TABLE="(table failed: $(tail -3 "$WORK/table.err"))"

@@ -140,7 +140,7 @@ def section_rows(section: dict) -> list[tuple[str, str, str, str]]:
             rows.append((r["name"], result, "; ".join(x for x in (bound, f"before {before}" if before else "", err) if x),
                          status))
     elif kind == "decode" and data:
-        shape = data["shape"] + (" eager" if data.get("enforce_eager") else "")
+        shape = data["shape"] + (" eager" if data.get("enforce_eager") else "") + _fp8_label(data)
         for r in data["rows"]:
             before = BEFORE.get(("decode", shape, r["batch"]))
             extra = f", {r['steps_not_pure_decode']} steps not pure decode" if r.get("steps_not_pure_decode") else ""
@@ -149,12 +149,14 @@ def section_rows(section: dict) -> list[tuple[str, str, str, str]]:
                          f"window {r['window_mean_ms']:.2f}){extra}",
                          f"bound {r['bound_ms']:.2f} ms, x{r['ratio']:.1f}" + (f"; before {before}" if before else ""),
                          status))
+        memory = (f" ({data['weight_memory_bytes'] / 2**30:.2f} GiB in memory)"
+                  if data.get("weight_memory_bytes") else "")
         rows.append((f"{shape} setup", f"copy {_num(data['copy_bandwidth_gb_s'])} GB/s, weights "
-                     f"{data['weight_bytes'] / 1e9:.2f} GB, checkpoint {data['checkpoint_s']} s, load "
+                     f"{data['weight_bytes'] / 1e9:.2f} GB read per step{memory}, checkpoint {data['checkpoint_s']} s, load "
                      f"{data['engine_load_s']} s" + (f", unsupported: {','.join(data['unsupported_options'])}"
                                                      if data.get("unsupported_options") else ""), "", status))
     elif kind == "throughput" and data:
-        shape = data["model"]
+        shape = data["model"] + _fp8_label(data)
         hf = (f", transformers {_num(data['hf_output_tok_s'])} tok/s ({data['hf_num_prompts']} prompts, batch "
               f"{data['hf_batch_size']}) = x{data['speedup']:.2f}") if "hf_output_tok_s" in data else ", transformers not run"
         before = BEFORE.get(("throughput", shape))
@@ -176,6 +178,12 @@ def section_rows(section: dict) -> list[tuple[str, str, str, str]]:
         failed = [ln.strip() for ln in log.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
         rows.append(("", " / ".join(failed[:4]).replace("|", "/")[:300] if failed else _tail(log), "", status))
     return rows
+
+
+def _fp8_label(data: dict) -> str:
+    """" fp8" / " kv-fp8" for a decode or throughput run with fp8 weights / KV cache."""
+    label = " fp8" if data.get("quantization") == "fp8" else ""
+    return label + (" kv-fp8" if str(data.get("kv_cache_dtype", "")).startswith(("fp8", "float8")) else "")
 
 
 def _ms(seconds: float | None) -> str:

@@ -8,6 +8,9 @@ on CUDA both sides run in the checkpoint's dtype (bf16) after a short warm-up ea
     python bench/throughput.py --model small --num-prompts 64
     python bench/throughput.py --shape 1b --device cuda --num-prompts 512 --max-num-seqs 256 \
         --max-num-batched-tokens 8192 --kv-cache-mb 8192 --hf-batch-size 128
+    python bench/throughput.py --shape 8b --device cuda --quantization fp8 --kv-cache-dtype fp8 --skip-hf ...
+
+`--quantization` / `--kv-cache-dtype` apply to cbserve only (transformers runs the checkpoint as is).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 if __package__ in (None, ""):   # `python bench/throughput.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import bytes_per_block
 from engine.sampling_params import SamplingParams
@@ -47,8 +50,8 @@ def run_cbserve(args, prompts, outputs) -> tuple[float, int]:
     """(seconds, KV cache bytes the engine got)."""
     kv = {"kv_cache_memory_bytes": args.kv_cache_mb << 20} if args.kv_cache_mb else {}   # 0: the engine's default
     engine = Engine(EngineConfig(
-        model=str(args.model), device=args.device, dtype=args.dtype,
-        cache=CacheConfig(enable_prefix_caching=False, **kv),
+        model=str(args.model), device=args.device, dtype=args.dtype, quantization=args.quantization,
+        cache=CacheConfig(enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **kv),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
     ))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -61,7 +64,7 @@ def run_cbserve(args, prompts, outputs) -> tuple[float, int]:
     elapsed = time.perf_counter() - t0
     assert [len(r.output_token_ids) for r in results] == outputs
     cache = engine.cache_config
-    return elapsed, cache.num_blocks * bytes_per_block(engine.model_config, cache.block_size, engine.dtype)
+    return elapsed, cache.num_blocks * bytes_per_block(engine.model_config, cache.block_size, engine.kv_cache.dtype)
 
 
 def run_hf(args, prompts, outputs) -> float:
@@ -107,6 +110,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-mb", type=int, default=2048, help="0: the engine's default size")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="cbserve's --quantization")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="cbserve's --kv-cache-dtype")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--hf-num-prompts", type=int, default=None,
                     help="transformers runs only the first N prompts (default: all); tok/s stays comparable")
@@ -136,6 +141,7 @@ def main() -> None:
     result = {
         "model": args.shape or str(args.model), "device": args.device, "num_prompts": args.num_prompts, "input_tokens": n_in, "output_tokens": n_out,
         "threads": args.threads, "kv_cache_mb": args.kv_cache_mb, "kv_cache_bytes": kv_bytes, "cbserve_seconds": round(ours, 2),
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "cbserve_output_tok_s": round(n_out / ours, 1), "cbserve_total_tok_s": round((n_in + n_out) / ours, 1),
     }
     if hf is not None:

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, QUANTIZATIONS
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -17,7 +17,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help="int8: W8A8 linears (per-channel weights, per-token activations), CPU only")
+                   help="int8: W8A8 linears (per-channel weights, per-token activations), CPU only; fp8: e4m3 "
+                        "linears (per-channel weights, per-token activations; torch._scaled_mm on GPUs of compute "
+                        "capability >= 8.9, a dequantizing reference elsewhere). Checkpoints stored in FP8 imply fp8")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto: the model dtype; fp8: e4m3 with per-layer static scales (the checkpoint's "
+                        "k_scale/v_scale, else 1.0): twice the tokens of bf16 in the same memory")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -57,7 +62,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=None if kv_mb is None else kv_mb << 20,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),
     )

@@ -35,6 +35,7 @@ class ClusterSpec:
     device: str | None = None
     dtype: str | None = None
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     num_blocks: int | None = None
@@ -101,7 +102,7 @@ class ClusterSpec:
     def engine_flags(self) -> list[str]:
         flags: list[str] = []
         for flag, value in (("--device", self.device), ("--dtype", self.dtype),
-                            ("--quantization", self.quantization),
+                            ("--quantization", self.quantization), ("--kv-cache-dtype", self.kv_cache_dtype),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
                             ("--max-num-seqs", self.max_num_seqs), ("--num-blocks", self.num_blocks),
                             ("--gpu-memory-utilization", self.pod_gpu_memory_utilization())):

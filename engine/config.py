@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # `--quantization` values (engine/quant.py); here, torch-free, for the CLI flags that offer them.
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8")
+# `--kv-cache-dtype` values (engine/kv_dtype.py): the model dtype, or float8_e4m3fn with per-tensor scales.
+KV_CACHE_DTYPES = ("auto", "fp8")
 # KV cache sizing defaults (engine/kv_sizing.py), torch-free for the CLI and `cbserve up`.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 256 << 20
@@ -25,6 +27,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None   # share of the device's total memory; CUDA only
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"                  # "auto": the model dtype; "fp8": e4m3, per-tensor scales
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -35,6 +38,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

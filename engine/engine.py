@@ -23,7 +23,9 @@ import torch
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
 from engine.cuda_graphs import graph_memory_estimate
 from engine.detokenizer import IncrementalDetokenizer
+from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quantization
 from engine.kv_cache import allocate_kv_cache
+from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
 from engine.model_config import ModelConfig
@@ -61,7 +63,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None            # None: float32 on CPU, the checkpoint's dtype on CUDA
     max_model_len: int | None = None    # None: the model's
-    quantization: str | None = None     # "int8": W8A8 linears on CPU (engine/quant.py); None: none
+    quantization: str | None = None     # "int8": W8A8 linears on CPU (engine/quant.py); "fp8": e4m3
+                                        # linears (engine/fp8.py; FP8 checkpoints imply it); None: none
     enforce_eager: bool = False         # True: no CUDA graphs for decode steps
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     detokenize: bool = True             # False: text only for requests with stop strings (pods: the
@@ -89,27 +92,37 @@ class Engine:
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         # KV sized from device memory (CUDA): free memory now, before the weights take theirs.
         startup_memory = measure_startup_memory(config.cache, self.device)
 
         self.tokenizer = self._load_tokenizer()
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
         self.eos_token_ids = eos or self.model_config.eos_token_ids
-        self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1)
+        fp8_checkpoint = read_fp8_config(self.model_dir)       # None unless stored in FP8
+        self.quantization = resolve_quantization(config.quantization, fp8_checkpoint)
+        if fp8_checkpoint is not None:
+            self.model = load_fp8_model(self.model_dir, self.model_config, fp8_checkpoint, self.dtype, self.device,
+                                        max_len + 1)
+        else:
+            self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1)
         self.fingerprint = model_fingerprint(self.model_dir)
-        if config.quantization:
-            quantize_model(self.model, config.quantization, self.device)
+        if self.quantization:
+            if fp8_checkpoint is None:
+                quantize_model(self.model, self.quantization, self.device)
             # A quantized model computes other K/V than the plain one: pods must not pair across.
-            self.fingerprint += f"+{config.quantization}"
+            self.fingerprint += f"+{self.quantization}"
+        if self.kv_dtype is FP8_KV_DTYPE:  # pods exchanging fp8 KV must dequantize with the same scales
+            self.fingerprint += kv_scales_suffix(self.model)
         # After loading: on CUDA the cache takes what the weights and one worst-case step leave.
-        cache_cfg = size_cache(config.cache, self.model, self.dtype, self.device,
+        cache_cfg = size_cache(config.cache, self.model, self.kv_dtype, self.device,
                                ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                                                        max_len),
                                Sampler(self.eos_token_ids), startup_memory,
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         self.kv_cache = allocate_kv_cache(self.model_config, cache_cfg.num_blocks, cache_cfg.block_size,
-                                          self.dtype, self.device)
+                                          self.kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
@@ -128,9 +141,9 @@ class Engine:
         self.num_steps = 0
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
         self.step_samples: collections.deque[StepSample] = collections.deque(maxlen=256)
-        log.info("engine ready: role=%s model=%s dtype=%s quantization=%s blocks=%d x %d", self.role,
-                 config.model, dtype_name, config.quantization or "none", cache_cfg.num_blocks,
-                 cache_cfg.block_size)
+        log.info("engine ready: role=%s model=%s dtype=%s quantization=%s kv_cache_dtype=%s blocks=%d x %d",
+                 self.role, config.model, dtype_name, self.quantization or "none",
+                 str(self.kv_dtype).removeprefix("torch."), cache_cfg.num_blocks, cache_cfg.block_size)
 
     def _graph_memory_estimate(self, config: EngineConfig, sched_cfg: SchedulerConfig) -> int:
         """What the decode CUDA graphs will take after the KV cache is sized (0 when eager)."""

@@ -246,6 +246,7 @@ def size_cache(cache: CacheConfig, model: LlamaForCausalLM, dtype: torch.dtype, 
                headroom: int | None = None) -> CacheConfig:
     """`cache` with `num_blocks` set (a new object), by the precedence in the module docstring.
 
+    `dtype` is the KV cache's (1 byte per element for fp8, `--kv-cache-dtype`);
     `startup` is `measure_startup_memory(cache, device)`, taken before the weights loaded;
     `headroom` (default `headroom_bytes()`) is kept for what is allocated after sizing."""
     block_bytes = bytes_per_block(model.cfg, cache.block_size, dtype)

@@ -3,6 +3,8 @@
 The checkpoint keeps q/k/v and gate/up as separate tensors; the model fuses each group into one
 matmul, so they are stacked here. Every expected tensor must appear exactly once with the right
 shape: a missing, duplicated, unexpected or mis-shaped tensor is a `CheckpointError` naming it.
+A parameter with a `weight_loader(tensor, index, hf_name)` attribute places its tensors itself
+(FP8 weights and their scales: engine/fp8_checkpoint.py); it checks what it takes.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     raise CheckpointError(f"tensor {hf_name!r} appears more than once")
                 tensor = f.get_tensor(hf_name)
                 param = params[ours]
+                custom = getattr(param, "weight_loader", None)
+                if custom is not None:
+                    custom(tensor, index, hf_name)
+                    seen[ours].add(index)
+                    continue
                 dest = param.data
                 if index is not None:
                     sizes = _slices(cfg, ours)

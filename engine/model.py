@@ -103,6 +103,8 @@ class Attention(nn.Module):
                                dtype=dtype, device=device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, device=device)
         self.scale = cfg.head_dim ** -0.5
+        # (k_scale, v_scale) of an fp8 KV cache (engine/kv_dtype.py): static, from the checkpoint or 1.0.
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -112,10 +114,11 @@ class Attention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)                # [T, H, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)             # [T, KVH, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        k_scale, v_scale = self.kv_scales
         q, k = kernels.rope_and_write_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
-                                         meta.slot_mapping)   # one launch on CUDA
+                                         meta.slot_mapping, k_scale, v_scale)   # one launch on CUDA
         out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, self.scale)  # [T, H, D]
+                                      meta.query_start_loc, self.scale, k_scale, v_scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 

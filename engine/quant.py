@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS
+from engine.fp8 import quantize_model_fp8
+
 _QMAX = 127.0
 
 
@@ -118,11 +120,14 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, quantization: str, device: torch.device) -> int:
-    """Swap every `nn.Linear` of `model` for its quantized form, in place; returns how many.
+    """Swap every `nn.Linear` of `model` for its quantized form, in place; returns how many
+    (`fp8`: engine/fp8.py, every projection but the lm_head).
 
     Call after the weights are loaded and before the runner packs them."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "fp8":
+        return quantize_model_fp8(model)
     if device.type != "cpu":
         raise ValueError("int8 quantization runs on CPU only (it targets oneDNN's VNNI kernels); "
                          "on a GPU serve bfloat16")

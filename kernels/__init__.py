@@ -13,13 +13,14 @@ import torch
 from kernels import backend, checks
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
+from kernels.fp8_quant_ref import quantize_fp8_rows_ref
 from kernels.kv_write_ref import write_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul"]
+           "silu_and_mul", "quantize_fp8_rows"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -33,14 +34,20 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens (its last ``query_len`` positions) over its
-    paged K/V; prefill chunks and decode tokens may be mixed. Returns q's shape and dtype."""
+    paged K/V; prefill chunks and decode tokens may be mixed. Returns q's shape and dtype.
+
+    The caches are q's dtype, or float8_e4m3fn holding ``K / k_scale`` and ``V / v_scale``
+    (dequantized on load; float caches ignore the scales)."""
     sizes = checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if _use_triton(q):
         return _triton_fn("attention_triton", "paged_attention_triton")(
-            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes)
-    return paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes, k_scale, v_scale)
+    return paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                               k_scale, v_scale)
 
 
 def write_kv(
@@ -49,13 +56,17 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's key/value into its cache slot, in place."""
+    """Write each token's key/value into its cache slot, in place; an fp8 cache gets
+    ``K / k_scale`` and ``V / v_scale``, saturated to e4m3's range (float caches ignore the scales)."""
     checks.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     if _use_triton(key):
-        _triton_fn("kv_write_triton", "write_kv_triton")(key, value, key_cache, value_cache, slot_mapping)
+        _triton_fn("kv_write_triton", "write_kv_triton")(key, value, key_cache, value_cache, slot_mapping,
+                                                         k_scale, v_scale)
     else:
-        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,17 +109,20 @@ def rope_and_write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rope`` then ``write_kv`` of the rotated keys and ``v``, in one Triton launch on CUDA.
 
     Returns the rotated ``(q, k)`` (new tensors in q's dtype) exactly as ``apply_rope`` does, and
-    leaves the caches exactly as ``write_kv(k_rotated, v, ...)`` would."""
+    leaves the caches exactly as ``write_kv(k_rotated, v, ..., k_scale, v_scale)`` would."""
     checks.check_rope(q, k, positions, cos_sin_cache)
     checks.check_write_kv(k, v, key_cache, value_cache, slot_mapping)
     if _use_triton(q):
         return _triton_fn("rope_kv_triton", "rope_and_write_kv_triton")(
-            q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
-    return rope_and_write_kv_ref(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+            q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return rope_and_write_kv_ref(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                                 k_scale, v_scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -118,3 +132,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         return _triton_fn("activation_triton", "silu_and_mul_triton")(x)
     return silu_and_mul_ref(x)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor,  # [num_tokens, features], floating point
+    static_scale: torch.Tensor | None = None,  # [] or [1] fp32 per-tensor scale; None: one per row
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q, scale)``: ``x_q`` float8_e4m3fn ``[num_tokens, features]`` and ``scale`` fp32
+    ``[num_tokens, 1]`` with ``x ~= x_q * scale``; per-row scales are ``max|x| / 448``; values
+    saturate at +-448. One launch on CUDA (the activations of an fp8 linear)."""
+    checks.check_quantize_fp8_rows(x, static_scale)
+    if _use_triton(x):
+        return _triton_fn("fp8_quant_triton", "quantize_fp8_rows_triton")(x, static_scale)
+    return quantize_fp8_rows_ref(x, static_scale)

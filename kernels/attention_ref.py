@@ -176,18 +176,35 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Paged causal attention in fp32 torch: ``[num_tokens, num_heads, head_dim]`` in ``out_dtype``
-    (default q's dtype; tests ask for fp32 to compare half-precision kernels without rounding)."""
+    (default q's dtype; tests ask for fp32 to compare half-precision kernels without rounding).
+
+    An fp8 cache holds ``K / k_scale`` and ``V / v_scale``: the gather upcasts it to fp32 like any
+    cache, ``k_scale`` folds into the softmax scale (``q . (k * s) = (q . k) * s``) and ``v_scale``
+    multiplies the output (softmax weights sum to 1), as the Triton kernels do. Float caches
+    ignore the scales."""
     out_dtype = out_dtype or q.dtype
+    if key_cache.dtype is not torch.float8_e4m3fn:
+        return _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                     scale).to(out_dtype)
+    out = _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale * k_scale)
+    return out.mul_(v_scale).to(out_dtype)
+
+
+def _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                          scale: float) -> torch.Tensor:
+    """``paged_attention_ref``'s math, in fp32 (a cache's stored values, whatever their dtype)."""
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()  # num_seqs + 1 ints: the per-sequence plan is host-side
     lens = seq_lens.tolist()
     num_seqs = len(lens)
     decode_seqs = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
     if decode_seqs and len(decode_seqs) == num_seqs == q.shape[0]:  # pure decode: no scatter
-        return _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens, scale).to(out_dtype)
+        return _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens, scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if decode_seqs:
         idx = torch.tensor(decode_seqs, device=q.device)
@@ -200,4 +217,4 @@ def paged_attention_ref(
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
         out[start:end] = _prefill_one(q[start:end], key_cache, value_cache, blocks, seq_len, scale)
-    return out.to(out_dtype)
+    return out

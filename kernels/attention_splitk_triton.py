@@ -23,6 +23,15 @@ PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
 _MIN_PROGRAMS = 256  # below this many (seq, kv head) programs the unified kernel leaves SMs idle
 
 
+def fp8_scales(key_cache: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """(softmax scale, output scale) for the kernels: an fp8 cache holds ``K / k_scale`` and
+    ``V / v_scale``, so ``k_scale`` folds into the softmax scale and ``v_scale`` multiplies the
+    normalised output; float caches get ``(scale, 1.0)``."""
+    if key_cache.dtype == torch.float8_e4m3fn:
+        return scale * k_scale, v_scale
+    return scale, 1.0
+
+
 def use_split_k(num_seqs: int, num_kv_heads: int, max_context: int) -> bool:
     """Heuristic: split when the batch is small and the context spans several partitions."""
     return num_seqs * num_kv_heads < _MIN_PROGRAMS and max_context >= 2 * PARTITION
@@ -86,6 +95,7 @@ def _split_k_reduce_kernel(
     part_max_ptr,  # [num_seqs, num_heads, num_parts] fp32
     part_sum_ptr,  # [num_seqs, num_heads, num_parts] fp32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    v_scale,  # 1.0, or an fp8 cache's v_scale
     num_heads,
     num_parts,
     stride_ot, stride_oh, stride_od,
@@ -107,7 +117,7 @@ def _split_k_reduce_kernel(
                   mask=p_ok[:, None], other=0.0)  # [PARTS_PAD, HEAD_PAD]
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l * w, 0)
-    out = num / tl.where(den == 0.0, 1.0, den)
+    out = num / tl.where(den == 0.0, 1.0, den) * v_scale  # v_scale: 1.0 unless fp8
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     o_off = token * stride_ot + head.to(tl.int64) * stride_oh + offs_d * stride_od
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -124,8 +134,11 @@ def launch_split_k(
     partition: int = PARTITION,
     block_n: int = 32,
     sizes: PagedAttentionSizes | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Decode-only split-K attention: requires exactly one query token per sequence."""
+    """Decode-only split-K attention: requires exactly one query token per sequence. ``k_scale``/
+    ``v_scale``: an fp8 cache's scales (``fp8_scales``)."""
     if sizes is None:
         sizes = paged_attention_sizes(q, key_cache, block_tables)
     num_seqs, num_heads = sizes.num_seqs, sizes.num_heads
@@ -139,6 +152,7 @@ def launch_split_k(
     if num_seqs == 0:
         return out
     num_parts = triton.cdiv(sizes.max_context, partition)
+    scale, v_scale = fp8_scales(key_cache, scale, k_scale, v_scale)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_out = torch.empty((num_seqs, num_heads, num_parts, hpad), **f32)
     part_max = torch.empty((num_seqs, num_heads, num_parts), **f32)
@@ -152,7 +166,7 @@ def launch_split_k(
         IEEE_FP32=q.dtype == torch.float32,
     )
     _split_k_reduce_kernel[(num_seqs, num_heads)](
-        out, part_out, part_max, part_sum, query_start_loc, num_heads, num_parts, *out.stride(),
+        out, part_out, part_max, part_sum, query_start_loc, v_scale, num_heads, num_parts, *out.stride(),
         HEAD_DIM=sizes.head_dim, HEAD_PAD=hpad, PARTS_PAD=max(2, triton.next_power_of_2(num_parts)),
     )
     return out

@@ -10,7 +10,9 @@ table, scores the tile with ``tl.dot``, folds it into the running max and sum in
 units: ``qk_scale`` already holds log2(e)) and accumulates ``P @ V``. Block ids are widened to
 int64 before they meet a stride, so offsets into a large cache cannot overflow int32. Both dots
 have K >= 16 as long as the caller pads ``HEAD_PAD`` and ``BLOCK_N`` to at least 16
-(``head_pad`` below), which the GPU compiler requires.
+(``head_pad`` below), which the GPU compiler requires. An fp8 cache's tiles are upcast to q's
+dtype as they load (the dots run in q's dtype); its per-tensor scales never reach this loop: the
+launchers fold ``k_scale`` into the softmax scale and ``v_scale`` into the output.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def attend_tile(
         k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
     else:
         k = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None], other=0.0)
+    k = k.to(q.dtype)  # fp8 cache: dequantize (the scale is in qk_scale); else a no-op
     if IEEE_FP32:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -83,6 +86,7 @@ def attend_tile(
         v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
     else:
         v = tl.load(v_cache_ptr + v_off, mask=d_ok[None, :], other=0.0)
+    v = v.to(q.dtype)  # fp8 cache: dequantize (v_scale multiplies the output); else a no-op
     if IEEE_FP32:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:

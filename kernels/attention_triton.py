@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_splitk_triton import launch_split_k, use_split_k
+from kernels.attention_splitk_triton import fp8_scales, launch_split_k, use_split_k
 from kernels.attention_tile_triton import attend_decode, attend_range, group_rows, head_pad
 from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
@@ -56,7 +56,7 @@ def _find_seq(query_start_loc_ptr, last_seq, tile_id, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _query_tile(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    tile_id, kv_head, scale, num_seqs,
+    tile_id, kv_head, scale, v_scale, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -109,7 +109,7 @@ def _query_tile(
                                      stride_vb, stride_vs, stride_vh, stride_vd,
                                      BLOCK_N, BLOCK_SIZE, IEEE_FP32)
 
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # v_scale: 1.0 unless fp8
         o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -117,7 +117,7 @@ def _query_tile(
 @triton.jit
 def _decode_row(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    seq, kv_head, scale,
+    seq, kv_head, scale, v_scale,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -142,7 +142,7 @@ def _decode_row(
 
         head, row_ok = group_rows(kv_head, GROUP, ROWS)
         offs_d = tl.arange(0, HEAD_PAD)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # v_scale: 1.0 unless fp8
         o_off = token * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
@@ -156,7 +156,8 @@ def _unified_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    scale,
+    scale,  # softmax scale (times k_scale for an fp8 cache)
+    v_scale,  # 1.0, or an fp8 cache's v_scale
     num_seqs,
     num_tiles,  # query tiles in the grid: num_tokens // BLOCK_Q + num_seqs
     stride_qt, stride_qh, stride_qd,
@@ -182,20 +183,20 @@ def _unified_attention_kernel(
     if SPLIT_DECODES:
         if pid < num_seqs:
             _decode_row(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        query_start_loc_ptr, pid, kv_head, scale,
+                        query_start_loc_ptr, pid, kv_head, scale, v_scale,
                         stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                         stride_bt, HEAD_DIM, HEAD_PAD, GROUP, DECODE_ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32)
         else:
             _query_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        query_start_loc_ptr, num_tiles - 1 - (pid - num_seqs), kv_head, scale, num_seqs,
+                        query_start_loc_ptr, num_tiles - 1 - (pid - num_seqs), kv_head, scale, v_scale, num_seqs,
                         stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                         stride_bt, HEAD_DIM, HEAD_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
                         SKIP_DECODES=True)
     else:
         _query_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, num_tiles - 1 - pid, kv_head, scale, num_seqs,
+                    query_start_loc_ptr, num_tiles - 1 - pid, kv_head, scale, v_scale, num_seqs,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                     stride_bt, HEAD_DIM, HEAD_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
@@ -219,6 +220,8 @@ def launch_unified(
     block_m: int | None = None,
     split_decodes: bool | None = None,
     sizes: PagedAttentionSizes | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Run the unified kernel (inputs already validated by ``kernels.checks``, whose result
     ``sizes`` is; computed here when None). Every choice below reads shapes only.
@@ -228,6 +231,7 @@ def launch_unified(
     prefill tokens, run by 8 warps: each K/V tile then serves 128 query rows). ``split_decodes``:
     give single-token sequences their own decode programs (default: when the batch holds prefill
     tokens, i.e. ``num_tokens > num_seqs``; a decode-only batch is all decode programs anyway).
+    ``k_scale``/``v_scale``: an fp8 cache's scales (``fp8_scales``; float caches ignore them).
     """
     if sizes is None:
         sizes = paged_attention_sizes(q, key_cache, block_tables)
@@ -249,9 +253,10 @@ def launch_unified(
         return out
     num_tiles = num_tokens // block_q + num_seqs
     num_programs = num_tiles + (num_seqs if split_decodes else 0)
+    scale, v_scale = fp8_scales(key_cache, scale, k_scale, v_scale)
     _unified_attention_kernel[(num_programs, sizes.num_kv_heads)](
         out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_seqs, num_tiles,
+        scale, v_scale, num_seqs, num_tiles,
         *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         HEAD_DIM=sizes.head_dim, HEAD_PAD=head_pad(sizes.head_dim), GROUP=sizes.group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=sizes.block_size,
@@ -270,6 +275,8 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     sizes: PagedAttentionSizes | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Pick split-K for decode-only batches that cannot fill the GPU, else the unified kernel.
 
@@ -281,5 +288,6 @@ def paged_attention_triton(
     decode_only = sizes.num_tokens == sizes.num_seqs
     if decode_only and use_split_k(sizes.num_seqs, sizes.num_kv_heads, sizes.max_context):
         return launch_split_k(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                              sizes=sizes)
-    return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes=sizes)
+                              sizes=sizes, k_scale=k_scale, v_scale=v_scale)
+    return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes=sizes,
+                          k_scale=k_scale, v_scale=v_scale)

@@ -15,6 +15,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOATS = frozenset(FLOAT_DTYPES)
+# An fp8 KV cache holds K / k_scale and V / v_scale in e4m3 (per-tensor scales, one pair per layer):
+# writes quantize, reads dequantize. Any float query dtype may use one.
+FP8_KV_DTYPE = torch.float8_e4m3fn
 _I32, _I64 = torch.int32, torch.int64
 
 
@@ -60,9 +63,10 @@ def check_paged_attention(
     qs, ks, bs = q.shape, key_cache.shape, block_tables.shape
     if len(qs) == 3 and len(ks) == 4 and len(bs) == 2:
         num_heads, head_dim, num_kv_heads, num_seqs = qs[1], qs[2], ks[2], bs[0]
-        dtype = q.dtype
+        dtype, kv_dtype = q.dtype, key_cache.dtype
         if (ks[3] == head_dim and value_cache.shape == ks and num_kv_heads > 0 and num_heads % num_kv_heads == 0
-                and dtype in _FLOATS and key_cache.dtype is dtype and value_cache.dtype is dtype
+                and dtype in _FLOATS and (kv_dtype is dtype or kv_dtype is FP8_KV_DTYPE)
+                and value_cache.dtype is kv_dtype
                 and block_tables.dtype is _I32 and seq_lens.dtype is _I32 and query_start_loc.dtype is _I32
                 and seq_lens.shape == (num_seqs,) and query_start_loc.shape == (num_seqs + 1,)):
             return PagedAttentionSizes(qs[0], num_heads, head_dim, num_kv_heads, ks[1], num_seqs, bs[1] * ks[1])
@@ -87,8 +91,9 @@ def _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, 
         raise ValueError(f"num_heads ({sizes.num_heads}) must be a multiple of num_kv_heads ({sizes.num_kv_heads})")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not in {FLOAT_DTYPES}")
-    if not (key_cache.dtype == q.dtype and value_cache.dtype == q.dtype):
-        raise ValueError(f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}")
+    if not (key_cache.dtype in (q.dtype, FP8_KV_DTYPE) and value_cache.dtype == key_cache.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype} "
+                         f"(the caches must both be q's dtype or both {FP8_KV_DTYPE})")
     num_seqs = sizes.num_seqs
     if not (seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32):
         raise ValueError(f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
@@ -105,10 +110,11 @@ def check_write_kv(
 ) -> None:
     """Validate the inputs of ``write_kv``."""
     ks, cs = key.shape, key_cache.shape
-    dtype = key.dtype
+    dtype, kv_dtype = key.dtype, key_cache.dtype
     if (len(ks) == 3 and len(cs) == 4 and value.shape == ks and value_cache.shape == cs
             and cs[2] == ks[1] and cs[3] == ks[2] and slot_mapping.dtype is _I64 and slot_mapping.shape == ks[:1]
-            and value.dtype is dtype and key_cache.dtype is dtype and value_cache.dtype is dtype):
+            and value.dtype is dtype and (kv_dtype is dtype or (kv_dtype is FP8_KV_DTYPE and dtype in _FLOATS))
+            and value_cache.dtype is kv_dtype):
         return
     _explain_write_kv(key, value, key_cache, value_cache, slot_mapping)
 
@@ -126,7 +132,7 @@ def _explain_write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping must be int64 [{key.shape[0]}], got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, "
-                     f"caches {key_cache.dtype}/{value_cache.dtype}")
+                     f"caches {key_cache.dtype}/{value_cache.dtype} (both key's dtype or both {FP8_KV_DTYPE})")
 
 
 def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
@@ -181,3 +187,15 @@ def check_silu_and_mul(x: torch.Tensor) -> None:
     if x.shape[1] % 2:
         raise ValueError(f"x's last dim ({x.shape[1]}) must be even: the gate and up halves")
     raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
+
+
+def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) -> None:
+    """Validate the inputs of ``quantize_fp8_rows``: 2-D float rows, an optional one-element fp32 scale."""
+    if (len(x.shape) == 2 and x.dtype in _FLOATS
+            and (static_scale is None or (static_scale.numel() == 1 and static_scale.dtype is torch.float32))):
+        return
+    if x.dim() != 2:
+        raise ValueError(f"x must be [num_tokens, features], got {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
+    raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")

@@ -1,8 +1,22 @@
-"""Pure-torch KV cache write: the reference for the Triton kernel and the CPU runtime path."""
+"""Pure-torch KV cache write: the reference for the Triton kernel and the CPU runtime path.
+
+An fp8 cache (float8_e4m3fn) stores ``x * (1 / scale)`` clamped to e4m3's finite range
+(+-448) and rounded to nearest; the Triton kernels multiply by the same fp32 reciprocal, so both
+backends write the same bytes. CPU torch has no ``index_copy_`` for fp8: the cache is written
+through a uint8 view of the same bytes.
+"""
 
 from __future__ import annotations
 
 import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` (any float dtype) -> float8_e4m3fn holding ``x / scale``, saturated to +-448."""
+    return x.float().mul(1.0 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def _as_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -22,8 +36,11 @@ def _as_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return cache.as_strided((num_rows, row), (row, 1)), block_rows
 
 
-def _write(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+def _write(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor,
+           scale: float) -> None:
     # blocks, offsets: [T] int64; x: [T, num_kv_heads, head_dim]
+    if cache.dtype is FP8:  # quantize, then move bytes (no fp8 index_copy_ on CPU)
+        cache, x = cache.view(torch.uint8), quantize_kv(x, scale).view(torch.uint8)
     alias = _as_rows(cache)
     if alias is None:  # unusual layout: advanced indexing (slower, but any strides)
         cache[blocks, offsets] = x
@@ -38,13 +55,16 @@ def write_kv_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter each token's K/V into its slot; tokens with slot -1 (padding) are skipped."""
+    """Scatter each token's K/V into its slot; tokens with slot -1 (padding) are skipped. An fp8
+    cache gets ``K / k_scale`` and ``V / v_scale`` (the scales are ignored for float caches)."""
     block_size = key_cache.shape[1]
     # Padding is rare (the engine never pads): only then pay for the boolean selection.
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    _write(key_cache, blocks, offsets, key)
-    _write(value_cache, blocks, offsets, value)
+    _write(key_cache, blocks, offsets, key, k_scale)
+    _write(value_cache, blocks, offsets, value, v_scale)

@@ -18,8 +18,10 @@ def rope_and_write_kv_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rope_ref`` then ``write_kv_ref`` of the rotated keys; returns the rotated (q, k)."""
     q_rot, k_rot = apply_rope_ref(q, k, positions, cos_sin_cache)
-    write_kv_ref(k_rot, v, key_cache, value_cache, slot_mapping)
+    write_kv_ref(k_rot, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return q_rot, k_rot

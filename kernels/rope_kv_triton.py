@@ -7,7 +7,8 @@ to the cache from the same registers, rounded once to the cache dtype, so the ca
 what ``write_kv(apply_rope(q, k)[1], v)`` would write. The rotation is ``rope_triton.rotate_heads``
 (the same code as ``apply_rope``); partial rotary copies the tail dims in the kernel, so the
 tail reaches the cache too. Block ids are int64 (``slot_mapping`` is int64) before they meet a
-stride; padding tokens (slot -1) are rotated but not written.
+stride; padding tokens (slot -1) are rotated but not written. An fp8 cache gets the rotated k (as
+rounded to k's dtype) and v quantized by ``kv_write_triton.to_cache``, the KV write's own code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write_triton import write_kv_triton
+from kernels.kv_write_triton import to_cache, write_kv_triton
 from kernels.rope_triton import apply_rope_triton, load_cos_sin, rotate_heads, unit_last
 
 
@@ -32,6 +33,8 @@ def _rope_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], unit stride on head_dim
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], unit stride on head_dim
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
+    k_inv_scale,  # 1 / k_scale (fp8 caches only)
+    v_inv_scale,
     num_heads,
     num_kv_heads,
     stride_qot, stride_qoh, stride_kot, stride_koh,
@@ -48,6 +51,7 @@ def _rope_kv_kernel(
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_x = tl.arange(0, HALF_PAD)
@@ -70,8 +74,8 @@ def _rope_kv_kernel(
     k1, k2, k_mask = rotate_heads(k_out_ptr, k_ptr, token, num_kv_heads, stride_kot, stride_koh, stride_kt,
                                   stride_kh, cos, sin, offs_x, HALF, K_HEADS_PAD)
     if slot >= 0:
-        tl.store(k_row + offs_x[None, :], k1, mask=k_mask)
-        tl.store(k_row + HALF + offs_x[None, :], k2, mask=k_mask)
+        tl.store(k_row + offs_x[None, :], to_cache(k1, k_inv_scale, k_cache_ptr, FP8), mask=k_mask)
+        tl.store(k_row + HALF + offs_x[None, :], to_cache(k2, k_inv_scale, k_cache_ptr, FP8), mask=k_mask)
 
     if TAIL > 0:  # partial rotary: dims [2 * HALF, HEAD_DIM) pass through to q, k and the cache
         offs_t = 2 * HALF + tl.arange(0, TAIL_PAD)
@@ -86,14 +90,14 @@ def _rope_kv_kernel(
         tl.store(k_out_ptr + token * stride_kot + offs_kh[:, None] * stride_koh + offs_t[None, :], k_tail,
                  mask=kt_mask)
         if slot >= 0:
-            tl.store(k_row + offs_t[None, :], k_tail, mask=kt_mask)
+            tl.store(k_row + offs_t[None, :], to_cache(k_tail, k_inv_scale, k_cache_ptr, FP8), mask=kt_mask)
 
     # v: copied into the cache as is.
     if slot >= 0:
         offs_d = tl.arange(0, HEAD_PAD)
         v_mask = kh_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
         v = tl.load(v_ptr + token * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :], mask=v_mask)
-        tl.store(v_row + offs_d[None, :], v, mask=v_mask)
+        tl.store(v_row + offs_d[None, :], to_cache(v, v_inv_scale, v_cache_ptr, FP8), mask=v_mask)
 
 
 def rope_and_write_kv_triton(
@@ -105,12 +109,14 @@ def rope_and_write_kv_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k, write rotated k and v into the caches; return the rotated (q, k)
     (inputs already validated by ``kernels.checks``)."""
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:  # caches are written in place: no copies
         q_rot, k_rot = apply_rope_triton(q, k, positions, cos_sin_cache)
-        write_kv_triton(k_rot, v, key_cache, value_cache, slot_mapping)
+        write_kv_triton(k_rot, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return q_rot, k_rot
     q, k, v, cos_sin_cache = unit_last(q), unit_last(k), unit_last(v), unit_last(cos_sin_cache)
     num_tokens, num_heads, head_dim = q.shape
@@ -123,7 +129,7 @@ def rope_and_write_kv_triton(
     half, tail = rotary_dim // 2, head_dim - rotary_dim
     _rope_kv_kernel[(num_tokens,)](
         q_out, k_out, q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
-        num_heads, num_kv_heads,
+        1.0 / k_scale, 1.0 / v_scale, num_heads, num_kv_heads,
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
@@ -132,6 +138,6 @@ def rope_and_write_kv_triton(
         HALF=half, HALF_PAD=triton.next_power_of_2(half), TAIL=tail, TAIL_PAD=triton.next_power_of_2(max(tail, 1)),
         HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
         Q_HEADS_PAD=triton.next_power_of_2(num_heads), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_SIZE=key_cache.shape[1], FP8=key_cache.dtype == torch.float8_e4m3fn,
     )
     return q_out, k_out

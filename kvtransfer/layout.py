@@ -22,12 +22,14 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,   # --kv-cache-dtype fp8 (scales: engine/kv_dtype.py)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Torch dtype for a wire name ("float32" | "float16" | "bfloat16"); `LayoutError` otherwise."""
+    """Torch dtype for a wire name ("float32" | "float16" | "bfloat16" | "float8_e4m3fn"); `LayoutError`
+    otherwise."""
     try:
         return DTYPES[name]
     except KeyError:

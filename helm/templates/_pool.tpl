@@ -80,6 +80,9 @@ spec:
             {{- with $root.Values.model.quantization }}
             - --quantization={{ . }}
             {{- end }}
+            {{- with $root.Values.model.kvCacheDtype }}
+            - --kv-cache-dtype={{ . }}
+            {{- end }}
             - --kv-transport={{ $root.Values.kvTransport }}
             - --kv-store-port={{ $root.Values.ports.kvStore }}
             - --kv-ttl-seconds={{ $root.Values.kvTtlSeconds }}

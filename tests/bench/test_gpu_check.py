@@ -46,6 +46,31 @@ def test_decode_step_tiny_on_cpu_prints_its_json(tmp_path):
     assert [r[0] for r in rows] == ["tiny batch 1 ctx 32", "tiny batch 2 ctx 32", "tiny setup"]
 
 
+def test_decode_step_fp8_on_cpu_reports_fp8_weights_and_kv(tmp_path):
+    """The FP8 sections' dry path: e4m3 weights (the reference path on CPU) and an e4m3 KV cache."""
+    from bench.decode_step import weight_bytes
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model_dir
+
+    proc = subprocess.run(
+        [sys.executable, "bench/decode_step.py", "--shape", "tiny", "--device", "cpu", "--batch", "1",
+         "--context", "32", "--steps", "3", "--warmup", "2", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+         "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["quantization"], result["kv_cache_dtype"]) == ("fp8", "float8_e4m3fn")
+    import torch
+    plain = weight_bytes(ModelConfig.from_dir(resolve_model_dir("tiny")), torch.float32)
+    assert 0 < result["weight_bytes"] < plain and 0 < result["weight_memory_bytes"]
+    assert result["rows"][0]["kv_bytes"] > 0 and result["rows"][0]["median_ms"] > 0
+    (tmp_path / "decode-tiny-fp8.log").write_text(proc.stdout)
+    rows = table.section_rows({"id": "decode-tiny-fp8", "name": "decode step (fp8)", "status": "ok", "seconds": "9",
+                               "log": tmp_path / "decode-tiny-fp8.log", "artifact": tmp_path / "decode-tiny-fp8.log"})
+    assert [r[0] for r in rows] == ["tiny fp8 kv-fp8 batch 1 ctx 32", "tiny fp8 kv-fp8 setup"]
+    assert "in memory" in rows[1][1]
+
+
 def test_shape_checkpoint_loads_in_cbserve_and_transformers(tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM

@@ -71,7 +71,7 @@ def test_quantize_model_swaps_every_linear_and_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="CPU only"):
         quantize_model(nn.Sequential(), "int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(model="tiny", quantization="fp8")
+        EngineConfig(model="tiny", quantization="int4")
 
 
 def _prompt(seed: int, n: int) -> list[int]:

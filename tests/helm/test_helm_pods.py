@@ -12,7 +12,8 @@ from helm_chart import CHART, VALUES_SETS, container, flags, name, render
 
 # Flags of the CLI contract plus the pods' argparse and RouterConfig fields (cbserve/cli.py,
 # router/config.py); the chart may pass nothing else.
-POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quantization", "kv-transport", "kv-store-port",
+POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quantization", "kv-cache-dtype",
+              "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
               "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
@@ -70,6 +71,11 @@ def test_quantization_reaches_both_pools_only_when_set():
     assert all("quantization" not in flags(container(d)["args"]) for d in deployments(render()).values())
     quantized = deployments(render(sets=('model.quantization="int8"',)))
     assert [flags(container(quantized[pool])["args"])["quantization"] for pool in ("prefill", "decode")] == ["int8"] * 2
+    assert all("kv-cache-dtype" not in flags(container(d)["args"]) for d in deployments(render()).values())
+    fp8 = deployments(render(sets=('model.quantization="fp8"', 'model.kvCacheDtype="fp8"')))
+    for pool in ("prefill", "decode"):
+        args = flags(container(fp8[pool])["args"])
+        assert (args["quantization"], args["kv-cache-dtype"]) == ("fp8", "fp8")
 
 
 def test_api_key_comes_from_the_secret_reference():

@@ -76,25 +76,32 @@ UNIFIED_CONFIGS = [
 def unified_attention() -> None:
     from kernels.attention_triton import _unified_attention_kernel
 
+    scalars = {"scale": "fp32", "v_scale": "fp32"}
     for dtype, constants, num_warps in UNIFIED_CONFIGS:
         _compile(_unified_attention_kernel, _attention_pointers(dtype),
-                 dict(constants, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1), {"scale": "fp32"},
-                 num_warps=num_warps)
+                 dict(constants, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1), scalars, num_warps=num_warps)
+    # An fp8 (e4m3) KV cache under bf16 queries: tiles upcast on load (--kv-cache-dtype fp8).
+    for _, constants, num_warps in UNIFIED_CONFIGS[:2]:
+        pointers = dict(_attention_pointers("*bf16"), k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+        _compile(_unified_attention_kernel, pointers,
+                 dict(constants, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1), scalars, num_warps=num_warps)
 
 
 def split_k() -> None:
     from kernels.attention_splitk_triton import _split_k_partial_kernel, _split_k_reduce_kernel
 
-    pointers = _attention_pointers("*fp16")
-    pointers.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32")
-    del pointers["out_ptr"]
-    _compile(_split_k_partial_kernel, pointers,
-             dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=8, ROWS=16, BLOCK_N=64, BLOCK_SIZE=16, PARTITION_SIZE=512,
-                  IEEE_FP32=False, stride_qd=1, stride_kd=1, stride_vd=1), {"scale": "fp32"})
+    for kv_dtype in ("*fp16", "*fp8e4nv"):   # the model dtype, and an fp8 (e4m3) KV cache
+        pointers = _attention_pointers("*fp16")
+        pointers.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", k_cache_ptr=kv_dtype,
+                        v_cache_ptr=kv_dtype)
+        del pointers["out_ptr"]
+        _compile(_split_k_partial_kernel, pointers,
+                 dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=8, ROWS=16, BLOCK_N=64, BLOCK_SIZE=16, PARTITION_SIZE=512,
+                      IEEE_FP32=False, stride_qd=1, stride_kd=1, stride_vd=1), {"scale": "fp32"})
     _compile(_split_k_reduce_kernel,
              {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
               "query_start_loc_ptr": "*i32"},
-             dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1))
+             dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1), {"v_scale": "fp32"})
 
 
 def elementwise() -> None:
@@ -104,11 +111,14 @@ def elementwise() -> None:
     from kernels.rope_kv_triton import _rope_kv_kernel
     from kernels.rope_triton import _rope_kernel
 
-    _compile(_write_kv_kernel,
-             {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-              "slot_mapping_ptr": "*i64"},
-             dict(HEAD_DIM=80, HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16, stride_kd=1, stride_vd=1,
-                  stride_ckd=1, stride_cvd=1), {"stride_ckb": "i64", "stride_cvb": "i64"})
+    inv_scales = {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}
+    for cache in ("*bf16", "*fp8e4nv"):   # the model dtype, and an fp8 (e4m3) KV cache: quantizing stores
+        _compile(_write_kv_kernel,
+                 {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
+                  "slot_mapping_ptr": "*i64"},
+                 dict(HEAD_DIM=80, HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16, stride_kd=1, stride_vd=1,
+                      stride_ckd=1, stride_cvd=1, FP8=cache == "*fp8e4nv"),
+                 {"stride_ckb": "i64", "stride_cvb": "i64", **inv_scales})
     _compile(_rms_norm_kernel,
              {"out_ptr": "*bf16", "sum_ptr": "*bf16", "x_ptr": "*bf16", "residual_ptr": "*bf16",
               "weight_ptr": "*bf16"},
@@ -120,15 +130,25 @@ def elementwise() -> None:
     rope_kv_pointers = {"q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16",
                         "v_ptr": "*bf16", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "k_cache_ptr": "*bf16",
                         "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
-    cache_strides = {"stride_ckb": "i64", "stride_cvb": "i64"}
+    cache_strides = {"stride_ckb": "i64", "stride_cvb": "i64", **inv_scales}
     # Full rotary (Llama) and partial rotary with an odd-sized tail (the in-kernel tail copy).
     _compile(_rope_kv_kernel, rope_kv_pointers,
              dict(HALF=64, HALF_PAD=64, TAIL=0, TAIL_PAD=1, HEAD_DIM=128, HEAD_PAD=128, Q_HEADS_PAD=32,
-                  K_HEADS_PAD=8, BLOCK_SIZE=16), cache_strides)
+                  K_HEADS_PAD=8, BLOCK_SIZE=16, FP8=False), cache_strides)
     _compile(_rope_kv_kernel, rope_kv_pointers,
              dict(HALF=32, HALF_PAD=32, TAIL=16, TAIL_PAD=16, HEAD_DIM=80, HEAD_PAD=128, Q_HEADS_PAD=32,
-                  K_HEADS_PAD=8, BLOCK_SIZE=16), cache_strides)
+                  K_HEADS_PAD=8, BLOCK_SIZE=16, FP8=False), cache_strides)
+    # An fp8 (e4m3) KV cache: rotated k and v quantized as they are stored, partial rotary included.
+    fp8_pointers = dict(rope_kv_pointers, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+    _compile(_rope_kv_kernel, fp8_pointers,
+             dict(HALF=32, HALF_PAD=32, TAIL=16, TAIL_PAD=16, HEAD_DIM=80, HEAD_PAD=128, Q_HEADS_PAD=32,
+                  K_HEADS_PAD=8, BLOCK_SIZE=16, FP8=True), cache_strides)
     _compile(_silu_and_mul_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024))
+    from kernels.fp8_quant_triton import _quantize_rows_kernel
+    for static in (False, True):   # fp8 linears' activations: per-token, or the checkpoint's static scale
+        _compile(_quantize_rows_kernel,
+                 {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "x_ptr": "*bf16", "static_scale_ptr": "*fp32"},
+                 dict(BLOCK=1024, STATIC=static), {"min_scale": "fp32"})
 
 
 def main() -> int:

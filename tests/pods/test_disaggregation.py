@@ -198,3 +198,37 @@ def test_int8_pods_equal_the_int8_colocated_engine():
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_fp8_kv_pods_equal_the_fp8_kv_colocated_engine():
+    """`--kv-cache-dtype fp8` on both pods: the decode pod receives the prefill pod's e4m3 bytes (the
+    handshake checked dtype and scales) and its tokens equal an fp8-KV colocated engine's, greedy
+    and seeded. Prefix caching is off and prompts fit one prefill step, as for int8: quantizing K/V
+    turns float noise from other batch shapes into a different e4m3 code now and then. A request
+    that fell back to a local prefill proves nothing about the transfer: counted, at most one."""
+    flags = ("--kv-cache-dtype", "fp8", "--no-prefix-caching")
+    prefill, decode = Pod("prefill", *flags), Pod("decode", *flags)
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        reference = Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=512, kv_cache_dtype="fp8",
+                                                                        enable_prefix_caching=False)))
+        prompts = [p for i, p in enumerate(_prompts()) if i != 4]  # no shared prefix
+        local = 0
+        for mode, kw in sorted(PARAMS.items()):
+            expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**kw))]
+
+            async def all_at_once():
+                return await asyncio.gather(*(
+                    disaggregated(prefill, decode, f"fp8kv-{mode}-{i}", p, sampling(**kw))
+                    for i, p in enumerate(prompts)))
+
+            for i, (tokens, messages) in enumerate(run(all_at_once())):
+                assert messages[-1].finished, (mode, i, decode.log_tail())
+                if messages[0].local_prefill:
+                    local += 1
+                    continue
+                assert tokens == expected[i], (mode, i)
+        assert local <= 1, decode.log_tail()
+    finally:
+        prefill.stop()
+        decode.stop()
