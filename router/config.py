@@ -7,7 +7,8 @@ field and the metric or log line that talks about the same concept share one nam
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, field
 
 POLICIES = ("goodput", "round_robin", "least_loaded")
 ADMISSION_MODES = ("queue", "reject")
@@ -47,9 +48,11 @@ class RouterConfig:
     max_queue_size: int = 1024
     max_retries: int = 2                     # extra attempts on other pods, before the first token only
     kv_transport: str = ""                   # GenerateRequest.kv_transport: "" (grpc), "grpc" or "nccl"
-    # Serving.
+    # Serving. The API key: `api_key`, else the file `api_key_file`, else the variable `api_key_env`.
     api_key_env: str | None = "CBSERVE_API_KEY"
-    api_key: str | None = None               # overrides the environment variable when set
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    max_request_body_bytes: int = 16 << 20   # larger bodies get 413 before they are read
     max_model_len: int | None = None         # None: from the pods' Handshake / the model's config.json
     request_timeout_seconds: float = 600.0   # the deadline every RPC carries
     drain_seconds: float = 30.0
@@ -96,6 +99,8 @@ class RouterConfig:
             raise ValueError("max_queue_size and max_retries must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
 
@@ -109,9 +114,20 @@ class RouterConfig:
         return not self.colocated and (self.discovery == "static" or self.colocated_service is None)
 
     def resolved_api_key(self) -> str | None:
-        """The key every /v1 request must present, or None for no auth."""
+        """The key every /v1 request must present, or None for no auth.
+
+        A file's trailing newline is not part of the key (`echo key > file` works); an empty or
+        unreadable file is an error, not "no auth"."""
         if self.api_key:
             return self.api_key
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read the API key file {self.api_key_file}: {exc.strerror}") from None
+            if not key:
+                raise ValueError(f"the API key file {self.api_key_file} is empty")
+            return key
         if self.api_key_env:
             return os.environ.get(self.api_key_env) or None
         return None
