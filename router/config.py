@@ -21,6 +21,18 @@ def _check_address(address: str) -> None:
         raise ValueError(f"pod address must be HOST:PORT, got {address!r}")
 
 
+def read_api_key_file(path: str) -> str:
+    """The key in `path`, surrounding whitespace dropped (`echo key > file` works); raises
+    ValueError for an unreadable or empty file (never "no auth")."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"the API key file {path} is empty")
+    return key
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How the router finds pods, routes, admits and serves requests."""
@@ -114,20 +126,11 @@ class RouterConfig:
         return not self.colocated and (self.discovery == "static" or self.colocated_service is None)
 
     def resolved_api_key(self) -> str | None:
-        """The key every /v1 request must present, or None for no auth.
-
-        A file's trailing newline is not part of the key (`echo key > file` works); an empty or
-        unreadable file is an error, not "no auth"."""
+        """The key every /v1 request must present, or None for no auth."""
         if self.api_key:
             return self.api_key
         if self.api_key_file:
-            try:
-                key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise ValueError(f"cannot read the API key file {self.api_key_file}: {exc.strerror}") from None
-            if not key:
-                raise ValueError(f"the API key file {self.api_key_file} is empty")
-            return key
+            return read_api_key_file(self.api_key_file)
         if self.api_key_env:
             return os.environ.get(self.api_key_env) or None
         return None
