@@ -25,7 +25,9 @@ from router_harness import running_router
 
 POST_ROUTES = ["/v1/completions", "/v1/chat/completions"]
 GET_ROUTES = ["/health", "/ready", "/metrics", "/v1/models"]
-MAX_EXAMPLES = {"POST": 50, "GET": 5}
+# Examples per (route, mode): generation dominates the cost (~0.1 s of CPU per example).
+MAX_EXAMPLES = {(GenerationMode.POSITIVE, "POST"): 40, (GenerationMode.NEGATIVE, "POST"): 25,
+                (GenerationMode.POSITIVE, "GET"): 5}
 
 
 class RouterThread:
@@ -81,7 +83,7 @@ def tally():
 def _fuzz(router, tally: Counter, path: str, method: str, mode: GenerationMode) -> None:
     operation = schemathesis.openapi.from_dict(router.app.openapi())[path][method]
 
-    @settings(max_examples=MAX_EXAMPLES[method], deadline=None, database=None, derandomize=True,
+    @settings(max_examples=MAX_EXAMPLES[mode, method], deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode), served_model=st.booleans())
     def one(case, served_model: bool) -> None:
@@ -92,9 +94,11 @@ def _fuzz(router, tally: Counter, path: str, method: str, mode: GenerationMode) 
         assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])
         if response.status_code >= 400 and path.startswith("/v1/"):
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-        if "text/event-stream" in str(response.headers.get("content-type")):
+        if "text/event-stream" in " ".join(response.headers.get("content-type", [])):
             tally["streams"] += 1
-            assert response.text.endswith("data: [DONE]\n\n"), (case.as_curl_command()[:3000], len(response.text), response.text[-300:])
+            # schemathesis stops reading a long stream at its `max-stream-events`: only a whole
+            # stream must end with [DONE].
+            assert response.stream_cut_short or response.text.endswith("data: [DONE]\n\n"), response.text[-300:]
 
     one()
 
