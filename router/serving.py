@@ -31,7 +31,7 @@ from router.generation import ChoiceEvent, RequestRun
 from router.metrics import RouterMetrics
 from router.policy import RoutingRequest, block_hashes
 from router.prompts import Prompt, PromptEncoder
-from router.protocol import _SamplingFields
+from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request_body import check_json_containers, read_body
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
@@ -135,7 +135,7 @@ def check_model(state: ServingState, name: str | None) -> None:
                         code="model_not_found")
 
 
-def check_common(state: ServingState, request: _SamplingFields) -> None:
+def check_common(state: ServingState, request: CompletionRequest | ChatCompletionRequest) -> None:
     """What both endpoints refuse before looking at the prompt: an unknown model, `logit_bias`,
     `stream_options` without streaming (OpenAI answers 400), stop token ids outside the vocabulary."""
     check_model(state, request.model)
