@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -47,6 +47,9 @@ class ClusterSpec:
     startup_timeout: float = 300.0
     drain_seconds: float = 10.0
     router_args: tuple[str, ...] = ()    # extra `cbserve router` flags, e.g. ("--admission", "reject")
+    # The router's API key (None: the router reads CBSERVE_API_KEY, if set). Only the router gets
+    # it, in its environment: never on a command line (`ps` shows those), never to a pod.
+    api_key: str | None = field(default=None, repr=False)
     pod_args: tuple[str, ...] = ()       # extra flags for every pod
 
     def __post_init__(self) -> None:

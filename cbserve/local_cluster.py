@@ -28,6 +28,7 @@ from cbserve.processes import LogSink, ManagedProcess, child_env, kill_all, stop
 from cbserve.readiness import grpc_serving, http_ready
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo"]
+API_KEY_ENV = "CBSERVE_API_KEY"   # the variable the router reads by default (`--api-key-env`)
 
 
 class ClusterError(RuntimeError):
@@ -156,7 +157,13 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log_file = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        proc = ManagedProcess(name, [*self.command, *args], child_env(self.spec.threads_per_pod), self.sink, log_file)
+        # Pods never check the API key, so they never get it; the router gets `spec.api_key`, or
+        # the key this process was given in the environment.
+        if name == "router":
+            env = child_env(self.spec.threads_per_pod, {API_KEY_ENV: self.spec.api_key} if self.spec.api_key else None)
+        else:
+            env = child_env(self.spec.threads_per_pod, without=[API_KEY_ENV])
+        proc = ManagedProcess(name, [*self.command, *args], env, self.sink, log_file)
         self._run.procs[name] = proc
         proc.start()
 

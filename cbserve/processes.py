@@ -141,9 +141,9 @@ def kill_all(procs: Sequence[ManagedProcess]) -> None:
         proc.wait(5.0)
 
 
-def child_env(threads: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment, unbuffered, with the thread count every pod honours."""
-    env = dict(os.environ)
+def child_env(threads: int | None, extra: dict[str, str] | None = None, without: Sequence[str] = ()) -> dict[str, str]:
+    """The parent's environment less `without`, unbuffered, with the thread count every pod honours."""
+    env = {name: value for name, value in os.environ.items() if name not in without}
     env["PYTHONUNBUFFERED"] = "1"      # logs reach the prefixer line by line, not in 8 KiB blocks
     if threads is not None:
         for name in ("CBSERVE_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -41,6 +41,11 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the router's bind address")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--policy", choices=POLICIES, default="goodput", help="the router's routing policy")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="API key the router requires (visible in `ps`: for development; prefer --api-key-file "
+                          "or CBSERVE_API_KEY). Only the router gets it, never a pod")
+    key.add_argument("--api-key-file", default=None, help="file holding the router's API key")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="grpc")
@@ -69,6 +74,13 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_up)
 
 
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """`--api-key`, or the contents of `--api-key-file`, or None (the router reads CBSERVE_API_KEY)."""
+    from router.config import read_api_key_file
+
+    return read_api_key_file(args.api_key_file) if args.api_key_file else (args.api_key or None)
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
@@ -78,7 +90,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
-        drain_seconds=args.drain_seconds)
+        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args))
 
 
 def describe(cluster: LocalCluster) -> str:
@@ -103,7 +115,8 @@ def run_demo(cluster: LocalCluster) -> None:
     import openai
 
     # Retries honour the router's Retry-After on a 429 (a busy machine can make the first request wait).
-    client = openai.OpenAI(base_url=cluster.base_url, api_key=os.environ.get("CBSERVE_API_KEY") or "unused",
+    client = openai.OpenAI(base_url=cluster.base_url,
+                           api_key=cluster.spec.api_key or os.environ.get("CBSERVE_API_KEY") or "unused",
                            max_retries=3, timeout=120)
     model = client.models.list().data[0].id
     completion = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16,

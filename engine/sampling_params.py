@@ -18,6 +18,7 @@ MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT32_MAX = (1 << 31) - 1
 # Below this the sampler treats a request as greedy: dividing logits by a tiny temperature would
@@ -111,6 +112,9 @@ class SamplingParams:
     def _validate_stops(self) -> None:
         if not isinstance(self.stop_token_ids, tuple):
             raise SamplingParamsError("stop_token_ids", "must be a list of token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= _INT32_MAX:
                 raise SamplingParamsError("stop_token_ids", f"must be non-negative token ids, got {token_id!r}")

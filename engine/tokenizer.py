@@ -17,6 +17,7 @@ against `transformers` itself:
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -45,6 +46,7 @@ class Tokenizer:
                  special_tokens: Mapping[str, str], extra_special_tokens: Sequence[str] = (),
                  chat_template: str | None = None, generation_eos_ids: Sequence[int] = ()) -> None:
         self._backend = backend
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)   # tokenizers < 0.21
         self.special_tokens = dict(special_tokens)   # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
         self.extra_special_tokens = tuple(extra_special_tokens)
         self.chat_template = chat_template
@@ -109,8 +111,13 @@ class Tokenizer:
     # -- tokens ------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; equal to `AutoTokenizer.from_pretrained(path)(text)["input_ids"]`."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; equal to `AutoTokenizer.from_pretrained(path)(text)["input_ids"]`.
+
+        Releases the GIL while it runs, so a long text encoded in a worker thread does not stall
+        the caller's event loop."""
+        # `encode` holds the GIL for the whole call; `encode_batch*` release it (and `_fast` skips
+        # the character offsets nobody here reads). The ids are the same.
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -124,6 +131,19 @@ class Tokenizer:
         if token_id is None:
             raise TokenizerError(f"token {token!r} is not in the vocabulary")
         return token_id
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of input text one token stands for.
+
+        The longest vocabulary entry (added tokens included): byte-level BPE spells each byte as
+        one character and SentencePiece-style vocabularies spell the text itself (`▁` for a
+        space), so no token covers more input characters than its entry has. A normalizer can
+        shrink the text before it is split (NFC composes at most 4 code points into one), so
+        with one the bound is 4x. The router refuses, before tokenizing, a prompt longer than
+        `max_model_len * max_chars_per_token` characters: it cannot fit."""
+        longest = max((len(token) for token in self._backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (4 if self._backend.normalizer is not None else 1)
 
     @property
     def vocab_size(self) -> int:

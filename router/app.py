@@ -4,6 +4,9 @@ Startup (the app's lifespan) loads the tokenizer, starts discovery and load trac
 policy, admission and dispatch together. Routes: `/v1/completions`, `/v1/chat/completions`,
 `/v1/models` (API key checked on every `/v1` route when one is configured), `/health` (liveness),
 `/ready` (503 while draining or without a ready prefill/decode pair), `/metrics`.
+
+The OpenAPI document (`app.openapi()`, not served) carries the request bodies' JSON schemas, so
+the schema fuzz (tests/router/test_openapi_fuzz.py) can generate requests from it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.tokenizer import Tokenizer
 from router.admission import AdmissionController
@@ -33,6 +37,8 @@ from router.metrics import RouterMetrics
 from router.policy import PrefixIndex, build_policy
 from router.chat import create_chat_completion
 from router.completions import create_completion
+from router.prompts import PromptEncoder
+from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import ServingState
 
 log = logging.getLogger(__name__)
@@ -85,7 +91,9 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second)
         dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries,
                                 config.kv_transport)
-        app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN)
+        encoder = PromptEncoder(tokenizer)
+        app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN,
+                                         encoder)
         discovery.subscribe(tracker.set_endpoints)
         await discovery.start()
         log.info("router serving %r with policy %s, admission %s", config.model_name, config.policy, config.admission)
@@ -94,6 +102,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         finally:
             await discovery.stop()
             await tracker.close()
+            encoder.close()
 
     app = FastAPI(title="cbserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
@@ -124,9 +133,17 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return APIError(400, str(exc.errors()[0].get("msg", exc))).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        # An ordinary event (the client closed the connection while sending its body): one INFO
+        # line. Nobody reads the response.
+        log.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
+        # Not logged here: starlette re-raises after this handler and uvicorn logs the traceback,
+        # so a log line here would report every bug twice.
         return APIError(500, f"Internal error: {type(exc).__name__}", type="server_error").response()
 
     @app.get("/health")
@@ -153,15 +170,35 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
             "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "cbserve",
             "max_model_len": state.max_model_len()}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)], openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await create_completion(serving(request), request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)],
+              openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(serving(request), request)
 
     return app
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that parses its own body (see `serving.parse_body`),
+    with pydantic's `$defs` inlined so the schema stands alone inside the document."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def run(config: RouterConfig) -> None:

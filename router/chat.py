@@ -14,16 +14,14 @@ from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
 from router.prompts import chat_prompt, check_context_length
 from router.protocol import ChatCompletionRequest
-from router.serving import (ServingState, StreamFormat, build_specs, check_model, execute, new_request_id,
+from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
                             parse_body, sampling_or_400)
 
 
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
     arrival = time.monotonic()
-    request = await parse_body(http, ChatCompletionRequest)
-    check_model(state, request.model)
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    request = await parse_body(http, ChatCompletionRequest, state.config.max_request_body_bytes)
+    check_common(state, request)
     if request.tools:
         raise bad_request("tools are not supported", param="tools")
     if request.top_logprobs is not None and not request.logprobs:
@@ -31,8 +29,9 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     rename = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     sampling_or_400(lambda: request.sampling_params(default_max_tokens=1), rename)
-    prompt = await chat_prompt(request, state.tokenizer)
-    max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), state.max_model_len(),
+    max_len = state.max_model_len()
+    prompt = await chat_prompt(request, state.encoder, max_len)
+    max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), max_len,
                                       "messages", max_tokens_param)
     params = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), rename)
     request_id, created, model = new_request_id("chatcmpl"), int(time.time()), state.config.model_name

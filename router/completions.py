@@ -13,25 +13,23 @@ from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
 from router.prompts import check_context_length, completion_prompts
 from router.protocol import CompletionRequest
-from router.serving import (ServingState, StreamFormat, build_specs, check_model, execute, new_request_id,
+from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
                             parse_body, sampling_or_400)
 
 
 async def create_completion(state: ServingState, http: Request) -> Response:
     arrival = time.monotonic()
-    request = await parse_body(http, CompletionRequest)
-    check_model(state, request.model)
+    request = await parse_body(http, CompletionRequest, state.config.max_request_body_bytes)
+    check_common(state, request)
     if request.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of must equal n (best-of sampling is not supported)", param="best_of")
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (no prompt logprobs)", param="echo")
     sampling_or_400(lambda: request.sampling_params(default_max_tokens=1))   # types and ranges first
-    prompts = await completion_prompts(request, state.tokenizer)
     max_len = state.max_model_len()
+    prompts = await completion_prompts(request, state.encoder, max_len)
     params = []
     for prompt in prompts:
         max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens, max_len, "prompt", "max_tokens")

@@ -7,7 +7,8 @@ field and the metric or log line that talks about the same concept share one nam
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, field
 
 POLICIES = ("goodput", "round_robin", "least_loaded")
 ADMISSION_MODES = ("queue", "reject")
@@ -18,6 +19,18 @@ def _check_address(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"pod address must be HOST:PORT, got {address!r}")
+
+
+def read_api_key_file(path: str) -> str:
+    """The key in `path`, surrounding whitespace dropped (`echo key > file` works); raises
+    ValueError for an unreadable or empty file (never "no auth")."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"the API key file {path} is empty")
+    return key
 
 
 @dataclass(frozen=True)
@@ -47,9 +60,11 @@ class RouterConfig:
     max_queue_size: int = 1024
     max_retries: int = 2                     # extra attempts on other pods, before the first token only
     kv_transport: str = ""                   # GenerateRequest.kv_transport: "" (grpc), "grpc" or "nccl"
-    # Serving.
+    # Serving. The API key: `api_key`, else the file `api_key_file`, else the variable `api_key_env`.
     api_key_env: str | None = "CBSERVE_API_KEY"
-    api_key: str | None = None               # overrides the environment variable when set
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    max_request_body_bytes: int = 16 << 20   # larger bodies get 413 before they are read
     max_model_len: int | None = None         # None: from the pods' Handshake / the model's config.json
     request_timeout_seconds: float = 600.0   # the deadline every RPC carries
     drain_seconds: float = 30.0
@@ -96,6 +111,8 @@ class RouterConfig:
             raise ValueError("max_queue_size and max_retries must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
 
@@ -112,6 +129,8 @@ class RouterConfig:
         """The key every /v1 request must present, or None for no auth."""
         if self.api_key:
             return self.api_key
+        if self.api_key_file:
+            return read_api_key_file(self.api_key_file)
         if self.api_key_env:
             return os.environ.get(self.api_key_env) or None
         return None

@@ -39,7 +39,15 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--kv-transport", choices=["grpc", "nccl"], default=None,
                    help="KV transport decode pods use to pull from prefill pods (default: the pods' own)")
-    p.add_argument("--api-key-env", default=d.api_key_env, help="environment variable holding the API key")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="API key every /v1 request must present (visible in `ps`: for development; in "
+                          "production use --api-key-file or the environment variable)")
+    key.add_argument("--api-key-file", default=None, help="file holding the API key (e.g. a mounted Secret)")
+    p.add_argument("--api-key-env", default=d.api_key_env,
+                   help="environment variable holding the API key, read when neither flag above is given")
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies get 413 before they are read")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--request-timeout-seconds", type=float, default=d.request_timeout_seconds)
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds)
@@ -52,7 +60,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """RouterConfig from parsed flags; raises ValueError with a readable message on a bad combination."""
     if args.discovery == "static" and not (args.prefill or args.decode or args.colocated):
         raise ValueError("give --prefill and --decode, or --colocated, or --discovery kubernetes")
-    return RouterConfig(
+    config = RouterConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         discovery=args.discovery, prefill=args.prefill, decode=args.decode, colocated=args.colocated,
         namespace=args.namespace, prefill_service=args.prefill_service, decode_service=args.decode_service,
@@ -60,5 +68,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, admission=args.admission,
         max_queue_seconds=args.max_queue_seconds, max_queue_size=args.max_queue_size,
         max_retries=args.max_retries, kv_transport=args.kv_transport or "", api_key_env=args.api_key_env or None,
+        api_key=args.api_key or None, api_key_file=args.api_key_file,
+        max_request_body_bytes=args.max_request_body_bytes,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
         drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds)
+    config.resolved_api_key()    # an unreadable or empty --api-key-file fails here, with its message
+    return config

@@ -4,17 +4,35 @@ Strict: a string where a number belongs is a 400, not a silent coercion (pydanti
 takes an integer for a float, as JSON does). Unknown fields are ignored, as OpenAI and vLLM do, so
 clients that send `user` or newer fields keep working. Ranges are checked by
 `engine.sampling_params.SamplingParams`, the same code the pods run, so router and pods agree.
+
+Every list has a cap checked while it is parsed, and stops at its first bad item (`fail_fast`): a
+16 MiB body of a million tiny lists is refused after 65 of them, not after building a million
+Python objects and a million error records (which took the router tens of seconds).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_N = 16
+MAX_PROMPTS = 64                  # prompts in one /v1/completions batch
+MAX_PROMPT_TOKEN_IDS = 1 << 20    # ids in one prompt; the context length is checked after parsing
+MAX_LOGIT_BIAS = 300              # entries (OpenAI's limit); any is refused as unsupported anyway
+MAX_MESSAGES = 4096               # chat messages; each costs template tokens, so few fit a context
+MAX_CONTENT_PARTS = 256           # text parts in one message
+MAX_TOOLS = 128                   # OpenAI's limit; any is refused as unsupported
+
+
+def _capped(max_length: int, min_length: int | None = None) -> Any:
+    """A list field of at most `max_length` items that stops at its first invalid item."""
+    return Field(min_length=min_length, max_length=max_length, fail_fast=True)
+
+
+TokenIds = Annotated[list[int], _capped(MAX_PROMPT_TOKEN_IDS)]
 
 
 class _Strict(BaseModel):
@@ -35,11 +53,11 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], _capped(MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's extra sampling fields (load generators send them).
     top_k: int | None = None
@@ -47,7 +65,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], _capped(MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)   # int32 on the wire
@@ -75,7 +93,8 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], _capped(MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], _capped(MAX_PROMPTS)])
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -94,7 +113,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], _capped(MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -109,16 +128,20 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
+class Tool(_Strict):
+    """A tool definition; only its presence matters (tools are refused), so nothing in it is parsed."""
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], _capped(MAX_MESSAGES, min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[Tool], _capped(MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
 
     def requested_max_tokens(self) -> int | None:

@@ -4,12 +4,13 @@ Order matters: the body is parsed and every parameter, the model name and the co
 checked before anything is routed, so a bad request never reaches a pod. A streaming response
 starts only after every choice has been admitted and has its first token (`RequestRun.prime`), so
 429/503 arrive as real statuses; after that, errors travel as an SSE `error` event. A client that
-goes away cancels the run, which cancels the pod calls.
+goes away cancels the run, which cancels the pod calls; that is logged once, at INFO.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,11 +30,14 @@ from router.errors import APIError, bad_request, not_found
 from router.generation import ChoiceEvent, RequestRun
 from router.metrics import RouterMetrics
 from router.policy import RoutingRequest, block_hashes
-from router.prompts import Prompt
+from router.prompts import Prompt, PromptEncoder
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.request_body import check_json_containers, read_body
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 Model = TypeVar("Model", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ServingState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     default_max_model_len: int
+    encoder: PromptEncoder
     default_block_size: int = 16
     draining: bool = False
 
@@ -78,20 +83,34 @@ def _is_type_tag(part: str) -> bool:
     return part in _TYPE_TAGS or "[" in part
 
 
-async def parse_body(request: Request, model: type[Model]) -> Model:
-    """The validated body, or a 400 naming the first offending field (OpenAI's `param`)."""
-    body = await request.body()
+def _field(error: Any) -> list[str]:
+    return [str(part) for part in error["loc"] if not _is_type_tag(str(part))]
+
+
+async def parse_body(request: Request, model: type[Model], max_bytes: int) -> Model:
+    """The validated body, or a 413 past `max_bytes`, or a 400 naming the first offending field
+    (OpenAI's `param`)."""
+    body = await read_body(request, max_bytes)
+    check_json_containers(body)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        errors = exc.errors()
+        errors = exc.errors(include_input=False, include_url=False)   # inputs can be megabytes
         error = errors[0]
         if error["type"] == "json_invalid":
             raise bad_request(f"Invalid JSON body: {error['msg']}", code="invalid_json") from None
-        loc = [str(part) for part in error["loc"] if not _is_type_tag(str(part))]
+        loc = _field(error)
         param = loc[0] if loc else None
+        same_field = [e for e in errors if _field(e)[:1] == loc[:1]]
+        # A list past its cap: say so, rather than that no member of the field's union fit.
+        too_long = next((e for e in same_field if e["type"] == "too_long"), None)
+        if too_long is not None:
+            ctx = too_long["ctx"]
+            got = f", got {ctx['actual_length']}" if ctx.get("actual_length") is not None else ""
+            raise bad_request(f"{'.'.join(_field(too_long))}: at most {ctx['max_length']} items{got}",
+                              param=param) from None
         where = ".".join(loc) or "body"
-        same_field = [e for e in errors if [str(p) for p in e["loc"] if not _is_type_tag(str(p))] == loc]
+        same_field = [e for e in errors if _field(e) == loc]
         if len(same_field) > 1 and loc and loc[-1] in _UNION_FIELDS:
             raise bad_request(f"{where}: must be {_UNION_FIELDS[loc[-1]]}", param=param) from None
         raise bad_request(f"{where}: {error['msg']}", param=param) from None
@@ -114,6 +133,21 @@ def check_model(state: ServingState, name: str | None) -> None:
     if name is not None and name != state.config.model_name:
         raise not_found(f"The model '{name}' does not exist; this server serves '{state.config.model_name}'.",
                         code="model_not_found")
+
+
+def check_common(state: ServingState, request: CompletionRequest | ChatCompletionRequest) -> None:
+    """What both endpoints refuse before looking at the prompt: an unknown model, `logit_bias`,
+    `stream_options` without streaming (OpenAI answers 400), stop token ids outside the vocabulary."""
+    check_model(state, request.model)
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    vocab_size = state.tokenizer.vocab_size
+    for token_id in request.stop_token_ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"stop_token_ids: token id {token_id} is out of range [0, {vocab_size})",
+                              param="stop_token_ids")
 
 
 def sampling_or_400(build: Callable[[], SamplingParams], rename: dict[str, str] | None = None) -> SamplingParams:
@@ -166,8 +200,14 @@ async def _unless_disconnected(http: Request, work: Awaitable[Any], run: Request
         work_task.cancel()
         run.cancel()
         run.metrics.request_finished("cancelled")
+        log.info("request %s: client disconnected before the response", _request_id(run))
         return Response(status_code=499)
     return work_task.result()
+
+
+def _request_id(run: RequestRun) -> str:
+    """The HTTP request's id (a choice's id less its `-index`)."""
+    return run.choices[0].spec.request_id.rpartition("-")[0]
 
 
 async def _collect(run: RequestRun, count: int) -> list[R.ChoiceResult]:
@@ -253,6 +293,8 @@ async def execute(state: ServingState, http: Request, arrival: float, specs: lis
         finally:
             run.cancel()
             state.metrics.request_finished(status)
+            if status == "cancelled":
+                log.info("request %s: client disconnected mid-stream", _request_id(run))
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -170,3 +170,22 @@ def test_monitor_labels_and_toggles():
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     off = render(VALUES_SETS["colocated-minimal"], api_versions=("monitoring.coreos.com/v1",))
     assert off.of_kind("ServiceMonitor") == [] and off.of_kind("PodMonitor") == []
+
+
+# --- the API key and the router's request cap ---------------------------------------------------
+
+def test_only_the_router_gets_the_api_key_and_it_caps_request_bodies():
+    """Issue 11, case 10: pods never check the API key, so no pod container may see it."""
+    manifests = render(sets=('router.apiKey={"secretName":"openai-key","secretKey":"api-key"}',
+                             "router.maxRequestBodyBytes=1048576"))
+    router = container(manifests.get("Deployment", name("router")))
+    assert flags(router["args"])["max-request-body-bytes"] == "1048576"
+    assert [e["valueFrom"]["secretKeyRef"]["name"] for e in router["env"] if e["name"] == "CBSERVE_API_KEY"] == [
+        "openai-key"]
+    for pool in SERVING:
+        pod = manifests.get("Deployment", name(pool))["spec"]["template"]["spec"]
+        for main in pod["containers"] + pod.get("initContainers", []):
+            assert all(e["name"] != "CBSERVE_API_KEY" for e in main.get("env", []))
+            assert "openai-key" not in str(main)
+    default = container(render().get("Deployment", name("router")))
+    assert flags(default["args"])["max-request-body-bytes"] == str(16 << 20)

@@ -64,6 +64,28 @@ CASES = [
     ("n above limit", CHAT, {"messages": MESSAGES, "n": 1000}, {}, 400, "n"),
     ("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, 400, "messages"),
     ("bad SLO header", COMPLETIONS, {"prompt": "a"}, {"x-slo-ttft-ms": "soon"}, 400, "x-slo-ttft-ms"),
+    # Caps on every list, and fields checked against the model (issue 11, cases 1 and 10).
+    ("stream_options without stream", COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, {},
+     400, "stream_options"),
+    ("chat stream_options with stream false", CHAT,
+     {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": True}}, {}, 400, "stream_options"),
+    ("stop token id outside the vocabulary", COMPLETIONS, {"prompt": "a", "stop_token_ids": [7, 260]}, {}, 400,
+     "stop_token_ids"),
+    ("100,000 stop token ids", CHAT, {"messages": MESSAGES, "stop_token_ids": list(range(100_000))}, {}, 400,
+     "stop_token_ids"),
+    ("too many stop strings", COMPLETIONS, {"prompt": "a", "stop": ["s"] * 17}, {}, 400, "stop"),
+    ("too many prompts", COMPLETIONS, {"prompt": ["a"] * 65}, {}, 400, "prompt"),
+    ("too many token-id prompts", COMPLETIONS, {"prompt": [[5]] * 65}, {}, 400, "prompt"),
+    ("too many token ids", COMPLETIONS, {"prompt": [5] * ((1 << 20) + 1)}, {}, 400, "prompt"),
+    ("token-id prompt over context", COMPLETIONS, {"prompt": [5] * 300}, {}, 400, "prompt"),
+    ("too many messages", CHAT, {"messages": MESSAGES * 4097}, {}, 400, "messages"),
+    ("too many content parts", CHAT,
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]}, {}, 400, "messages"),
+    ("too many logit_bias entries", COMPLETIONS, {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}},
+     {}, 400, "logit_bias"),
+    ("tools unsupported", CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, {}, 400, "tools"),
+    ("too many tools", CHAT, {"messages": MESSAGES, "tools": [{}] * 129}, {}, 400, "tools"),
+    ("prompt over the character bound", COMPLETIONS, {"prompt": "x" * 100_000}, {}, 400, "prompt"),
 ]
 
 

@@ -43,6 +43,32 @@ def test_api_key_from_environment(monkeypatch):
     assert RouterConfig(api_key="direct", api_key_env="MY_KEY").resolved_api_key() == "direct"
 
 
+def test_api_key_flags_file_and_environment(tmp_path, monkeypatch):
+    """`--api-key` beats `--api-key-file` beats the variable (issue 11, case 10: there was no flag)."""
+    monkeypatch.setenv("CBSERVE_API_KEY", "from-env")
+    pods = "--colocated 127.0.0.1:50052"
+    assert _parse(pods).resolved_api_key() == "from-env"
+    flag = _parse(f"{pods} --api-key from-flag")
+    assert flag.resolved_api_key() == "from-flag" and "from-flag" not in repr(flag)
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert _parse(f"{pods} --api-key-file {key_file}").resolved_api_key() == "from-file"
+    with pytest.raises(SystemExit):                      # one or the other, not both
+        _parse(f"{pods} --api-key a --api-key-file {key_file}")
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        _parse(f"{pods} --api-key-file {key_file}")
+    with pytest.raises(ValueError, match="cannot read"):
+        _parse(f"{pods} --api-key-file {tmp_path / 'missing'}")
+
+
+def test_max_request_body_bytes_flag():
+    assert _parse("--colocated 127.0.0.1:50052").max_request_body_bytes == 16 << 20
+    assert _parse("--colocated 127.0.0.1:50052 --max-request-body-bytes 4096").max_request_body_bytes == 4096
+    with pytest.raises(ValueError, match="max_request_body_bytes"):
+        RouterConfig(max_request_body_bytes=10)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"prefill": ("a:1",), "decode": ()}, "must both be given"),
     ({"colocated": ("a:1",), "prefill": ("b:2",), "decode": ("c:3",)}, "either --colocated"),

@@ -3,7 +3,7 @@
 Pods serve the standard gRPC health service (SERVING after FAKE_READY_DELAY seconds) and a plain
 /metrics; the router serves /ready (200 once every pod it was given answers SERVING). Knobs, by env:
 FAKE_FAIL=<name> exits 3 at start; FAKE_IGNORE_SIGTERM=<name> makes that process a straggler;
-FAKE_RECORD_DIR writes each process's argv and thread env to <dir>/<name>.json.
+FAKE_RECORD_DIR writes each process's argv, thread env and API key env to <dir>/<name>.json.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def main() -> None:
     args = parse(argv)
     name = args.pod_id
     if os.environ.get("FAKE_RECORD_DIR"):
-        record = {"argv": argv, "threads": os.environ.get("CBSERVE_NUM_THREADS")}
+        record = {"argv": argv, "threads": os.environ.get("CBSERVE_NUM_THREADS"),
+                  "api_key": os.environ.get("CBSERVE_API_KEY")}
         Path(os.environ["FAKE_RECORD_DIR"], f"{name}.json").write_text(json.dumps(record))
     print(f"{name} starting", flush=True)
     if os.environ.get("FAKE_FAIL") == name:

@@ -117,3 +117,23 @@ def test_busy_router_port_is_a_clear_error():
 def test_spec_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ClusterSpec(**kwargs)
+
+
+@pytest.mark.parametrize("given", ["environment", "spec"])
+def test_only_the_router_gets_the_api_key(tmp_path, monkeypatch, given):
+    """Pods never check the key, so they never see it (issue 11, case 10: `cbserve up` passed its
+    whole environment, key included, to every pod). The key is never on a command line."""
+    monkeypatch.setenv("FAKE_RECORD_DIR", str(tmp_path))
+    if given == "environment":
+        monkeypatch.setenv("CBSERVE_API_KEY", "s3cret")
+        spec = ClusterSpec(port=0, drain_seconds=1)
+    else:
+        monkeypatch.delenv("CBSERVE_API_KEY", raising=False)
+        spec = ClusterSpec(port=0, drain_seconds=1, api_key="s3cret")
+    assert "s3cret" not in repr(spec)
+    with cluster(spec):
+        pass
+    records = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("router", "prefill-0", "decode-0")}
+    assert records["router"]["api_key"] == "s3cret"
+    assert records["prefill-0"]["api_key"] is None and records["decode-0"]["api_key"] is None
+    assert all("s3cret" not in " ".join(r["argv"]) for r in records.values())
