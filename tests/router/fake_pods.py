@@ -71,6 +71,9 @@ class _Records:
         return len(self.prefill_requests) + len(self.generate_requests)
 
 
+_BY_ADDRESS: dict[str, "FakePod"] = {}     # running fakes, so a fake D can wait for its P
+
+
 class _Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -148,10 +151,12 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             pb_grpc.add_DecodeServiceServicer_to_server(self, self._server)
         bound = self._server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{bound}"
+        _BY_ADDRESS[self.address] = self
         await self._server.start()
         return self
 
     async def stop(self) -> None:
+        _BY_ADDRESS.pop(self.address, None)
         if self._server is not None:
             await self._server.stop(grace=None)
 
@@ -216,6 +221,13 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
         return pb.TokenLogprobs(logprob=self.script.logprob, top=top)
 
     # -- decode -----------------------------------------------------------------------------------------
+    async def _until_prefill_arrived(self, request) -> None:
+        """As a real D's pull waits (bounded) for its Prefill to reach P."""
+        source = _BY_ADDRESS.get(request.prefill_from)
+        if source is not None and not source.script.down:
+            await _wait_for(lambda: any(r.request_id == request.request_id
+                                        for r in source.records.prefill_requests))
+
     async def Generate(self, request, context):
         self.records.generate_requests.append(request)
         s = self.script
@@ -229,7 +241,9 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             if s.abort_generate:
                 yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="abort")
                 return
-            # A real D waits for the KV pull, which ends with P's first token; local prefill takes as long.
+            # A real D waits for the KV pull, which ends with P's first token (so P has the request);
+            # local prefill takes as long.
+            await self._until_prefill_arrived(request)
             await asyncio.sleep(s.first_token_delay)
             tokens = expected_tokens(request.prompt_token_ids, request.sampling.max_tokens,
                                      None if request.sampling.ignore_eos else s.eos_at)
@@ -254,6 +268,12 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             self.records.cancelled.append(request.request_id)
             self.records.cancel_seen.set()
             raise
+
+
+async def _wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.005)
 
 
 async def start_pods(role: str, scripts: list[Script]) -> list[FakePod]:
