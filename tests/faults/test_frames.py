@@ -22,22 +22,27 @@ pytestmark = pytest.mark.slow
 
 FRAMES_PER_METHOD = 20
 CALL_TIMEOUT = 5.0    # a frame that parses as a valid request may wait (PullKV, WatchLoad): bounded
-HEALTH = ("grpc.health.v1.Health", (("Check", False), ("Watch", True)))
+HEALTH = ("grpc.health.v1.Health", (("Check", "unary_unary"), ("Watch", "unary_stream")))
 
 
-def _methods(service: str) -> list[tuple[str, bool]]:
+def _methods(service: str) -> list[tuple[str, str]]:
     desc = cbserve_pb2.DESCRIPTOR.services_by_name[service]
-    return [(f"/{desc.full_name}/{m.name}", m.server_streaming) for m in desc.methods]
+    kinds = {(False, False): "unary_unary", (False, True): "unary_stream", (True, True): "stream_stream",
+             (True, False): "stream_unary"}
+    return [(f"/{desc.full_name}/{m.name}", kinds[m.client_streaming, m.server_streaming]) for m in desc.methods]
 
 
-def _call(channel: grpc.Channel, path: str, streaming: bool, data: bytes, timeout: float) -> grpc.StatusCode:
-    """Send `data` as the serialized request; the call's final status."""
+def _call(channel: grpc.Channel, path: str, kind: str, data: bytes, timeout: float) -> grpc.StatusCode:
+    """Send `data` as the serialized request (the only message of a request stream); the call's
+    final status."""
     try:
-        if streaming:
-            for _ in channel.unary_stream(path)(data, timeout=timeout):
+        call = getattr(channel, kind)(path)
+        request = iter([data]) if kind.startswith("stream") else data
+        if kind.endswith("stream"):
+            for _ in call(request, timeout=timeout):
                 pass
         else:
-            channel.unary_unary(path)(data, timeout=timeout)
+            call(request, timeout=timeout)
         return grpc.StatusCode.OK
     except grpc.RpcError as e:
         return e.code()
@@ -48,22 +53,22 @@ def test_random_and_oversized_frames_get_a_status_and_the_pod_still_serves(idle_
     prefill, decode = idle_pair
     pod = prefill if role == "prefill" else decode
     methods = _methods("PrefillService" if role == "prefill" else "DecodeService")
-    methods += [(f"/{HEALTH[0]}/{name}", streaming) for name, streaming in HEALTH[1]]
+    methods += [(f"/{HEALTH[0]}/{name}", kind) for name, kind in HEALTH[1]]
     rng = random.Random(11)
     outcomes: dict[str, dict[str, int]] = {}
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     with grpc.insecure_channel(pod.address, options=options) as channel:
-        for path, streaming in methods:
+        for path, kind in methods:
             seen = outcomes.setdefault(path, {})
             frames = [rng.randbytes(rng.randrange(1, 512)) for _ in range(FRAMES_PER_METHOD)]
             frames += [b"\xff" * 64, b"\x0a\xff\xff\xff\xff\x0f"]   # bad varint, truncated length
             for data in frames:
                 started = time.monotonic()
-                code = _call(channel, path, streaming, data, CALL_TIMEOUT)
+                code = _call(channel, path, kind, data, CALL_TIMEOUT)
                 assert time.monotonic() - started < CALL_TIMEOUT + 10, (path, code)
                 seen[code.name] = seen.get(code.name, 0) + 1
             # One message past the pod's receive limit: refused before it is parsed.
-            code = _call(channel, path, streaming, bytes(MAX_MESSAGE_BYTES + 1024), 60.0)
+            code = _call(channel, path, kind, bytes(MAX_MESSAGE_BYTES + 1024), 60.0)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (path, code)
             assert pod.proc.poll() is None, f"{role} pod died on {path}:\n{pod.log_tail()}"
     # Undecodable bytes are refused: most random frames do not parse.
