@@ -125,6 +125,8 @@ class Session:
                 if message.outputs or message.errors or not self._sent_since_tick:
                     self._sent_since_tick = True
                     yield message
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()   # an undecodable frame ends the session with an error, not OK
         finally:
             self._timer.cancel()
             reader.cancel()

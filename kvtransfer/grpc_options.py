@@ -37,10 +37,17 @@ def channel_options() -> list[tuple[str, int]]:
 def server_options() -> list[tuple[str, int]]:
     """Options for `grpc.aio.server(options=server_options())`.
 
+    The listening port is exclusive (no SO_REUSEPORT): a pod never shares its address with another.
+
     The server pings its clients too (a decode pod that vanished must release its lease), and
     accepts the clients' pings at the rate `channel_options` sends them.
     """
     return channel_options() + [
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        # gRPC sets SO_REUSEPORT by default: a second pod told to listen on a port another pod
+        # serves would bind it too, and the kernel would split new connections between the two
+        # processes (a decode pod's PullKV could reach another pod's request of the same id:
+        # issue 11 case 7). A taken port must fail the pod's start instead.
+        ("grpc.so_reuseport", 0),
     ]

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import logging
 import signal
+import socket
 import time
 from dataclasses import dataclass
 
@@ -57,6 +58,17 @@ class PodConfig:
             raise ValueError(f"kv_transport must be 'grpc' or 'nccl', got {self.kv_transport!r}")
         if self.drain_seconds < 0 or self.kv_ttl_seconds <= 0:
             raise ValueError("drain_seconds must be >= 0 and kv_ttl_seconds > 0")
+
+
+def bind_error(host: str, port: int) -> str:
+    """Why `host:port` cannot be listened on, as the OS says it (e.g. "Address already in use")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return "the gRPC server refused the address"
 
 
 class RequestFailed(Exception):
@@ -245,9 +257,13 @@ class PodRuntime:
         server = grpc.aio.server(options=server_options())
         add_servicer(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        bound = server.add_insecure_port(f"{self.pod.host}:{self.pod.port}")
+        try:   # the port is exclusive (server_options): a taken port fails here, loudly
+            bound = server.add_insecure_port(f"{self.pod.host}:{self.pod.port}")
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise RuntimeError(f"cannot listen on {self.pod.host}:{self.pod.port}")
+            raise RuntimeError(f"cannot listen on {self.pod.host}:{self.pod.port}: "
+                               f"{bind_error(self.pod.host, self.pod.port)}")
         if self.pod.metrics_port:
             start_http_server(self.pod.metrics_port, addr=self.pod.host, registry=self.metrics.registry)
         await server.start()

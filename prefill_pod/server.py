@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import grpc
@@ -39,6 +40,11 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
         self.pulling: set[str] = set()                    # requests with an open PullKV stream
         self.held = HeldKVTable(runtime.pod.kv_ttl_seconds)
         self.groups: dict[str, PairGroup] = {}
+        # "Hold the KV under a TTL" (engine thread) must be decided atomically with "a pull opened /
+        # ended, or the request was forgotten" (event loop): otherwise a pull can open, finish and
+        # release between the engine's check and its hold, leaving a stale hold that expires 30 s
+        # later as a spurious "KV not pulled" (reliability probe, issue 11 case 8).
+        self._lease_lock = threading.Lock()
 
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -53,9 +59,12 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
             if progress is None or request is None:
                 continue
             lp = out.new_logprobs[0] if out.new_logprobs else None
+            # Hold *before* publishing the first token: no pull can complete before `finish`, so
+            # every pull that ends after this point finds the hold and releases it (`_forget`).
+            with self._lease_lock:
+                if self.progress.get(req_id) is progress and req_id not in self.pulling:
+                    self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
             progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
-            if req_id not in self.pulling:   # nobody pulls yet: the TTL starts now
-                self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
         self.rt.after_step(engine, self.held.num_held)
 
     def on_idle(self, engine: Engine) -> None:
@@ -70,7 +79,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
 
     # ------------------------------------------------------------------ RPCs
     async def Abort(self, request, context):
-        self._forget(request.request_id, "aborted")
+        with self._lease_lock:
+            self._forget(request.request_id, "aborted")
         return await super().Abort(request, context)
 
     async def Prefill(self, request: cbserve_pb2.PrefillRequest, context) -> cbserve_pb2.PrefillResponse:
@@ -104,7 +114,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
             finally:
                 rt.loop.unsubscribe(req_id)
                 if not done:   # cancelled or failed: nothing will be pulled
-                    self._forget(req_id, "prefill cancelled")
+                    with self._lease_lock:
+                        self._forget(req_id, "prefill cancelled")
                     rt.loop.call(lambda e: e.abort(req_id))
         ttft = time.monotonic() - arrival
         rt.metrics.ttft.observe(ttft)
@@ -134,9 +145,11 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
                                     f"no live process group {request.nccl_group!r}: call SetupTransport")
         elif request.transport not in ("", "grpc"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown transport {request.transport!r}")
-        if req_id in self.pulling:
+        with self._lease_lock:
+            already = req_id in self.pulling
+            self.pulling.add(req_id)
+        if already:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id!r} is already being pulled")
-        self.pulling.add(req_id)
         completed = False
         started = time.perf_counter()
         async with rt.track():
@@ -160,8 +173,9 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             finally:
                 # The lease ends with the stream: release at once, or abort if the puller left early.
-                self.pulling.discard(req_id)
-                self._forget(req_id, "pull finished" if completed else "pull cancelled")
+                with self._lease_lock:
+                    self.pulling.discard(req_id)
+                    self._forget(req_id, "pull finished" if completed else "pull cancelled")
                 if completed:
                     rt.loop.call(lambda e: e.scheduler.release_request(req_id))
                 else:

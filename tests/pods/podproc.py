@@ -35,14 +35,14 @@ class Pod:
         self.log = Path(tempfile.mkstemp(prefix=f"cbserve-{role}-", suffix=".log")[1])
         self._spawn()
 
-    def _spawn(self) -> None:
+    def _spawn(self, port: int | None = None, metrics_port: int | None = None) -> None:
         # Free ports are found, released, then bound by the child: another process can take one in
         # between, so wait_ready() respawns on "Address already in use".
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = port or free_port(), metrics_port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "cbserve.cli", "--log-level", "INFO", self.role, "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), "--max-num-batched-tokens", "64", *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log.open("w"),
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log.open("a"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 40) -> str:
@@ -88,6 +88,17 @@ class Pod:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
+
+    def restart(self, *extra_args: str) -> "Pod":
+        """SIGKILL this pod (if alive) and start a new process on the same ports: the same
+        address with a new identity (`extra_args`, e.g. a new `--pod-id`, are added). Does not wait."""
+        self.kill()
+        self.proc.wait(15)
+        self.args = (*self.args, *extra_args)
+        with self.log.open("a") as f:
+            f.write("\n----- restarted -----\n")
+        self._spawn(self.port, self.metrics_port)
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:

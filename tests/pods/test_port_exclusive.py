@@ -1,0 +1,83 @@
+"""Issue 11 case 7: under CPU load, `test_disaggregated_equals_colocated[seeded-nccl]` saw a decode
+pod emit a first token that was not its prefill pod's, with `local_prefill` false.
+
+The cause: gRPC servers set SO_REUSEPORT by default, so a pod told to listen on a port another pod
+already served bound it as well, and the kernel split new connections between the two processes.
+Test pods take free ports with bind-release-rebind (`podproc.free_port`); a loaded machine
+widens the window between release and the child's bind, so two pods started at about the same
+time (by concurrent test sessions, which use the same request ids) could land on one port. A
+decode pod's `PullKV` then reached the *other* process, which held a request of the same id and
+answered with its KV and its first token. Pods now listen exclusively: the second one fails to
+start with "Address already in use" (podproc then respawns it elsewhere).
+
+The test forces the collision that load made likely: a second prefill pod is started on the first
+one's port while busy loops occupy every core.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from tests.pods.podproc import Pod, disaggregated, run, sampling
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+SEEDED = dict(temperature=0.8, top_p=0.9, top_k=40, seed=1234, max_tokens=6)
+
+
+@pytest.fixture
+def cpu_hog():
+    """A busy loop on every core for the duration of the test (the load case 7 was seen under)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield len(procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _pod_ids(address: str, connections: int = 16) -> set[str]:
+    """The pod ids that answer `Handshake` over `connections` fresh TCP connections."""
+    ids = set()
+    for _ in range(connections):
+        with grpc.insecure_channel(address) as channel:
+            ids.add(pb_grpc.PrefillServiceStub(channel).Handshake(pb.HandshakeRequest(), timeout=30).pod_id)
+    return ids
+
+
+def test_a_second_pod_cannot_take_a_served_port(cpu_hog):
+    first, decode = Pod("prefill", "--pod-id", "prefill-first"), Pod("decode")
+    second = None
+    try:
+        first.wait_ready(), decode.wait_ready()
+        second = Pod("prefill", "--pod-id", "prefill-second")
+        second.kill()
+        second.proc.wait(15)
+        second._spawn(first.port)   # the port the first pod serves, as a lost free-port race gives it
+        deadline = time.monotonic() + 180
+        while second.proc.poll() is None and "serving on" not in second.log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, second.log_tail()
+            time.sleep(0.2)
+        # Every connection to the address reaches the pod that owns it ...
+        assert _pod_ids(first.address) == {"prefill-first"}
+        # ... because the second one could not bind it, and said why.
+        assert second.proc.wait(30) != 0
+        assert "Address already in use" in second.log_tail(), second.log_tail()
+        # Disaggregated seeded requests: the decode pod's first token is its prefill pod's.
+        for i in range(4):
+            prompt = [1] + [(31 * i + 7 * k) % 250 + 4 for k in range(40)]
+            tokens, messages = run(disaggregated(first, decode, f"exclusive-{i}", prompt, sampling(**SEEDED)))
+            assert not messages[0].local_prefill and len(tokens) == SEEDED["max_tokens"]
+    finally:
+        for pod in (first, decode, second):
+            if pod is not None:
+                pod.stop()
