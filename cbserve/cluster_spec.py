@@ -36,6 +36,7 @@ class ClusterSpec:
     dtype: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str | None = None
+    tensor_parallel_size: int = 1    # ranks per pod (on CUDA: consecutive GPUs from `device`)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     num_blocks: int | None = None
@@ -68,6 +69,11 @@ class ClusterSpec:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
             raise ValueError("SLOs must be > 0 ms")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and not self.num_colocated:
+            raise ValueError("tensor_parallel_size > 1 needs colocated pods (--colocated K) for now: KV "
+                             "transfer between tensor-parallel prefill and decode pods is not implemented")
         for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "threads_per_pod"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -106,6 +112,8 @@ class ClusterSpec:
         flags: list[str] = []
         for flag, value in (("--device", self.device), ("--dtype", self.dtype),
                             ("--quantization", self.quantization), ("--kv-cache-dtype", self.kv_cache_dtype),
+                            ("--tensor-parallel-size", self.tensor_parallel_size if self.tensor_parallel_size > 1
+                             else None),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
                             ("--max-num-seqs", self.max_num_seqs), ("--num-blocks", self.num_blocks),
                             ("--gpu-memory-utilization", self.pod_gpu_memory_utilization())):

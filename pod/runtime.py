@@ -32,6 +32,7 @@ from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto
+from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
 
@@ -98,6 +99,13 @@ class PodRuntime:
     def __init__(self, engine_config: EngineConfig, pod: PodConfig, role_label: str) -> None:
         self.pod = pod
         self.role_label = role_label
+        if engine_config.tensor_parallel_size > 1 and role_label != "colocated":
+            # Rank 0's cache holds only its share of the KV heads: a transfer of it alone would
+            # hand the peer wrong KV, so P/D pods refuse until transfers gather every rank's heads.
+            raise TensorParallelError(
+                f"--tensor-parallel-size {engine_config.tensor_parallel_size} runs only in a colocated pod "
+                "(`cbserve decode --colocated`) for now: KV transfer between tensor-parallel prefill and "
+                "decode pods is not implemented")
         # The router turns ids into text; the engine detokenizes only requests with stop strings.
         self.engine = Engine(dataclasses.replace(engine_config, detokenize=False))
         self.metrics = EngineMetrics(role_label)
@@ -246,6 +254,8 @@ class PodRuntime:
     async def serve(self, add_servicer, service_name: str, post_step=None, on_idle=None,
                     pending_work=lambda: 0) -> None:
         """Run until SIGTERM/SIGINT, then drain: unready at once, finish streams and pulls, exit."""
+        if self.engine.tp is not None:   # a lost rank: unready at once, then the process exits
+            self.engine.tp.on_lost.append(lambda message: self.set_serving(False, service_name))
         self.warm_up()
         # Everything alive now (model, tokenizer, config) lives as long as the process: keep it out
         # of the collector's generations so GC pauses stay short in the step loop.
