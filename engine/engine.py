@@ -38,6 +38,7 @@ from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.tokenizer import Tokenizer
+from engine.tp_kv import TPKVBlocks
 from engine.tp_launch import TPDriver
 from engine.tp_shard import TensorParallelError, TPShard, check_divisible
 from engine.tp_worker import WorkerSpec
@@ -138,6 +139,8 @@ class Engine:
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.kv_dtype, self.device)
+        # Tensor parallel: whole-model KV blocks for P/D transfers, gathered from / scattered to the ranks.
+        self.tp_kv = None if self.tp is None else TPKVBlocks(self.tp, self.kv_cache, self.model_config)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from engine.step_inputs import Layout
 
 CMD_STEP, CMD_HEARTBEAT, CMD_STOP = 1, 2, 3
+CMD_KV_GATHER, CMD_KV_SCATTER = 4, 5     # KV transfer of a P/D pod (engine/tp_kv.py)
 HEADER_LEN = 6
 
 
@@ -60,22 +61,38 @@ class TPComm:
         return int(t.item())
 
     # ------------------------------------------------------------------ the step message
-    def send_header(self, command: int, layout: Layout | None = None) -> None:
-        """Rank 0: announce the next message."""
-        fields = (0, 0, 0, 0, 0) if layout is None else (layout.num_tokens, layout.num_seqs, layout.width,
-                                                          layout.num_sampled, layout.num_fill)
+    def send_header(self, command: int, layout: Layout | None = None, count: int = 0) -> None:
+        """Rank 0: announce the next message (a step's `layout`, or a KV command's block `count`)."""
+        fields = (count, 0, 0, 0, 0) if layout is None else (layout.num_tokens, layout.num_seqs, layout.width,
+                                                              layout.num_sampled, layout.num_fill)
         dist.broadcast(torch.tensor((command, *fields), dtype=torch.int64, device=self.device), src=0)
 
-    def recv_header(self) -> tuple[int, Layout | None]:
-        """Other ranks: wait for rank 0's next header -> (command, the step's layout or None)."""
+    def recv_header(self) -> tuple[int, Layout | int]:
+        """Other ranks: wait for rank 0's next header -> (command, the step's layout, or the KV
+        command's block count)."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
         command, *fields = header.tolist()
-        return command, (Layout(*fields) if command == CMD_STEP else None)
+        return command, (Layout(*fields) if command == CMD_STEP else fields[0])
 
     def broadcast_bytes(self, buf: torch.Tensor) -> None:
         """The staged step inputs (`uint8`), rank 0's bytes into everyone's buffer."""
         dist.broadcast(buf, src=0)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=0)
+        return t
+
+    def gather_to_first(self, local: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `local` (same shape) -> the list on rank 0, None elsewhere."""
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(local.contiguous(), parts, dst=0)
+        return parts
+
+    def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `parts[r]` into rank r's `out`."""
+        dist.scatter(out, parts, src=0)
+        return out
 
     def close(self) -> None:
         if dist.is_initialized():

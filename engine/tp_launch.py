@@ -94,6 +94,15 @@ class TPDriver:
             yield
             self._last_sent = time.monotonic()
 
+    @contextlib.contextmanager
+    def exclusive(self, command: int, count: int):
+        """Between steps (any thread): announce a KV command over `count` blocks; the caller runs
+        its collectives inside (`engine.tp_kv`)."""
+        with self._lock:
+            self.comm.send_header(command, count=count)
+            yield self.comm
+            self._last_sent = time.monotonic()
+
     def _heartbeat(self) -> None:
         while not self._closing.wait(HEARTBEAT_SECONDS / 5):
             if time.monotonic() - self._last_sent < HEARTBEAT_SECONDS or not self._lock.acquire(blocking=False):

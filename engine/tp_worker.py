@@ -85,7 +85,8 @@ def run(spec: WorkerSpec) -> None:
     from engine.model_runner import ModelRunner
     from engine.quant import quantize_model
     from engine.sampler import Sampler
-    from engine.tp_comm import CMD_STEP, CMD_STOP, TPComm
+    from engine.tp_comm import CMD_KV_GATHER, CMD_KV_SCATTER, CMD_STEP, CMD_STOP, TPComm
+    from engine.tp_kv import serve_kv_command
     from engine.tp_shard import TPShard
 
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
@@ -112,12 +113,14 @@ def run(spec: WorkerSpec) -> None:
                          enforce_eager=True)
     log.info("tensor-parallel rank %d/%d ready on %s: %d KV blocks", spec.rank, spec.size, device, num_blocks)
     while True:
-        command, layout = comm.recv_header()
+        command, layout = comm.recv_header()   # layout: a step's Layout, or a KV command's block count
         if command == CMD_STOP:
             break
         if command == CMD_STEP:
             comm.broadcast_bytes(runner.inputs.reserve(layout.nbytes))
             runner.run_received(layout)
+        elif command in (CMD_KV_GATHER, CMD_KV_SCATTER):
+            serve_kv_command(comm, command, layout, kv_cache)
     comm.close()
 
 

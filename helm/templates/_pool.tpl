@@ -15,8 +15,8 @@ decode-only flag. Args: dict root role.
 {{- $ctx := dict "root" $root "component" $role }}
 {{- $device := ternary "cuda" "cpu" (gt (int $pool.gpus) 0) }}
 {{- $tp := int (default 1 $pool.engine.tensorParallelSize) }}
-{{- if and (gt $tp 1) $root.Values.prefill.enabled }}
-{{- fail (printf "%s.engine.tensorParallelSize=%d needs prefill.enabled=false (colocated): KV transfer between tensor-parallel prefill and decode pods is not implemented" $role $tp) }}
+{{- if and (gt $tp 1) (ne $root.Values.kvTransport "grpc") }}
+{{- fail (printf "%s.engine.tensorParallelSize=%d needs kvTransport=grpc (tensor-parallel pods gather KV to rank 0)" $role $tp) }}
 {{- end }}
 {{- /* One GPU per tensor-parallel rank. */}}
 {{- $gpus := ternary (max (int $pool.gpus) $tp) 0 (gt (int $pool.gpus) 0) }}

@@ -273,19 +273,20 @@ def test_enforce_eager_is_per_pool_and_off_by_default():
     assert "--enforce-eager" not in container(render().get("Deployment", name("decode")))["args"]
 
 
-def test_tensor_parallel_size_sets_the_flag_and_one_gpu_per_rank():
-    manifests = render((), ("prefill.enabled=false", "decode.engine.tensorParallelSize=4"))
-    main = container(manifests.get("Deployment", name("decode")))
-    assert flags(main["args"])["tensor-parallel-size"] == "4"
-    assert main["resources"]["limits"]["nvidia.com/gpu"] == 4
-    assert main["resources"]["requests"]["nvidia.com/gpu"] == 4
+def test_tensor_parallel_size_is_per_pool_with_one_gpu_per_rank():
+    manifests = render((), ("prefill.engine.tensorParallelSize=2", "decode.engine.tensorParallelSize=4"))
+    for pool, size in (("prefill", 2), ("decode", 4)):
+        main = container(manifests.get("Deployment", name(pool)))
+        assert flags(main["args"])["tensor-parallel-size"] == str(size)
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == size
+        assert main["resources"]["requests"]["nvidia.com/gpu"] == size
     assert "tensor-parallel-size" not in flags(container(render().get("Deployment", name("decode")))["args"])
-    cpu = container(render(VALUES_SETS["cpu-tiny"], ("prefill.enabled=false", "decode.engine.tensorParallelSize=2"))
+    cpu = container(render(VALUES_SETS["cpu-tiny"], ("decode.engine.tensorParallelSize=2",))
                     .get("Deployment", name("decode")))
     assert flags(cpu["args"])["tensor-parallel-size"] == "2"
     assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
 
 
-def test_tensor_parallel_pd_pools_are_refused_until_kv_transfer_maps_ranks():
-    with pytest.raises(HelmError, match="tensorParallelSize=2 needs prefill.enabled=false"):
-        render((), ("decode.engine.tensorParallelSize=2",))
+def test_tensor_parallel_pools_need_the_grpc_kv_transport():
+    with pytest.raises(HelmError, match="tensorParallelSize=2 needs kvTransport=grpc"):
+        render((), ("decode.engine.tensorParallelSize=2", 'kvTransport="nccl"'))
