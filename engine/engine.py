@@ -183,7 +183,7 @@ class Engine:
         if size == 1:
             return None
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device.index or 0)   # NCCL binds rank 0 to this GPU
         spec = WorkerSpec(
             model_dir=str(self.model_dir), dtype=dtype_name, device=str(self.device), max_position=max_len + 1,
             quantization=self.quantization, cache=dataclasses.asdict(config.cache),
