@@ -8,7 +8,9 @@ schedules; `TPDriver.step` sends each step's inputs to the others before rank 0'
 Failure: a rank that dies must not leave the pod hanging in a collective. A watchdog thread polls
 the subprocesses; when one exits unexpectedly it logs which rank and why, runs the `on_lost`
 hooks (the pod turns NOT_SERVING) and ends this process with `EXIT_RANK_LOST`, after killing the
-other ranks. Hangs without a death (a stuck device) end at the collective timeout. While rank 0
+other ranks. Hangs without a death (a stuck device) end at the collective timeout, and any error
+on rank 0 inside a step ends the process the same way: the others are left in a collective rank 0
+will never join, and the group cannot resynchronise. While rank 0
 is idle, a heartbeat message every `HEARTBEAT_SECONDS` keeps the other ranks' waits (which time
 out like any collective) from expiring; workers exit on their own when rank 0 disappears.
 """
@@ -88,7 +90,7 @@ class TPDriver:
     def step(self, inputs, layout):
         """Around rank 0's forward: send the step (header, then the staged bytes) to every rank;
         the lock keeps a heartbeat from slipping between the step's collectives."""
-        with self._lock:
+        with self._lock, self._fatal("step"):
             self.comm.send_header(CMD_STEP, layout)
             self.comm.broadcast_bytes(inputs.device_buf[:layout.nbytes])
             yield
@@ -98,10 +100,23 @@ class TPDriver:
     def exclusive(self, command: int, count: int):
         """Between steps (any thread): announce a KV command over `count` blocks; the caller runs
         its collectives inside (`engine.tp_kv`)."""
-        with self._lock:
+        with self._lock, self._fatal("KV transfer"):
             self.comm.send_header(command, count=count)
             yield self.comm
             self._last_sent = time.monotonic()
+
+    @contextlib.contextmanager
+    def _fatal(self, what: str):
+        # Once a header is out, every rank runs the whole message's collectives. An error on rank 0
+        # in the middle (a collective timeout, a closed peer, any exception) leaves the others
+        # waiting in a collective rank 0 will never join: the group cannot recover, so end it.
+        try:
+            yield
+        except Exception as e:
+            # A peer's death often surfaces here first (closed socket): name the dead rank if so.
+            self.lost(_exited(self.procs, wait_s=1.0) or
+                      f"tensor-parallel {what} failed on rank 0 ({type(e).__name__}: {e}); the ranks are out of step")
+            raise
 
     def _heartbeat(self) -> None:
         while not self._closing.wait(HEARTBEAT_SECONDS / 5):
@@ -158,15 +173,11 @@ class _Watchdog(threading.Thread):
 
     def run(self) -> None:
         while True:
-            for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is None:
-                    continue
+            message = _exited(self.procs)
+            if message is not None:
                 driver = self.driver
                 if driver is not None and driver._closing.is_set():
                     return
-                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                message = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
                 if driver is not None:
                     driver.lost(message)
                 else:   # still joining the group: nobody to tell but the log
@@ -175,6 +186,21 @@ class _Watchdog(threading.Thread):
                     _kill(self.procs)
                     os._exit(EXIT_RANK_LOST)
             time.sleep(WATCHDOG_POLL_SECONDS)
+
+
+def _exited(procs: list[subprocess.Popen], wait_s: float = 0.0) -> str | None:
+    """'tensor-parallel rank r (pid p) killed by signal 9' for the first rank that has exited
+    (polling up to `wait_s`), else None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for rank, proc in enumerate(procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
