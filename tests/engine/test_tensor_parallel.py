@@ -114,7 +114,8 @@ def test_each_rank_loads_only_its_share(checkpoints):
         # q rows of this rank's two heads; the one KV head is replicated on both ranks.
         torch.testing.assert_close(attn.qkv_proj.weight[:2 * d], full_qkv[r * 2 * d:(r + 1) * 2 * d])
         torch.testing.assert_close(attn.qkv_proj.weight[2 * d:3 * d], full_qkv[q:q + kv])
-        torch.testing.assert_close(attn.o_proj.weight, full.layers[0].self_attn.o_proj.weight[:, r * 2 * d:(r + 1) * 2 * d])
+        full_o = full.layers[0].self_attn.o_proj.weight
+        torch.testing.assert_close(attn.o_proj.weight, full_o[:, r * 2 * d:(r + 1) * 2 * d])
         assert model.embed_tokens.weight.shape == (151, cfg.hidden_size)
     torch.testing.assert_close(torch.cat([m.embed_tokens.weight for m in ranks])[:cfg.vocab_size],
                                full.embed_tokens.weight)
