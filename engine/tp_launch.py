@@ -148,6 +148,7 @@ class TPDriver:
         if self._closing.is_set():
             return
         self._closing.set()
+        log.info("stopping %d tensor-parallel ranks", len(self.procs))
         if self._lock.acquire(timeout=5.0):
             try:
                 self.comm.send_header(CMD_STOP)
@@ -160,6 +161,7 @@ class TPDriver:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))
         _kill(self.procs)
+        log.info("tensor-parallel ranks stopped")
         self.comm.close()
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -121,7 +122,7 @@ def run(spec: WorkerSpec) -> None:
             runner.run_received(layout)
         elif command in (CMD_KV_GATHER, CMD_KV_SCATTER):
             serve_kv_command(comm, command, layout, kv_cache)
-    comm.close()
+    # No destroy_process_group here: it would wait on rank 0, which waits for this process to exit.
 
 
 def main() -> int:
@@ -129,6 +130,9 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("CBSERVE_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, spec.rank), daemon=True).start()
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 drains and then stops us (STOP,
+    # or its exit); a rank that quit on its own would turn a drain into a lost-rank exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threads = os.environ.get("CBSERVE_NUM_THREADS")
     if threads:
         import torch
@@ -138,7 +142,10 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - rank 0's watchdog reports the exit; say why here
         log.exception("tensor-parallel rank %d failed: %s", spec.rank, e)
         return 1
-    return 0
+    # STOP: nothing to save. Skip the interpreter's teardown, where the process group's destructor
+    # waits seconds on peers that are gone.
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
