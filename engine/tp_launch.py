@@ -73,9 +73,11 @@ class TPDriver:
         for rank in range(1, size):
             spec = base.with_rank(rank, str(rank_device(device, rank)), store.port, timeout_s)
             env = dict(os.environ, **{SPEC_ENV: spec.to_json()})
-            # stdout belongs to rank 0 (`cbserve generate` prints the text there): workers log to stderr.
+            # stdout belongs to rank 0 (`cbserve generate` prints the text there): workers log to
+            # stderr. Their own session: signals to the pod's process group (Ctrl-C, `kill -- -pgid`)
+            # reach rank 0 alone, which drains and then stops them; they follow rank 0's exit.
             procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp_worker"], env=env,
-                                          stdout=sys.stderr.fileno()))
+                                          stdout=sys.stderr.fileno(), start_new_session=True))
             log.info("tensor-parallel rank %d/%d started (pid %d)", rank, size, procs[-1].pid)
         watchdog = _Watchdog(procs)
         watchdog.start()                      # a rank that fails to load ends us, not a hang
