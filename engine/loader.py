@@ -80,8 +80,8 @@ def load_weights(model: LlamaForCausalLM, path: Path, shard: TPShard | None = No
                     raise CheckpointError(f"tensor {hf_name!r} appears more than once")
                 param = params[ours]
                 custom = getattr(param, "weight_loader", None)
-                if custom is not None:
-                    custom(tensor, index, hf_name)
+                if custom is not None:   # FP8 checkpoints (never tensor-parallel: the engine refuses)
+                    custom(f.get_tensor(hf_name), index, hf_name)
                     seen[ours].add(index)
                     continue
                 dest = param.data
