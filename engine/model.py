@@ -241,4 +241,3 @@ class LlamaForCausalLM(nn.Module):
         if out is not None:
             return out.copy_(logits)
         return logits
-
