@@ -24,6 +24,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: the model dtype; fp8: e4m3 with per-layer static scales (the checkpoint's "
                         "k_scale/v_scale, else 1.0): twice the tokens of bf16 in the same memory")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the model over N ranks (one process and one device each; NCCL on CUDA, "
+                        "Gloo on CPU); on CUDA the ranks take N consecutive GPUs from --device")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
@@ -42,6 +45,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "default overlaps them; CPU engines never overlap)")
 
 
+def positive_int(value: str) -> int:
+    """argparse type: an int >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return number
+
+
 def gpu_memory_utilization(value: str) -> float:
     """argparse type: a float in (0, 1]."""
     share = float(value)
@@ -58,6 +69,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
     return EngineConfig(
         model=args.model, role=role, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         quantization=args.quantization, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=False if args.no_async_scheduling else None,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=None if kv_mb is None else kv_mb << 20,
@@ -79,12 +91,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = Engine(engine_config_from_args(args, "colocated"))
+    from engine.tp_shard import TensorParallelError
+
+    try:
+        engine = Engine(engine_config_from_args(args, "colocated"))
+    except TensorParallelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         (out,) = engine.generate([args.prompt], params)
     except EngineRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
     sys.stdout.write(out.text)
     sys.stdout.write("\n")
     return 0
@@ -124,7 +144,13 @@ def cmd_pod(args: argparse.Namespace) -> int:
                     kv_store_port=args.kv_store_port, kv_ttl_seconds=args.kv_ttl_seconds,
                     local_prefill_fallback=not getattr(args, "no_local_prefill_fallback", False))
     engine_role = "prefill" if role == "prefill" else "decode"
-    runtime = PodRuntime(engine_config_from_args(args, engine_role), pod, role)
+    from engine.tp_shard import TensorParallelError
+
+    try:
+        runtime = PodRuntime(engine_config_from_args(args, engine_role), pod, role)
+    except TensorParallelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if role == "prefill":
         from prefill_pod.server import serve
     else:

@@ -36,6 +36,8 @@ class ClusterSpec:
     dtype: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str | None = None
+    tensor_parallel_size: int = 1    # ranks per pod (on CUDA: consecutive GPUs from `device`)
+    prefill_tensor_parallel_size: int | None = None   # prefill pods' ranks (None: tensor_parallel_size)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     num_blocks: int | None = None
@@ -68,6 +70,11 @@ class ClusterSpec:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
             raise ValueError("SLOs must be > 0 ms")
+        sizes = (self.tensor_parallel_size, self.prefill_tensor_parallel_size or 1)
+        if min(sizes) < 1:
+            raise ValueError(f"tensor parallel sizes must be >= 1, got {sizes}")
+        if max(sizes) > 1 and self.kv_transport != "grpc":
+            raise ValueError("tensor-parallel pods move KV over --kv-transport grpc only")
         for name in ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "threads_per_pod"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -124,6 +131,10 @@ class ClusterSpec:
                 "--metrics-port", str(metrics_port), "--kv-transport", self.kv_transport,
                 "--kv-store-port", str(kv_store_port), "--drain-seconds", _number(self.drain_seconds),
                 "--pod-id", name, *self.engine_flags()]
+        tp = self.prefill_tensor_parallel_size or self.tensor_parallel_size if role == "prefill" \
+            else self.tensor_parallel_size
+        if tp > 1:
+            argv += ["--tensor-parallel-size", str(tp)]
         if role == "colocated":
             argv.append("--colocated")
         return argv + list(self.pod_args)

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from cbserve.cli import gpu_memory_utilization
+from cbserve.cli import gpu_memory_utilization, positive_int
 from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
@@ -55,6 +55,10 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
                    help="int8: W8A8 linears on every pod (CPU only); fp8: e4m3 linears")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="every pod's KV cache dtype (auto: the model's; fp8: e4m3, per-tensor scales)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="ranks per pod (processes; on CUDA N consecutive GPUs from --device each)")
+    p.add_argument("--prefill-tensor-parallel-size", type=positive_int, default=None, metavar="P",
+                   help="ranks per prefill pod (default: --tensor-parallel-size); P/D maps any two degrees")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -86,7 +90,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
         host=args.host, port=args.port, policy=args.policy, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, kv_transport=args.kv_transport, device=args.device, dtype=args.dtype,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size, prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,

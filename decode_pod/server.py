@@ -100,7 +100,7 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
         try:
             group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
             sink = KVSink(rt.engine.kv_cache, block_ids, req_id, num_prompt_tokens, group=group,
-                          recv_timeout_s=max(1.0, job.remaining()))
+                          recv_timeout_s=max(1.0, job.remaining()), **rt.kv_sink_args())
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,
                                                 nccl_group=group.group_name if group else "")

@@ -38,6 +38,10 @@ from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.tokenizer import Tokenizer
+from engine.tp_kv import TPKVBlocks
+from engine.tp_launch import TPDriver
+from engine.tp_shard import TensorParallelError, TPShard, check_divisible
+from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -66,6 +70,7 @@ class EngineConfig:
     quantization: str | None = None     # "int8": W8A8 linears on CPU (engine/quant.py); "fp8": e4m3
                                         # linears (engine/fp8.py; FP8 checkpoints imply it); None: none
     enforce_eager: bool = False         # True: no CUDA graphs for decode steps
+    tensor_parallel_size: int = 1       # ranks (processes, one device each) that split the model
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     detokenize: bool = True             # False: text only for requests with stop strings (pods: the
                                         # router detokenizes; the engine must, to stop on a string)
@@ -79,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 class Engine:
@@ -101,11 +108,17 @@ class Engine:
         self.eos_token_ids = eos or self.model_config.eos_token_ids
         fp8_checkpoint = read_fp8_config(self.model_dir)       # None unless stored in FP8
         self.quantization = resolve_quantization(config.quantization, fp8_checkpoint)
+        if fp8_checkpoint is not None and config.tensor_parallel_size > 1:
+            raise TensorParallelError("tensor parallelism does not load FP8 checkpoints yet (their scales are "
+                                      "not sharded): serve the bf16 checkpoint with --quantization fp8")
+        self.tp = self._launch_tensor_parallel(config, dtype_name, max_len, sched_cfg)
         if fp8_checkpoint is not None:
             self.model = load_fp8_model(self.model_dir, self.model_config, fp8_checkpoint, self.dtype, self.device,
                                         max_len + 1)
         else:
-            self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1)
+            shard = TPShard(self.model_config, 0, config.tensor_parallel_size)
+            self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1,
+                                    shard=shard, comm=None if self.tp is None else self.tp.comm)
         self.fingerprint = model_fingerprint(self.model_dir)
         if self.quantization:
             if fp8_checkpoint is None:
@@ -120,13 +133,19 @@ class Engine:
                                                        max_len),
                                Sampler(self.eos_token_ids), startup_memory,
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
+        if self.tp is not None:   # each rank sized its own cache: all keep the smallest
+            cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
-        self.kv_cache = allocate_kv_cache(self.model_config, cache_cfg.num_blocks, cache_cfg.block_size,
+        # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
+        self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.kv_dtype, self.device)
+        # Tensor parallel: whole-model KV blocks for P/D transfers, gathered from / scattered to the ranks.
+        self.tp_kv = None if self.tp is None else TPKVBlocks(self.tp, self.kv_cache, self.model_config)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-                                  max_model_len=max_len, enforce_eager=True if config.enforce_eager else None)
+                                  max_model_len=max_len, enforce_eager=True if config.enforce_eager else None,
+                                  tp=self.tp)
         self.runner.capture_cuda_graphs()
         # The prefill role ends a request at its first token: there is no next step to overlap.
         self.async_scheduling = self.role != "prefill" and (
@@ -141,18 +160,43 @@ class Engine:
         self.num_steps = 0
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
         self.step_samples: collections.deque[StepSample] = collections.deque(maxlen=256)
-        log.info("engine ready: role=%s model=%s dtype=%s quantization=%s kv_cache_dtype=%s blocks=%d x %d",
-                 self.role, config.model, dtype_name, self.quantization or "none",
-                 str(self.kv_dtype).removeprefix("torch."), cache_cfg.num_blocks, cache_cfg.block_size)
+        log.info("engine ready: role=%s model=%s dtype=%s quantization=%s kv_cache_dtype=%s "
+                 "tensor_parallel_size=%d blocks=%d x %d", self.role, config.model, dtype_name,
+                 self.quantization or "none", str(self.kv_dtype).removeprefix("torch."),
+                 config.tensor_parallel_size, cache_cfg.num_blocks, cache_cfg.block_size)
 
     def _graph_memory_estimate(self, config: EngineConfig, sched_cfg: SchedulerConfig) -> int:
         """What the decode CUDA graphs will take after the KV cache is sized (0 when eager)."""
-        if self.device.type != "cuda" or config.enforce_eager:
+        if self.device.type != "cuda" or config.enforce_eager or config.tensor_parallel_size > 1:
             return 0
         cfg = self.model_config
         return graph_memory_estimate(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
                                      min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
                                      self.dtype.itemsize)
+
+    def _launch_tensor_parallel(self, config: EngineConfig, dtype_name: str, max_len: int,
+                                sched_cfg: SchedulerConfig) -> TPDriver | None:
+        """Tensor parallel: start ranks 1..N-1 (they load their shares while this rank loads its
+        own) and join them; None at one rank. Refuses a model that does not split evenly."""
+        size = config.tensor_parallel_size
+        check_divisible(self.model_config, size)
+        if size == 1:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)   # NCCL binds rank 0 to this GPU
+        spec = WorkerSpec(
+            model_dir=str(self.model_dir), dtype=dtype_name, device=str(self.device), max_position=max_len + 1,
+            quantization=self.quantization, cache=dataclasses.asdict(config.cache),
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens, max_num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=max_len, eos_token_ids=tuple(self.eos_token_ids),
+            headroom_bytes=headroom_bytes(self._graph_memory_estimate(config, sched_cfg)), size=size)
+        log.info("tensor parallel: %d ranks on %s", size, self.device.type)
+        return TPDriver.launch(spec, self.device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent; also runs at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _load_tokenizer(self) -> Tokenizer | None:
         if not (self.model_dir / "tokenizer.json").is_file():

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.tp_shard import TPShard
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # HF name fragment -> (our parameter, index of the slice in the fused tensor)
@@ -60,7 +61,9 @@ def _slices(cfg: ModelConfig, fused_name: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, shard: TPShard | None = None) -> None:
+    """Fill `model` from the checkpoint at `path`; with a `shard` (tensor parallelism), only the
+    rows/columns that rank owns are read from the files (`engine.tp_shard`), never a full tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     seen: dict[str, set[int | None]] = {name: set() for name in params}
@@ -75,11 +78,10 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     raise CheckpointError(f"unexpected tensor {hf_name!r} in {file.name}")
                 if index in seen[ours]:
                     raise CheckpointError(f"tensor {hf_name!r} appears more than once")
-                tensor = f.get_tensor(hf_name)
                 param = params[ours]
                 custom = getattr(param, "weight_loader", None)
-                if custom is not None:
-                    custom(tensor, index, hf_name)
+                if custom is not None:   # FP8 checkpoints (never tensor-parallel: the engine refuses)
+                    custom(f.get_tensor(hf_name), index, hf_name)
                     seen[ours].add(index)
                     continue
                 dest = param.data
@@ -87,6 +89,10 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     sizes = _slices(cfg, ours)
                     start = sum(sizes[:index])
                     dest = param.data.narrow(0, start, sizes[index])
+                if shard is not None and shard.size > 1:
+                    tensor, dest = _read_shard(f, hf_name, ours, index, dest, shard)
+                else:
+                    tensor = f.get_tensor(hf_name)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise CheckpointError(
                         f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config expects {tuple(dest.shape)}")
@@ -100,6 +106,30 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
             missing.append(name)
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing tensors for: {', '.join(sorted(missing))}")
+
+
+def _read_shard(f, hf_name: str, ours: str, index: int | None, dest: torch.Tensor,
+                shard: TPShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one checkpoint tensor (read through `get_slice`: only those bytes),
+    and the part of `dest` it fills. The full tensor's shape is checked against the global config."""
+    view = f.get_slice(hf_name)
+    full = tuple(view.get_shape())
+    plan = shard.split(ours, index)
+    if plan is None:
+        if tuple(full) != tuple(dest.shape):
+            raise CheckpointError(f"tensor {hf_name!r} has shape {full}, config expects {tuple(dest.shape)}")
+        if ours.endswith("o_proj.bias") and shard.rank:
+            return dest.new_zeros(dest.shape), dest   # row-parallel: summed by the all-reduce, added once
+        return view[:], dest
+    dim, part, length = plan
+    expected = list(dest.shape)
+    expected[dim] = length
+    if list(full) != expected:
+        raise CheckpointError(f"tensor {hf_name!r} has shape {full}, config expects {tuple(expected)}")
+    if dim == 0:
+        dest = dest.narrow(0, 0, len(part))   # vocab shards: padding rows past the checkpoint stay 0
+        return view[part.start:part.stop], dest
+    return view[:, part.start:part.stop], dest
 
 
 def model_fingerprint(path: Path) -> str:
@@ -120,7 +150,9 @@ def model_fingerprint(path: Path) -> str:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_position: int | None = None) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(cfg, dtype, device, max_position)
-    load_weights(model, path)
+               max_position: int | None = None, shard: TPShard | None = None, comm=None) -> LlamaForCausalLM:
+    """`cfg` is the global config; with `shard`/`comm` (tensor parallelism) the model holds and
+    reads only that rank's share, and `comm` (`engine.tp_comm.TPComm`) runs its collectives."""
+    model = LlamaForCausalLM(cfg, dtype, device, max_position, shard=shard, comm=comm)
+    load_weights(model, path, shard)
     return model.eval()

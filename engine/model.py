@@ -96,9 +96,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, comm=None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.comm = comm   # tensor parallel: o_proj is row-parallel, its partial sums all-reduce
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias,
                                dtype=dtype, device=device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, device=device)
@@ -119,41 +120,70 @@ class Attention(nn.Module):
                                          meta.slot_mapping, k_scale, v_scale)   # one launch on CUDA
         out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, self.scale, k_scale, v_scale)  # [T, H, D]
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        out = self.o_proj(out.reshape(-1, cfg.q_size))                # [T, hidden]
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, comm=None) -> None:
         super().__init__()
+        self.comm = comm   # tensor parallel: down_proj is row-parallel
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False,
                                    dtype=dtype, device=device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))   # [T, 2I] -> [T, I]
+        out = self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))   # [T, 2I] -> [T, I] -> [T, hidden]
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, comm=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device, comm)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank's rows `[start, start + rows)` of the embedding; a token outside them looks up zeros,
+    and one all-reduce sums the ranks' rows into the full lookup."""
+
+    def __init__(self, start: int, rows: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                 comm) -> None:
+        super().__init__()
+        self.start, self.rows, self.comm = start, rows, comm
+        self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start                              # [T]
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 max_position: int | None = None) -> None:
+                 max_position: int | None = None, shard=None, comm=None) -> None:
+        """`shard` (`engine.tp_shard.TPShard`, with `comm` its collectives): build only that
+        tensor-parallel rank's share; `cfg` is the global config, `self.cfg` the rank's."""
         super().__init__()
+        self.comm = comm if shard is not None and shard.size > 1 else None
+        vocab_rows = cfg.vocab_size
+        if self.comm is not None:
+            cfg, vocab_rows = shard.local_config(), shard.vocab_per_rank
+            self.embed_tokens = VocabParallelEmbedding(shard.vocab.start, vocab_rows, cfg.hidden_size, dtype,
+                                                       device, self.comm)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, self.comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False, dtype=dtype, device=device)
         rope = cos_sin_cache(cfg.rope, cfg.head_dim, max_position or cfg.max_position_embeddings, device)
         self.register_buffer("rope_cache", rope, persistent=False)  # [max_position, head_dim] fp32
         self.requires_grad_(False)
@@ -182,7 +212,20 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] -> logits [N, vocab] in the model dtype (the sampler upcasts).
 
         Only the rows that sample come here: the runner selects them before the vocab matmul.
-        `out` ([N, vocab], contiguous): write the logits there (CUDA graphs keep one buffer)."""
+        `out` ([N, vocab], contiguous): write the logits there (CUDA graphs keep one buffer).
+        Tensor parallel: every rank computes its vocab shard and all of them get the full logits
+        (one all-gather); every rank must call this with the same number of rows."""
+        if self.comm is None:
+            return self._shard_logits(hidden, out)
+        if hidden.shape[0] == 0:    # every rank sees the same count: all skip the collective
+            logits = hidden.new_empty((0, self.cfg.vocab_size))
+        else:
+            local = self._shard_logits(hidden, None)                               # [N, vocab_per_rank]
+            logits = self.comm.all_gather_columns(local)[:, :self.cfg.vocab_size]  # [N, vocab]
+        return logits if out is None else out.copy_(logits)
+
+    def _shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        # The head over this model's vocab rows (all of them without tensor parallelism).
         if out is not None and (self.lm_head is None or not self.lm_head.weight.is_mkldnn) \
                 and (self.lm_head is None or self.lm_head.bias is None):
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

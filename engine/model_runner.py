@@ -67,8 +67,11 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
-                 max_model_len: int = 2048, enforce_eager: bool | None = None) -> None:
+                 max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None) -> None:
+        """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
+        inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs)."""
         self.model = model
+        self.tp = tp
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, KVH, D]
         self.block_size = block_size
         self.device = device
@@ -81,7 +84,7 @@ class ModelRunner:
                                  block_size, device)
         # Padded decode buckets: on CUDA (graphs) unless told to stay eager; on CPU only on request
         # (tests of the padding), since padding rows cost real work there.
-        use_buckets = device.type == "cuda" if enforce_eager is None else not enforce_eager
+        use_buckets = (device.type == "cuda" if enforce_eager is None else not enforce_eager) and tp is None
         self.decode_buckets = DecodeBuckets(
             self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
             min(max_num_seqs, max_num_batched_tokens), max_model_len) if use_buckets else None
@@ -109,6 +112,17 @@ class ModelRunner:
         t = self.prepare(scheduled, prev)
         if t.fill_dst.numel():
             t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        if self.tp is None:
+            return self._forward(t)
+        with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
+            return self._forward(t)
+
+    @torch.inference_mode()
+    def run_received(self, layout) -> torch.Tensor:
+        """Tensor-parallel ranks > 0: the step rank 0 sent, already in `self.inputs`; same forward."""
+        return self._forward(self.inputs.tensors(layout))
+
+    def _forward(self, t: StepTensors) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
         if t.layout.num_sampled != hidden.shape[0]:  # decode-only steps sample every row: no copy
             hidden = hidden[t.logits_indices]

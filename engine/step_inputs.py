@@ -192,10 +192,22 @@ class StepInputs:
             qsl[num_real + 1:] = num_real_tokens + np.arange(1, num_seqs - num_real + 1)
             seq_lens[num_real:] = 1
 
-        dev = self.views(layout)
         if not self.on_cpu:
             self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
             self._copied.record()
+        return self.tensors(layout, num_real)
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the device buffer, grown if needed: where a tensor-parallel rank
+        receives rank 0's staged step (`engine.tp_comm`)."""
+        if nbytes > self.capacity:
+            self._allocate(2 * nbytes)
+        return self.device_buf[:nbytes]
+
+    def tensors(self, layout: Layout, num_seqs: int | None = None) -> StepTensors:
+        """The step tensors over the device buffer as it holds `layout` now."""
+        dev = self.views(layout)
+        num_real = layout.num_seqs if num_seqs is None else num_seqs
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"])
         return StepTensors(dev["input_ids"], dev["positions"], meta, dev["logits_indices"],

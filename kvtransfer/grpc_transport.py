@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,8 +50,8 @@ import grpc
 import torch
 
 from wire import cbserve_pb2
-from kvtransfer.errors import (LayoutError, ProtocolError, SourceAbortedError, SourceLostError,
-                               StreamEndedError)
+from kvtransfer.errors import (ChecksumError, LayoutError, ProtocolError, SourceAbortedError,
+                               SourceLostError, StreamEndedError)
 from kvtransfer.layout import KVLayout
 from kvtransfer.packing import (Run, checksum, plan_runs, resolve_max_chunk_bytes, run_bytes,
                                 run_tensor, scatter_blocks, write_run)
@@ -66,12 +66,17 @@ class KVSource:
 
     def __init__(self, kv: torch.Tensor, request_id: str, num_prompt_tokens: int, *,
                  max_chunk_bytes: int = 0, group: PairGroup | None = None,
-                 start_block_index: int = 0) -> None:
+                 start_block_index: int = 0, layout: KVLayout | None = None,
+                 read_blocks: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         """`kv`: the engine's KV tensor; `max_chunk_bytes`: payload cap per message (0 = default,
         see `packing.resolve_max_chunk_bytes`); `group`: send the bytes over this process group
         instead of in the messages; `start_block_index`: skip the first blocks (the puller has
-        them already)."""
-        self.layout = KVLayout.from_tensor(kv)
+        them already). `read_blocks(ids)` with `layout`: where `kv` holds only part of each block
+        (a tensor-parallel rank), the whole blocks come from it (a CPU tensor in `layout`)."""
+        if read_blocks is not None and group is not None:
+            raise LayoutError("gathered KV blocks (tensor parallelism) travel over gRPC only")
+        self.layout = layout or KVLayout.from_tensor(kv)
+        self.read_blocks = read_blocks
         if num_prompt_tokens <= 0:
             raise LayoutError(f"num_prompt_tokens must be positive, got {num_prompt_tokens}")
         self.kv = kv
@@ -178,6 +183,10 @@ class KVSource:
             await asyncio.wrap_future(pending)
 
     def _pack(self, run: Run) -> tuple[bytes, int]:
+        if self.read_blocks is not None:
+            blocks = self.read_blocks(range(run.first_block_id, run.first_block_id + run.num_blocks))
+            view = memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
+            return bytes(view), checksum(view)
         view = run_bytes(self.kv, run, self._staging)
         return bytes(view), checksum(view)
 
@@ -198,11 +207,17 @@ class KVSink:
 
     def __init__(self, kv: torch.Tensor, dst_block_ids: Sequence[int], request_id: str,
                  num_prompt_tokens: int, *, group: PairGroup | None = None,
-                 recv_timeout_s: float = 30.0) -> None:
+                 recv_timeout_s: float = 30.0, layout: KVLayout | None = None,
+                 write_blocks: Callable[[Sequence[int], torch.Tensor], None] | None = None) -> None:
         """`dst_block_ids`: the blocks reserved for the prompt (at least
         `ceil(num_prompt_tokens / block_size)`); `group`: receive the bytes from this process
-        group (transport "nccl"); `recv_timeout_s`: bound on waiting for a run's bytes there."""
-        self.layout = KVLayout.from_tensor(kv)
+        group (transport "nccl"); `recv_timeout_s`: bound on waiting for a run's bytes there.
+        `write_blocks(ids, blocks)` with `layout`: where `kv` holds only part of each block (a
+        tensor-parallel rank), whole blocks in `layout` go to it after the crc check."""
+        if write_blocks is not None and group is not None:
+            raise LayoutError("scattered KV blocks (tensor parallelism) travel over gRPC only")
+        self.layout = layout or KVLayout.from_tensor(kv)
+        self.write_blocks = write_blocks
         self.num_blocks_expected = self.layout.num_blocks_for(num_prompt_tokens)
         if num_prompt_tokens <= 0 or len(dst_block_ids) < self.num_blocks_expected:
             raise LayoutError(f"request {request_id}: {len(dst_block_ids)} destination blocks "
@@ -256,7 +271,15 @@ class KVSink:
             raise LayoutError(f"request {self.request_id}: chunk says {chunk.num_bytes} bytes for "
                               f"{chunk.num_blocks} blocks of {self.layout.bytes_per_block}")
         dst = self.dst_block_ids[chunk.first_block_index:end]
-        if self.group is None:
+        if self.write_blocks is not None:
+            if len(chunk.data) != num_bytes:
+                raise LayoutError(f"request {self.request_id}: chunk has {len(chunk.data)} bytes, expected {num_bytes}")
+            if (actual := checksum(chunk.data)) != chunk.crc32:
+                raise ChecksumError(f"crc32 mismatch: payload has {actual:#010x}, message says {chunk.crc32:#010x}")
+            blocks = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(self.layout.dtype) \
+                .view(chunk.num_blocks, *self.layout.block_shape)
+            await asyncio.to_thread(self.write_blocks, dst, blocks)
+        elif self.group is None:
             await asyncio.to_thread(write_run, self.kv, dst, chunk.data, chunk.crc32,
                                     staging=self._host_staging(num_bytes))
         elif chunk.num_blocks:

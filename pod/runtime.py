@@ -32,6 +32,7 @@ from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto
+from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
 
@@ -98,10 +99,18 @@ class PodRuntime:
     def __init__(self, engine_config: EngineConfig, pod: PodConfig, role_label: str) -> None:
         self.pod = pod
         self.role_label = role_label
+        if engine_config.tensor_parallel_size > 1 and pod.kv_transport != "grpc":
+            # KV of a tensor-parallel pod is gathered to / scattered from rank 0 (engine/tp_kv.py),
+            # which the gRPC transport does; the pair process group would bypass it.
+            raise TensorParallelError(
+                f"--tensor-parallel-size {engine_config.tensor_parallel_size} needs --kv-transport grpc "
+                f"(got {pod.kv_transport})")
         # The router turns ids into text; the engine detokenizes only requests with stop strings.
         self.engine = Engine(dataclasses.replace(engine_config, detokenize=False))
         self.metrics = EngineMetrics(role_label)
         self.layout = KVLayout.from_tensor(self.engine.kv_cache)
+        if self.engine.tp_kv is not None:   # on the wire a block has every KV head, whatever the TP degree
+            self.layout = dataclasses.replace(self.layout, num_kv_heads=self.engine.model_config.num_kv_heads)
         self.model_info = self.layout.to_model_info(
             engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size)
@@ -184,6 +193,16 @@ class PodRuntime:
         except RequestFailed as e:
             await context.abort(e.code, str(e))
 
+    def kv_source_args(self) -> dict:
+        """Extra `KVSource` arguments: a tensor-parallel pod sends whole blocks gathered from its ranks."""
+        tp_kv = self.engine.tp_kv
+        return {} if tp_kv is None else {"layout": self.layout, "read_blocks": tp_kv.read}
+
+    def kv_sink_args(self) -> dict:
+        """Extra `KVSink` arguments: a tensor-parallel pod scatters whole blocks to its ranks."""
+        tp_kv = self.engine.tp_kv
+        return {} if tp_kv is None else {"layout": self.layout, "write_blocks": tp_kv.write}
+
     def track(self) -> "_Inflight":
         return _Inflight(self)
 
@@ -246,6 +265,8 @@ class PodRuntime:
     async def serve(self, add_servicer, service_name: str, post_step=None, on_idle=None,
                     pending_work=lambda: 0) -> None:
         """Run until SIGTERM/SIGINT, then drain: unready at once, finish streams and pulls, exit."""
+        if self.engine.tp is not None:   # a lost rank: unready at once, then the process exits
+            self.engine.tp.on_lost.append(lambda message: self.set_serving(False, service_name))
         self.warm_up()
         # Everything alive now (model, tokenizer, config) lives as long as the process: keep it out
         # of the collector's generations so GC pauses stay short in the step loop.

@@ -157,7 +157,7 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
                 progress = await self._wait_for_prefill(req_id, context)
                 self.held.take(req_id)  # the stream holds the lease from now on
                 source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens,
-                                  max_chunk_bytes=request.max_chunk_bytes, group=group)
+                                  max_chunk_bytes=request.max_chunk_bytes, group=group, **rt.kv_source_args())
                 async for chunk in source.chunks(progress.events()):
                     yield chunk
                 completed = True

@@ -14,6 +14,12 @@ decode-only flag. Args: dict root role.
 {{- $pool := index $root.Values $role }}
 {{- $ctx := dict "root" $root "component" $role }}
 {{- $device := ternary "cuda" "cpu" (gt (int $pool.gpus) 0) }}
+{{- $tp := int (default 1 $pool.engine.tensorParallelSize) }}
+{{- if and (gt $tp 1) (ne $root.Values.kvTransport "grpc") }}
+{{- fail (printf "%s.engine.tensorParallelSize=%d needs kvTransport=grpc (tensor-parallel pods gather KV to rank 0)" $role $tp) }}
+{{- end }}
+{{- /* One GPU per tensor-parallel rank. */}}
+{{- $gpus := ternary (max (int $pool.gpus) $tp) 0 (gt (int $pool.gpus) 0) }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -105,6 +111,10 @@ spec:
             {{- if $pool.engine.enforceEager }}
             - --enforce-eager
             {{- end }}
+            {{- if gt $tp 1 }}
+            # One process per rank; rank 0 spawns the others and they meet on 127.0.0.1.
+            - --tensor-parallel-size={{ $tp }}
+            {{- end }}
             - --pod-id=$(POD_NAME)
             {{- if and (eq $role "decode") (not $root.Values.prefill.enabled) }}
             # No prefill pool: this pod prefills every request itself (role label "colocated").
@@ -160,9 +170,9 @@ spec:
               {{- with (include "cbserve.preStop" $root | trim) }}{{ . | nindent 14 }}{{ end }}
           resources:
             {{- $resources := deepCopy (default dict $pool.resources) }}
-            {{- if gt (int $pool.gpus) 0 }}
-            {{- $limits := merge (dict $root.Values.gpuResourceName (int $pool.gpus)) (default dict $resources.limits) }}
-            {{- $requests := merge (dict $root.Values.gpuResourceName (int $pool.gpus)) (default dict $resources.requests) }}
+            {{- if gt $gpus 0 }}
+            {{- $limits := merge (dict $root.Values.gpuResourceName $gpus) (default dict $resources.limits) }}
+            {{- $requests := merge (dict $root.Values.gpuResourceName $gpus) (default dict $resources.requests) }}
             {{- $_ := set $resources "limits" $limits }}
             {{- $_ := set $resources "requests" $requests }}
             {{- end }}

@@ -36,8 +36,9 @@ CONFIGS = {
 }
 
 
-def make_hf_model(name: str, out_dir: Path, seed: int = 0):
-    config_cls, model_cls, kwargs = CONFIGS[name]
+def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None = None):
+    """Write checkpoint `name` of `configs` (default `CONFIGS`) to `out_dir`; returns the HF model."""
+    config_cls, model_cls, kwargs = (configs or CONFIGS)[name]
     config = getattr(transformers, config_cls)(bos_token_id=1, eos_token_id=2, **kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()

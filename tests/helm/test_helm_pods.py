@@ -8,14 +8,15 @@ import math
 import pytest
 import yaml
 
-from helm_chart import CHART, VALUES_SETS, container, flags, name, render
+from helm_chart import CHART, VALUES_SETS, HelmError, container, flags, name, render
 
 # Flags of the CLI contract plus the pods' argparse and RouterConfig fields (cbserve/cli.py,
 # router/config.py); the chart may pass nothing else.
 POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quantization", "kv-cache-dtype",
               "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
-              "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id"}
+              "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id",
+              "tensor-parallel-size"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
@@ -270,3 +271,22 @@ def test_enforce_eager_is_per_pool_and_off_by_default():
     prefill = container(manifests.get("Deployment", name("prefill")))["args"]
     assert "--enforce-eager" in decode and "--enforce-eager" not in prefill
     assert "--enforce-eager" not in container(render().get("Deployment", name("decode")))["args"]
+
+
+def test_tensor_parallel_size_is_per_pool_with_one_gpu_per_rank():
+    manifests = render((), ("prefill.engine.tensorParallelSize=2", "decode.engine.tensorParallelSize=4"))
+    for pool, size in (("prefill", 2), ("decode", 4)):
+        main = container(manifests.get("Deployment", name(pool)))
+        assert flags(main["args"])["tensor-parallel-size"] == str(size)
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == size
+        assert main["resources"]["requests"]["nvidia.com/gpu"] == size
+    assert "tensor-parallel-size" not in flags(container(render().get("Deployment", name("decode")))["args"])
+    cpu = container(render(VALUES_SETS["cpu-tiny"], ("decode.engine.tensorParallelSize=2",))
+                    .get("Deployment", name("decode")))
+    assert flags(cpu["args"])["tensor-parallel-size"] == "2"
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+
+
+def test_tensor_parallel_pools_need_the_grpc_kv_transport():
+    with pytest.raises(HelmError, match="tensorParallelSize=2 needs kvTransport=grpc"):
+        render((), ("decode.engine.tensorParallelSize=2", 'kvTransport="nccl"'))
