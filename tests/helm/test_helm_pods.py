@@ -20,7 +20,7 @@ POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quant
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
-                "api-key-env", "drain-seconds"}
+                "api-key-env", "drain-seconds", "max-request-body-bytes"}
 GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 
