@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH_SECRET = "pod-overhead-bench-secret"   # the pods this bench starts answer only it
 
 
 def workload(args, n: int | None = None, seed: int = 0) -> list[list[int]]:
@@ -121,7 +122,9 @@ def start_pod(path: Path, args) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="pod-overhead-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "cbserve.cli", "--log-level", "WARNING", "decode", "--colocated",
            "--port", str(port), *engine_flags(args)]
-    proc = subprocess.Popen(cmd, cwd=path, env=tree_env(path, args), stdout=log.open("w"),
+    # The pod requires the deployment secret on every call (drive() sends it; trees from before it ignore it).
+    env = {**tree_env(path, args), "CBSERVE_CLUSTER_SECRET": BENCH_SECRET}
+    proc = subprocess.Popen(cmd, cwd=path, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"127.0.0.1:{port}", log
 
@@ -158,9 +161,10 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str
 
     sampling = to_proto(SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
     gate = asyncio.Semaphore(args.concurrency)
+    auth = (("authorization", f"Bearer {BENCH_SECRET}"),)   # per call, as the router sends it
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.DecodeServiceStub(ch)
-        session = DecodeSession(stub, address, inactivity_seconds=600) if api == "session" else None
+        session = DecodeSession(stub, address, inactivity_seconds=600, metadata=auth) if api == "session" else None
 
         async def one(i: int, prompt: list[int]) -> tuple[int, int]:
             async with gate:
@@ -174,7 +178,7 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str
                         if m.finished:
                             break
                 else:
-                    async for m in stub.Generate(request, timeout=600):
+                    async for m in stub.Generate(request, timeout=600, metadata=auth):
                         messages += 1
                         tokens += len(m.token_ids)
                 assert tokens == args.output_len, tokens
@@ -183,7 +187,7 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str
         samples = []
 
         async def watch() -> None:
-            async for report in stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02)):
+            async for report in stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02), metadata=auth):
                 samples.extend(report.step_samples)
 
         watcher = asyncio.create_task(watch())

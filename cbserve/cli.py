@@ -120,6 +120,13 @@ def _add_pod_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--kv-store-port", type=int, default=0, help="TCPStore port for --kv-transport nccl")
     p.add_argument("--kv-ttl-seconds", type=float, default=30.0)
     p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.add_argument("--advertise-address", default="", metavar="HOST:PORT[,...]",
+                   help="addresses the router dials this pod at, which KV handles name, besides "
+                        "$CBSERVE_POD_IP:--port (or --host:--port)")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="also serve grpc.health.v1 on this plaintext port (for probes when serving TLS)")
+    from pod.security import add_security_flags
+    add_security_flags(p, pod=True)
 
 
 def _set_threads() -> None:
@@ -136,10 +143,22 @@ def cmd_pod(args: argparse.Namespace) -> int:
     import asyncio
 
     from pod.runtime import PodConfig, PodRuntime
+    from pod.security import advertise_address, security_from_args
 
-    _set_threads()
     role = "prefill" if args.command == "prefill" else ("colocated" if args.colocated else "decode")
-    pod = PodConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, pod_id=args.pod_id,
+    try:
+        security = security_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if role == "prefill" and security.secret and not (args.advertise_address
+                                                       or advertise_address(args.host, args.port)):
+        print(f"error: a prefill pod bound to {args.host} checks KV handles against the address the router "
+              "dials it at: pass --advertise-address HOST:PORT or set $CBSERVE_POD_IP", file=sys.stderr)
+        return 2
+    _set_threads()
+    pod = PodConfig(security=security, advertise_address=args.advertise_address, health_port=args.health_port,
+                    host=args.host, port=args.port, metrics_port=args.metrics_port, pod_id=args.pod_id,
                     drain_seconds=args.drain_seconds, kv_transport=args.kv_transport,
                     kv_store_port=args.kv_store_port, kv_ttl_seconds=args.kv_ttl_seconds,
                     local_prefill_fallback=not getattr(args, "no_local_prefill_fallback", False))

@@ -11,11 +11,14 @@ device start one after another: each sizes its KV cache from the memory it measu
 count a neighbour that is still loading (each gets an even part of `--gpu-memory-utilization`).
 A child that exits during startup fails `start()` with its log tail; `stop()` drains the router
 first (it finishes the streams that still need the pods), then the pods, and SIGKILLs whatever
-outlives the grace period.
+outlives the grace period. Each cluster generates its own deployment secret and hands it to every
+child in the environment ($CBSERVE_CLUSTER_SECRET; never on a command line, which `ps` shows), so
+its pods answer only its router and each other (`pod/auth.py`).
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import sys
 import time
@@ -26,6 +29,7 @@ from pathlib import Path
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.processes import LogSink, ManagedProcess, child_env, kill_all, stop_group
 from cbserve.readiness import grpc_serving, http_ready
+from pod.auth import SECRET_ENV
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo"]
 API_KEY_ENV = "CBSERVE_API_KEY"   # the variable the router reads by default (`--api-key-env`)
@@ -86,6 +90,7 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.command = list(command) if command else [sys.executable, "-m", "cbserve.cli"]
         self.router_port: int | None = None
+        self.cluster_secret = secrets.token_urlsafe(32)   # for clients that call the pods directly
         self._run = _Running()
 
     # -- addresses ----------------------------------------------------------------------------------
@@ -158,11 +163,13 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> None:
         log_file = self.log_dir / f"{name}.log" if self.log_dir is not None else None
         # Pods never check the API key, so they never get it; the router gets `spec.api_key`, or
-        # the key this process was given in the environment.
+        # the key this process was given in the environment. Every child gets the cluster secret.
+        secret = {SECRET_ENV: self.cluster_secret}
         if name == "router":
-            env = child_env(self.spec.threads_per_pod, {API_KEY_ENV: self.spec.api_key} if self.spec.api_key else None)
+            env = child_env(self.spec.threads_per_pod,
+                            {**secret, API_KEY_ENV: self.spec.api_key} if self.spec.api_key else secret)
         else:
-            env = child_env(self.spec.threads_per_pod, without=[API_KEY_ENV])
+            env = child_env(self.spec.threads_per_pod, secret, without=[API_KEY_ENV])
         proc = ManagedProcess(name, [*self.command, *args], env, self.sink, log_file)
         self._run.procs[name] = proc
         proc.start()

@@ -36,6 +36,7 @@ class Job:
     kv_transfer_seconds: float = 0.0
     kv_pulled_at: float | None = None   # monotonic: the pull ended, the first token is known
     task: asyncio.Task | None = None
+    kv_handle: cbserve_pb2.KVHandle | None = None   # the router's voucher, forwarded to the prefill pod
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

@@ -29,7 +29,7 @@ from engine.loop import drain
 from decode_pod.open_request import Job, OpenRequest, refused
 from decode_pod.session import Session
 from engine.outputs import RequestOutput
-from kvtransfer.collective import PairGroup, host_store
+from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.pair_setup import open_pair
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
                                SourceLostError)
@@ -73,7 +73,7 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
     def _stub(self, address: str) -> cbserve_pb2_grpc.PrefillServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            channel = self.rt.pod.security.channel(address, channel_options())
             stub = self._stubs[address] = cbserve_pb2_grpc.PrefillServiceStub(channel)
         return stub
 
@@ -85,13 +85,13 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
                 return group
             pod = self.rt.pod
             if self._store is None:
-                self._store = await asyncio.to_thread(host_store, "0.0.0.0", pod.kv_store_port)
+                self._store = await asyncio.to_thread(host_store, pod.host, pod.kv_store_port)
             advertise = os.environ.get("CBSERVE_POD_IP") or (pod.host if pod.host != "0.0.0.0" else "127.0.0.1")
             group = await open_pair(
                 self._stub(address), self._store, advertise_host=advertise,
                 group_name=f"{self.rt.pod_id}->{address}#{next(self._group_ids)}",
                 backend="nccl" if self.rt.engine.device.type == "cuda" else "gloo",
-                device=self.rt.engine.device, setup_timeout_s=timeout)
+                device=self.rt.engine.device, setup_timeout_s=timeout, bind_host=gloo_bind_host(pod.host))
             self._groups[address] = group
             return group
 
@@ -103,7 +103,8 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
                           recv_timeout_s=max(1.0, job.remaining()), **rt.kv_sink_args())
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,
-                                                nccl_group=group.group_name if group else "")
+                                                nccl_group=group.group_name if group else "",
+                                                kv_handle=job.kv_handle)
             result = await pull_kv(self._stub(job.prefill_from), request, sink, timeout=job.remaining())
             job.kv_pulled_at = time.monotonic()
             job.kv_transfer_seconds = result.seconds
@@ -156,7 +157,10 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
     def open(self, request: cbserve_pb2.GenerateRequest, timeout: float, deliver) -> tuple[OpenRequest, object]:
         """Validate and register a request (raises RequestFailed); queues it in the engine."""
         prompt, params = self.rt.validate(request, self._check_transport)
+        if request.prefill_from:   # before anything dials it: only the router names prefill pods
+            self.rt.require_kv_handle(request, request.prefill_from)
         req = OpenRequest(self, request, timeout, deliver)
+        req.job.kv_handle = request.kv_handle if request.HasField("kv_handle") else None
         return req, req.start(prompt, params, request)
 
     async def Generate(self, request: cbserve_pb2.GenerateRequest, context):

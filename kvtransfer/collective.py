@@ -20,8 +20,10 @@ wedging the group. Heartbeats keep an idle receive from timing out; a dead peer 
 of the pending send/receive (at once on a closed connection, after `timeout_s` on a silent one),
 which breaks the group: every waiter gets `SourceLostError`, and the pods set up a new group.
 
-Gloo binds to the address the host name resolves to, or to the interface named by
-`GLOO_SOCKET_IFNAME` (set it in pods whose host name resolves to loopback). On CUDA (NCCL) the
+Every listener binds where the pod is told: the store on the pod's `--host` (`host_store` has no
+default), Gloo on `bind_host` (the pod's `--host` unless that is a wildcard), else on the interface
+named by `GLOO_SOCKET_IFNAME`, else on the address the host name resolves to (the pod IP in
+Kubernetes). NCCL picks its interface from `NCCL_SOCKET_IFNAME`. On CUDA (NCCL) the
 payload stays on the device end to end; the caller must make sure the KV it
 sends is computed (the prefill pod reports progress after the step's forward pass). NCCL keeps
 a receive kernel posted while idle; that is the price of a ready pair.
@@ -35,6 +37,7 @@ import datetime
 import hashlib
 import os
 import queue
+import socket
 import threading
 from collections import OrderedDict
 
@@ -53,10 +56,29 @@ def request_key(request_id: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def host_store(host: str = "0.0.0.0", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
-    """Start a store server (port 0 = any free port: read `store.port`) for the pairs of a pod."""
-    return dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
+    """Start a store server on `host` (the pod's bind address; port 0 = any free port: read
+    `store.port`) for the pairs of a pod.
+
+    TCPStore's own listener binds every interface whatever `host_name` says, so the store gets a
+    socket already bound to `host` (`master_listen_fd`; the store owns it from then on)."""
+    bind = host.strip("[]") or "0.0.0.0"
+    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(bind, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def connect_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
@@ -64,16 +86,24 @@ def connect_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStor
     return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def gloo_bind_host(host: str) -> str | None:
+    """The address Gloo should bind for a pod bound to `host`; None for a wildcard (Gloo then
+    uses GLOO_SOCKET_IFNAME or the host name's address)."""
+    return None if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
 def _new_process_group(store: dist.Store, group_name: str, rank: int, backend: str,
-                       timeout: datetime.timedelta) -> dist.ProcessGroup:
+                       timeout: datetime.timedelta, bind_host: str | None = None) -> dist.ProcessGroup:
     prefixed = dist.PrefixStore(f"cbserve-kv/{group_name}", store)
     if backend == "gloo":
         interface = os.environ.get("GLOO_SOCKET_IFNAME")
-        if not interface:  # Gloo binds to the address the host name resolves to
+        if not interface and not bind_host:  # Gloo binds to the address the host name resolves to
             return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+        device = (dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                  else dist.ProcessGroupGloo.create_device(hostname=bind_host))
+        options._devices = [device]
         return dist.ProcessGroupGloo(prefixed, rank, 2, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -107,11 +137,13 @@ class PairGroup:
     @classmethod
     async def create(cls, store: dist.Store, group_name: str, rank: int, backend: str = "gloo", *,
                      device: torch.device | str = "cpu", timeout_s: float = 30.0,
-                     setup_timeout_s: float = 60.0, heartbeat_s: float | None = None) -> PairGroup:
+                     setup_timeout_s: float = 60.0, heartbeat_s: float | None = None,
+                     bind_host: str | None = None) -> PairGroup:
         """Join the pair `group_name` as `rank` (0 = prefill, 1 = decode); returns when both ranks
         are connected, or raises `SourceLostError` after `setup_timeout_s`. `timeout_s` bounds
         every send/receive (a silent peer is declared lost after it); heartbeats go out every
-        `heartbeat_s` (default `timeout_s / 4`) while idle."""
+        `heartbeat_s` (default `timeout_s / 4`) while idle. Gloo listens on `bind_host` when
+        given (`gloo_bind_host`)."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (prefill) or 1 (decode), got {rank}")
         device = torch.device(device)
@@ -123,7 +155,7 @@ class PairGroup:
         setup_timeout = datetime.timedelta(seconds=setup_timeout_s)
         try:
             process_group = await asyncio.to_thread(
-                _new_process_group, store, group_name, rank, backend, setup_timeout)
+                _new_process_group, store, group_name, rank, backend, setup_timeout, bind_host)
         except (RuntimeError, dist.DistError) as error:
             raise SourceLostError(f"pair {group_name}: setup failed: {error}") from error
         return cls(process_group, group_name, rank, device, timeout_s,

@@ -3,14 +3,15 @@
 Decode pod (initiator; it hosts one store for all its pairs, per the wire contract, which sends
 the store address in `SetupTransportRequest`)::
 
-    store = host_store("0.0.0.0", 0)                         # once per pod
+    store = host_store(pod_host, 0)                          # once per pod, on its --host
     group = await open_pair(prefill_stub, store, advertise_host=pod_ip,
                             group_name=f"{decode_pod_id}->{prefill_pod_id}", backend="nccl",
-                            device=kv.device)
+                            device=kv.device, bind_host=gloo_bind_host(pod_host))
 
 Prefill pod, in its `SetupTransport` handler::
 
-    self.groups[request.group] = await accept_pair(request, device=kv.device)
+    self.groups[request.group] = await accept_pair(request, device=kv.device,
+                                                   bind_host=gloo_bind_host(pod_host))
     return cbserve_pb2.SetupTransportResponse()
 
 `open_pair` sends the request and joins as rank 1 at the same time; `accept_pair` joins as
@@ -32,7 +33,8 @@ from kvtransfer.collective import PairGroup, connect_store
 
 async def open_pair(stub, store: dist.TCPStore, *, advertise_host: str, group_name: str,
                     backend: str = "gloo", device: torch.device | str = "cpu",
-                    timeout_s: float = 30.0, setup_timeout_s: float = 60.0) -> PairGroup:
+                    timeout_s: float = 30.0, setup_timeout_s: float = 60.0,
+                    bind_host: str | None = None) -> PairGroup:
     """Decode side: ask the prefill pod behind `stub` to join `group_name`, join as rank 1.
 
     `advertise_host` is this pod's address as the prefill pod can reach it (the store listens
@@ -42,7 +44,7 @@ async def open_pair(stub, store: dist.TCPStore, *, advertise_host: str, group_na
                                                 store_port=store.port, backend=backend)
     join = asyncio.ensure_future(PairGroup.create(
         store, group_name, rank=1, backend=backend, device=device, timeout_s=timeout_s,
-        setup_timeout_s=setup_timeout_s))
+        setup_timeout_s=setup_timeout_s, bind_host=bind_host))
     try:
         await stub.SetupTransport(request, timeout=setup_timeout_s)
     except BaseException:
@@ -53,7 +55,7 @@ async def open_pair(stub, store: dist.TCPStore, *, advertise_host: str, group_na
 
 async def accept_pair(request: cbserve_pb2.SetupTransportRequest, *,
                       device: torch.device | str = "cpu", timeout_s: float = 30.0,
-                      setup_timeout_s: float = 60.0) -> PairGroup:
+                      setup_timeout_s: float = 60.0, bind_host: str | None = None) -> PairGroup:
     """Prefill side: join the pair described by a `SetupTransportRequest` as rank 0."""
     if request.backend not in ("gloo", "nccl"):
         raise ValueError(f"SetupTransport backend must be 'gloo' or 'nccl', got {request.backend!r}")
@@ -63,4 +65,4 @@ async def accept_pair(request: cbserve_pb2.SetupTransportRequest, *,
                                     setup_timeout_s)
     return await PairGroup.create(store, request.group, rank=0, backend=request.backend,
                                   device=device, timeout_s=timeout_s,
-                                  setup_timeout_s=setup_timeout_s)
+                                  setup_timeout_s=setup_timeout_s, bind_host=bind_host)

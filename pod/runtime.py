@@ -35,6 +35,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, from_pro
 from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
+from pod.security import ClusterSecurity, advertise_address
 
 log = logging.getLogger(__name__)
 REFRESH_SECONDS = 0.05     # snapshot age bound while busy; WatchLoad's default interval
@@ -53,6 +54,9 @@ class PodConfig:
     kv_ttl_seconds: float = 30.0
     local_prefill_fallback: bool = True
     fallback_max_queue_tokens: int = 16384  # local prefill only while the queue is below this
+    security: ClusterSecurity = ClusterSecurity()   # secret, TLS, KV handles (pod/security.py)
+    advertise_address: str = ""           # HOST:PORT[,...] the router dials, besides $CBSERVE_POD_IP or host
+    health_port: int = 0                  # > 0: grpc.health.v1 also on this plaintext port (probes under TLS)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in ("grpc", "nccl"):
@@ -115,6 +119,13 @@ class PodRuntime:
             engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size)
         self.pod_id = pod.pod_id or f"{role_label}-{pod.host}:{pod.port}"
+        # Every address the router may dial this pod at (KV handles name one): the derived one and
+        # any given with --advertise-address (comma-separated: a pod behind a proxy has two).
+        derived = advertise_address(pod.host, pod.port)
+        given = [a.strip() for a in pod.advertise_address.split(",") if a.strip()]
+        self.addresses = tuple(dict.fromkeys(given + ([derived] if derived else [])))
+        self.address = self.addresses[0] if self.addresses else ""
+        self.kv_handles = pod.security.handles
         self.loop: EngineLoop | None = None
         self.health = health.HealthServicer()
         self.draining = False
@@ -203,6 +214,28 @@ class PodRuntime:
         tp_kv = self.engine.tp_kv
         return {} if tp_kv is None else {"layout": self.layout, "write_blocks": tp_kv.write}
 
+    def require_kv_handle(self, request, prefill_address: str | tuple[str, ...], hint: str = "") -> None:
+        """Raise RequestFailed(PERMISSION_DENIED) unless `request.kv_handle` is the router's voucher
+        for (request id, `prefill_address` or one of them) and unexpired (`kvtransfer.handles`);
+        no-op when insecure."""
+        if self.kv_handles is None:
+            return
+        handle = request.kv_handle if request.HasField("kv_handle") else None
+        addresses = (prefill_address,) if isinstance(prefill_address, str) else prefill_address
+        problems = [self.kv_handles.problem(handle, request.request_id, a) for a in addresses or ("",)]
+        problem = None if None in problems else problems[0]
+        if problem is not None:
+            self.metrics.rejected("kv_handle")
+            raise RequestFailed(grpc.StatusCode.PERMISSION_DENIED, problem + hint)
+
+    async def check_kv_handle(self, request, prefill_address: str | tuple[str, ...], context,
+                              hint: str = "") -> None:
+        """`require_kv_handle` for a call of its own: a refusal ends the call with its status."""
+        try:
+            self.require_kv_handle(request, prefill_address, hint)
+        except RequestFailed as e:
+            await context.abort(e.code, str(e))
+
     def track(self) -> "_Inflight":
         return _Inflight(self)
 
@@ -275,22 +308,36 @@ class PodRuntime:
         loop = asyncio.get_running_loop()
         self.loop = EngineLoop(self.engine, loop, post_step=post_step, on_idle=on_idle)
         self.loop.start()
-        server = grpc.aio.server(options=server_options())
+        security = self.pod.security
+        server = grpc.aio.server(options=server_options(), interceptors=security.server_interceptors())
         add_servicer(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:   # the port is exclusive (server_options): a taken port fails here, loudly
-            bound = server.add_insecure_port(f"{self.pod.host}:{self.pod.port}")
+            bound = security.add_port(server, f"{self.pod.host}:{self.pod.port}")
         except RuntimeError:
             bound = 0
         if bound == 0:
             raise RuntimeError(f"cannot listen on {self.pod.host}:{self.pod.port}: "
                                f"{bind_error(self.pod.host, self.pod.port)}")
+        servers = [server]
+        if self.pod.health_port:   # the kubelet's gRPC probes speak plaintext only
+            servers.append(grpc.aio.server(options=server_options()))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, servers[-1])
+            try:
+                bound_health = servers[-1].add_insecure_port(f"{self.pod.host}:{self.pod.health_port}")
+            except RuntimeError:
+                bound_health = 0
+            if bound_health == 0:
+                raise RuntimeError(f"cannot listen on {self.pod.host}:{self.pod.health_port}: "
+                                   f"{bind_error(self.pod.host, self.pod.health_port)}")
         if self.pod.metrics_port:
             start_http_server(self.pod.metrics_port, addr=self.pod.host, registry=self.metrics.registry)
-        await server.start()
+        for s in servers:
+            await s.start()
         self.set_serving(True, service_name)
-        log.info("%s pod %s serving on %s:%d (metrics :%s)", self.role_label, self.pod_id, self.pod.host,
-                 bound, self.pod.metrics_port or "-")
+        log.info("%s pod %s serving on %s:%d (metrics :%s, %s, %s)", self.role_label, self.pod_id, self.pod.host,
+                 bound, self.pod.metrics_port or "-", "TLS" if security.tls_cert else "plaintext",
+                 "cluster secret required" if security.secret else "NO cluster secret: open to anyone")
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -301,7 +348,8 @@ class PodRuntime:
         log.info("draining: %d streams in flight, %d pending", self.num_inflight, pending_work())
         while time.monotonic() < deadline and (self.num_inflight or pending_work()):
             await asyncio.sleep(0.05)
-        await server.stop(grace=max(0.0, min(1.0, deadline - time.monotonic())))
+        for s in servers:
+            await s.stop(grace=max(0.0, min(1.0, deadline - time.monotonic())))
         self.loop.stop()
         log.info("drained; exiting")
 

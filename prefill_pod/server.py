@@ -19,7 +19,7 @@ import grpc
 from wire import cbserve_pb2, cbserve_pb2_grpc
 from engine.engine import Engine
 from engine.outputs import RequestOutput
-from kvtransfer.collective import PairGroup
+from kvtransfer.collective import PairGroup, gloo_bind_host
 from kvtransfer.pair_setup import accept_pair
 from kvtransfer.errors import KVTransferError, LayoutError, SourceAbortedError
 from kvtransfer.grpc_transport import KVSource
@@ -134,6 +134,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
 
     async def PullKV(self, request: cbserve_pb2.PullKVRequest, context):
         rt, req_id = self.rt, request.request_id
+        await rt.check_kv_handle(request, rt.addresses, context,   # raw KV only for a vouched request
+                                 hint="; a prefill pod checks handles against its --advertise-address")
         problem = check_compatible(rt.model_info, request.model)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible decode pod: {problem}")
@@ -210,7 +212,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
         if old is not None:
             old.close()
         try:
-            self.groups[request.group] = await accept_pair(request, device=self.rt.engine.device)
+            self.groups[request.group] = await accept_pair(request, device=self.rt.engine.device,
+                                                           bind_host=gloo_bind_host(self.rt.pod.host))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (KVTransferError, RuntimeError) as e:

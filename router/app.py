@@ -84,7 +84,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         discovery = discovery or build_discovery(config)
         tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds,
                               close_grace_seconds=config.request_timeout_seconds,
-                              pod_inactivity_seconds=config.pod_inactivity_seconds)
+                              pod_inactivity_seconds=config.pod_inactivity_seconds, security=config.security)
         prefix_index = PrefixIndex(config.prefix_affinity_entries)
         admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
         tracker.add_listener(admission.wake)

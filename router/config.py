@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from dataclasses import dataclass, field
 
+from pod.security import ClusterSecurity
+
 POLICIES = ("goodput", "round_robin", "least_loaded")
 ADMISSION_MODES = ("queue", "reject")
 DISCOVERY_MODES = ("static", "kubernetes")
@@ -76,6 +78,8 @@ class RouterConfig:
     pod_inactivity_seconds: float = 10.0
     default_prefill_tokens_per_second: float = 20000.0   # until a pod reports its measured rate
     prefix_affinity_entries: int = 200_000   # block hashes remembered for prefix affinity
+    # Trust: the deployment secret every pod call carries, KV handles, TLS (pod/security.py).
+    security: ClusterSecurity = ClusterSecurity()
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):

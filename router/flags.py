@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from pod.security import add_security_flags, security_from_args
 from router.config import ADMISSION_MODES, DISCOVERY_MODES, POLICIES, RouterConfig
 
 
@@ -54,6 +55,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pod-inactivity-seconds", type=float, default=d.pod_inactivity_seconds,
                    help="a decode pod silent this long (no tokens, no heartbeat) while it has requests is "
                         "taken as frozen: its requests fail over")
+    add_security_flags(p, pod=False)
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -71,6 +73,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key or None, api_key_file=args.api_key_file,
         max_request_body_bytes=args.max_request_body_bytes,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
-        drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds)
+        drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds,
+        security=security_from_args(args))
     config.resolved_api_key()    # an unreadable or empty --api-key-file fails here, with its message
     return config

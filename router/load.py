@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from wire import cbserve_pb2 as pb
+from pod.security import ClusterSecurity
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
 from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
@@ -117,7 +118,9 @@ class LoadTracker:
     """Keeps one PodState per discovered endpoint, fed by its load stream and health probes."""
 
     def __init__(self, load_interval_seconds: float = 0.05, probe_interval_seconds: float = 1.0,
-                 close_grace_seconds: float = 600.0, pod_inactivity_seconds: float = 10.0) -> None:
+                 close_grace_seconds: float = 600.0, pod_inactivity_seconds: float = 10.0,
+                 security: ClusterSecurity = ClusterSecurity()) -> None:
+        self.security = security                         # how to reach pods: secret, TLS, KV handles
         self.load_interval_seconds = load_interval_seconds
         self.probe_interval_seconds = probe_interval_seconds
         self.close_grace_seconds = close_grace_seconds   # longest wait for a removed pod's calls
@@ -146,7 +149,8 @@ class LoadTracker:
                 self._remove(address)
         for address, endpoint in wanted.items():
             if address not in self.pods:
-                pod = PodState(endpoint, PodClient(address, endpoint.role, self.pod_inactivity_seconds))
+                pod = PodState(endpoint, PodClient(address, endpoint.role, self.pod_inactivity_seconds,
+                                                   security=self.security))
                 self.pods[address] = pod
                 self._tasks[address] = asyncio.get_running_loop().create_task(self._track(pod, 0.0))
         self._notify()

@@ -57,7 +57,7 @@ class SessionCall:
 class DecodeSession:
     """One `Session` stream to the pod behind `stub`; `broken` once it ended (open a new one)."""
 
-    def __init__(self, stub, address: str, inactivity_seconds: float) -> None:
+    def __init__(self, stub, address: str, inactivity_seconds: float, metadata=None) -> None:
         self.address = address
         self.inactivity_seconds = inactivity_seconds
         self.broken = False
@@ -69,7 +69,7 @@ class DecodeSession:
         self._closing = False
         self.num_messages = 0               # pod messages read (benchmarks: tokens per message)
         self._check: asyncio.TimerHandle | None = None
-        self._call = stub.Session(self._requests())
+        self._call = stub.Session(self._requests(), metadata=metadata)   # metadata: the cluster secret
         self._reader = asyncio.ensure_future(self._read())
 
     # ------------------------------------------------------------------ requests

@@ -13,6 +13,7 @@ import pytest
 
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
+from pod.auth import auth_metadata
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 from engine.engine import Engine, EngineConfig
@@ -39,7 +40,7 @@ def _free_blocks(cluster) -> dict[str, int]:
     for pod in cluster.pods:
         with grpc.insecure_channel(pod.address) as ch:
             stub = (pb_grpc.PrefillServiceStub if pod.role == "prefill" else pb_grpc.DecodeServiceStub)(ch)
-            report = stub.GetLoad(pb.LoadRequest(), timeout=5)
+            report = stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=auth_metadata(cluster.cluster_secret))
             out[pod.name] = (report.num_free_blocks, report.num_held_kv, report.num_running + report.num_waiting)
     return out
 
@@ -132,3 +133,14 @@ def test_invalid_json_is_a_400(cluster):
     response = httpx.post(cluster.base_url + "/completions", content=b"{not json",
                           headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400 and response.json()["error"]["type"]
+
+
+def test_pods_answer_only_their_cluster(cluster):
+    """Case 3 of issue 11 under `cbserve up`: the pods refuse a client without the run's secret."""
+    decode = next(pod for pod in cluster.pods if pod.role == "decode")
+    with grpc.insecure_channel(decode.address) as ch:
+        request = pb.GenerateRequest(request_id="outsider", prompt_token_ids=[1, 2, 3],
+                                     sampling=pb.SamplingParams(max_tokens=2, repetition_penalty=1.0))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.DecodeServiceStub(ch).Generate(request, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

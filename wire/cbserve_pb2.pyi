@@ -200,19 +200,29 @@ class PrefillResponse(_message.Message):
     finish_reason: str
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
+class KVHandle(_message.Message):
+    __slots__ = ("expires_unix_ms", "mac")
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    expires_unix_ms: int
+    mac: bytes
+    def __init__(self, expires_unix_ms: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "model", "transport", "nccl_group", "max_chunk_bytes")
+    __slots__ = ("request_id", "model", "transport", "nccl_group", "max_chunk_bytes", "kv_handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NCCL_GROUP_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: ModelInfo
     transport: str
     nccl_group: str
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    kv_handle: KVHandle
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs")
@@ -257,7 +267,7 @@ class SetupTransportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill_from", "kv_transport", "arrival_time", "timeout_seconds")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill_from", "kv_transport", "arrival_time", "timeout_seconds", "kv_handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +276,7 @@ class GenerateRequest(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -274,7 +285,8 @@ class GenerateRequest(_message.Message):
     kv_transport: str
     arrival_time: float
     timeout_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_from: _Optional[str] = ..., kv_transport: _Optional[str] = ..., arrival_time: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    kv_handle: KVHandle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_from: _Optional[str] = ..., kv_transport: _Optional[str] = ..., arrival_time: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "local_prefill", "kv_transfer_seconds", "queue_seconds", "num_cached_tokens")

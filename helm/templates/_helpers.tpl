@@ -132,6 +132,9 @@ exec:
 {{- if and .Values.decode.autoscaling.enabled (kindIs "invalid" .Values.decode.autoscaling.targetRunningRequestsPerPod) (kindIs "invalid" .Values.decode.autoscaling.targetKvCacheUsageRatio) }}
 {{- fail "decode.autoscaling needs targetRunningRequestsPerPod or targetKvCacheUsageRatio" }}
 {{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
+{{- fail "tls.enabled needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt" }}
+{{- end }}
 {{- if gt (int .Values.kvDataPortRange.start) (int .Values.kvDataPortRange.end) }}
 {{- fail "kvDataPortRange.start must not exceed kvDataPortRange.end" }}
 {{- end }}

@@ -122,6 +122,7 @@ spec:
             {{- else if and (eq $role "decode") $pool.disableLocalPrefillFallback }}
             - --no-local-prefill-fallback
             {{- end }}
+            {{- include "cbserve.trustArgs" (dict "root" $root "role" $role) | nindent 12 }}
           env:
             {{- with (include "cbserve.commonEnv" $root | trim) }}{{ . | nindent 12 }}{{ end }}
             {{- with $pool.extraEnv }}
@@ -143,7 +144,7 @@ spec:
           # SERVING; liveness and readiness only start once this succeeds.
           startupProbe:
             grpc:
-              port: {{ $root.Values.ports.grpc }}
+              port: {{ include "cbserve.probePort" $root }}
               service: {{ include "cbserve.grpcServiceName" $role }}
             periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
             timeoutSeconds: {{ $root.Values.probes.startup.timeoutSeconds }}
@@ -151,7 +152,7 @@ spec:
           # NOT_SERVING from the moment SIGTERM arrives, so the pod leaves the endpoints at once.
           readinessProbe:
             grpc:
-              port: {{ $root.Values.ports.grpc }}
+              port: {{ include "cbserve.probePort" $root }}
               service: {{ include "cbserve.grpcServiceName" $role }}
             periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
             timeoutSeconds: {{ $root.Values.probes.readiness.timeoutSeconds }}
@@ -182,9 +183,11 @@ spec:
           volumeMounts:
             {{- with (include "cbserve.scratchVolumeMounts" (dict "root" $root "shmSizeLimit" $pool.shmSizeLimit) | trim) }}{{ . | nindent 12 }}{{ end }}
             {{- with (include "cbserve.modelVolumeMounts" (dict "root" $root "copy" true) | trim) }}{{ . | nindent 12 }}{{ end }}
+            {{- include "cbserve.trustVolumeMounts" $root | nindent 12 }}
       volumes:
         {{- with (include "cbserve.scratchVolumes" (dict "root" $root "shmSizeLimit" $pool.shmSizeLimit) | trim) }}{{ . | nindent 8 }}{{ end }}
         {{- with (include "cbserve.modelVolumes" (dict "root" $root "copy" true) | trim) }}{{ . | nindent 8 }}{{ end }}
+        {{- include "cbserve.trustVolumes" $root | nindent 8 }}
       {{- with $pool.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

@@ -19,11 +19,15 @@ from pathlib import Path
 import grpc
 import httpx
 
-from tests.pods.podproc import ROOT, Pod, free_port
+from pod.auth import SECRET_ENV
+from tests.pods.podproc import ROOT, SECRET, Pod, free_port
 from wire import cbserve_pb2 as pb
 
 STARTUP_SECONDS = 180.0
 IDLE_SECONDS = 60.0
+# The KV-path proxy's port, chosen once per session (a module imported once: conftest is not): the
+# shared pair's prefill pod advertises it, so KV handles for the proxy's address pass there.
+PROXY_PORT = free_port()
 
 
 def start_pods(*specs: tuple[str, ...]) -> list[Pod]:
@@ -90,7 +94,7 @@ class Router:
                "--port", str(self.port), "--model", "tiny",
                "--prefill", ",".join(p.address for p in prefill), "--decode", ",".join(p.address for p in decode),
                *args]
-        env = {**os.environ, "CBSERVE_NUM_THREADS": "1"}
+        env = {**os.environ, "CBSERVE_NUM_THREADS": "1", SECRET_ENV: SECRET}   # the pods' secret
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 

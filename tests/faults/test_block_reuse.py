@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from tests.faults.cluster import start_pods, wait_idle
-from tests.pods.podproc import sampling
+from tests.pods.podproc import pod_channel, sampling, vouched
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -42,8 +42,8 @@ def tiny_pool():
 async def _run(p_stub, d_stub, address: str, rid: str, prompt: list[int], cancel_after: float | None):
     params = sampling(**GREEDY)
     pre = p_stub.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=params), timeout=120)
-    gen = d_stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=params,
-                                             prefill_from=address), timeout=120)
+    gen = d_stub.Generate(vouched(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=params,
+                                             prefill_from=address)), timeout=120)
     if cancel_after is not None:
         await asyncio.sleep(cancel_after)
         gen.cancel()
@@ -59,7 +59,7 @@ def _round(prefill, decode, tag: str, aborted: int = 0) -> list:
     rng = random.Random(7)
 
     async def go():
-        async with grpc.aio.insecure_channel(prefill.address) as pc, grpc.aio.insecure_channel(decode.address) as dc:
+        async with pod_channel(prefill.address) as pc, pod_channel(decode.address) as dc:
             p_stub, d_stub = pb_grpc.PrefillServiceStub(pc), pb_grpc.DecodeServiceStub(dc)
             gate = asyncio.Semaphore(6)   # more than the pool holds: some wait for blocks
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from tests.faults.cluster import wait_idle
-from tests.pods.podproc import sampling
+from tests.pods.podproc import pod_channel, sampling, vouched
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -42,8 +42,8 @@ async def _one(i: int, rng: random.Random, p_stub, d_stub, prefill_address: str,
         outcomes["cancelled:" + mode] += 1
         await asyncio.gather(p_stub.Abort(pb.AbortRequest(request_id=rid), timeout=10), return_exceptions=True)
         return
-    gen = d_stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=params,
-                                             prefill_from=prefill_address), timeout=DEADLINE)
+    gen = d_stub.Generate(vouched(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=params,
+                                             prefill_from=prefill_address)), timeout=DEADLINE)
     cut_after = {"after_first": 1, "mid_stream": rng.randrange(2, 8)}.get(mode)
     timer = None
     if mode == "at_random_time":
@@ -88,7 +88,7 @@ def test_random_cancellations_leave_no_kv_in_use(idle_pair):
     outcomes: collections.Counter = collections.Counter()
 
     async def storm():
-        async with grpc.aio.insecure_channel(prefill.address) as pc, grpc.aio.insecure_channel(decode.address) as dc:
+        async with pod_channel(prefill.address) as pc, pod_channel(decode.address) as dc:
             p_stub, d_stub = pb_grpc.PrefillServiceStub(pc), pb_grpc.DecodeServiceStub(dc)
             gate = asyncio.Semaphore(CONCURRENCY)
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvtransfer.grpc_options import MAX_MESSAGE_BYTES
 from tests.faults.cluster import wait_idle
-from tests.pods.podproc import disaggregated, run, sampling
+from tests.pods.podproc import AUTH, disaggregated, run, sampling
 from wire import cbserve_pb2
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,10 @@ def _call(channel: grpc.Channel, path: str, kind: str, data: bytes, timeout: flo
         call = getattr(channel, kind)(path)
         request = iter([data]) if kind.startswith("stream") else data
         if kind.endswith("stream"):
-            for _ in call(request, timeout=timeout):
+            for _ in call(request, timeout=timeout, metadata=AUTH):   # past the secret, to the parser
                 pass
         else:
-            call(request, timeout=timeout)
+            call(request, timeout=timeout, metadata=AUTH)
         return grpc.StatusCode.OK
     except grpc.RpcError as e:
         return e.code()

@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 
-from tests.faults.cluster import wait_idle
+from tests.faults.cluster import PROXY_PORT, wait_idle
 from tests.faults.tcp_proxy import FaultProxy
-from tests.pods.podproc import sampling
+from tests.pods.podproc import pod_channel, sampling, vouched
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -32,11 +32,11 @@ async def _request(prefill, decode, rid: str, prompt: list[int], pull_from: str,
     (tokens, local_prefill, None) or (None, None, status code), and the seconds it took."""
     started = time.monotonic()
     params = sampling(**PARAMS)
-    async with grpc.aio.insecure_channel(prefill.address) as pc, grpc.aio.insecure_channel(decode.address) as dc:
+    async with pod_channel(prefill.address) as pc, pod_channel(decode.address) as dc:
         pre = pb_grpc.PrefillServiceStub(pc).Prefill(
             pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=params), timeout=timeout)
         gen = pb_grpc.DecodeServiceStub(dc).Generate(
-            pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=params, prefill_from=pull_from),
+            vouched(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=params, prefill_from=pull_from)),
             timeout=timeout)
         try:
             messages = [m async for m in gen]
@@ -75,7 +75,7 @@ def test_kv_path_delays_drops_and_resets_then_heals(idle_pair):
     assert all(code is None and not local for (_, local, code), _ in clean_results), clean_results
     clean = [tokens for (tokens, _, _), _ in clean_results]
 
-    with FaultProxy("127.0.0.1", prefill.port) as proxy:
+    with FaultProxy("127.0.0.1", prefill.port, port=PROXY_PORT) as proxy:   # the pair advertises it
         # Through a healthy proxy: pulled, not prefilled locally.
         assert _check(_round(prefill, decode, "pass", proxy.address, 60), clean, 60, False) == [False] * 3
 

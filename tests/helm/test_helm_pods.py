@@ -16,11 +16,13 @@ POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quant
               "kv-transport", "kv-store-port",
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
               "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id",
-              "tensor-parallel-size"}
+              "tensor-parallel-size", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
+              "tls-server-name", "health-port"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
-                "api-key-env", "drain-seconds", "max-request-body-bytes"}
+                "api-key-env", "drain-seconds", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
+                "tls-server-name", "max-request-body-bytes"}
 GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 
@@ -155,8 +157,10 @@ def test_tiny_model_needs_no_volume_and_writes_only_to_emptydirs():
     deployment = render().get("Deployment", name("prefill"))
     pod = deployment["spec"]["template"]["spec"]
     main = container(deployment)
-    assert {v["name"] for v in pod["volumes"]} == {"dshm", "cache", "tmp"}
-    assert all("emptyDir" in v for v in pod["volumes"])
+    # Besides the deployment secret (read-only, test_helm_trust.py), only scratch emptyDirs.
+    scratch = [v for v in pod["volumes"] if v["name"] != "cluster-secret"]
+    assert {v["name"] for v in scratch} == {"dshm", "cache", "tmp"}
+    assert all("emptyDir" in v for v in scratch)
     assert main["securityContext"]["readOnlyRootFilesystem"] is True
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert {"name": "cache", "mountPath": env["CBSERVE_CACHE_DIR"]} in main["volumeMounts"]

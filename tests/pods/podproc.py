@@ -1,4 +1,9 @@
-"""Real pod processes on 127.0.0.1 for integration tests (`python -m cbserve.cli prefill|decode`)."""
+"""Real pod processes on 127.0.0.1 for integration tests (`python -m cbserve.cli prefill|decode`).
+
+Pods start with the test deployment secret `SECRET` (in the environment, as `cbserve up` does):
+talk to them through `pod_channel` (it adds the secret to every call), and name a prefill pod in
+a `GenerateRequest` only through `vouched(request)`, which adds the router's KV handle.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,26 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtransfer.handles import KVHandles
+from pod.auth import SECRET_ENV, auth_metadata, client_auth
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+SECRET = "podproc-test-cluster-secret"
+AUTH = auth_metadata(SECRET)          # per-call metadata for sync stubs
+HANDLES = KVHandles.from_secret(SECRET)
+
+
+def pod_channel(address: str, **kw) -> grpc.aio.Channel:
+    """An aio channel to a test pod that carries the deployment secret on every call."""
+    return grpc.aio.insecure_channel(address, interceptors=client_auth(SECRET), **kw)
+
+
+def vouched(request: pb.GenerateRequest, ttl: float = 300.0) -> pb.GenerateRequest:
+    """`request` with the router's KV handle for its `prefill_from` (what `PodClient.vouch` adds)."""
+    request.kv_handle.CopyFrom(HANDLES.issue(request.request_id, request.prefill_from, time.time() + ttl))
+    return request
 
 
 def free_port() -> int:
@@ -28,10 +49,12 @@ def free_port() -> int:
 
 
 class Pod:
-    def __init__(self, role: str, *args: str, env: dict | None = None) -> None:
+    def __init__(self, role: str, *args: str, env: dict | None = None, health_port: bool = False) -> None:
+        """`health_port`: serve health on a separate plaintext port too (pods serving TLS)."""
         self.role = role
         self.args = args
-        self.env = {**os.environ, "CBSERVE_NUM_THREADS": "1", **(env or {})}
+        self.health_port = health_port
+        self.env = {**os.environ, "CBSERVE_NUM_THREADS": "1", SECRET_ENV: SECRET, **(env or {})}
         self.log = Path(tempfile.mkstemp(prefix=f"cbserve-{role}-", suffix=".log")[1])
         self._spawn()
 
@@ -39,9 +62,14 @@ class Pod:
         # Free ports are found, released, then bound by the child: another process can take one in
         # between, so wait_ready() respawns on "Address already in use".
         self.port, self.metrics_port = port or free_port(), metrics_port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = self.health_address = f"127.0.0.1:{self.port}"
+        extra = []
+        if self.health_port:
+            health = free_port()
+            self.health_address = f"127.0.0.1:{health}"
+            extra = ["--health-port", str(health)]
         cmd = [sys.executable, "-m", "cbserve.cli", "--log-level", "INFO", self.role, "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--max-num-batched-tokens", "64", *self.args]
+               "--metrics-port", str(self.metrics_port), "--max-num-batched-tokens", "64", *extra, *self.args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log.open("a"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -50,7 +78,7 @@ class Pod:
 
     def wait_ready(self, timeout: float = 90.0, retries: int = 3) -> "Pod":
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.health_address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None and "Address already in use" in self.log_tail() and retries:
@@ -71,7 +99,7 @@ class Pod:
     def load(self) -> pb.LoadReport:
         with grpc.insecure_channel(self.address) as channel:
             stub = (pb_grpc.PrefillServiceStub if self.role == "prefill" else pb_grpc.DecodeServiceStub)(channel)
-            return stub.GetLoad(pb.LoadRequest(), timeout=5)
+            return stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=AUTH)
 
     def wait_free_blocks(self, expected: int, timeout: float) -> float:
         """Seconds until the pod reports `expected` free blocks; raises after `timeout`."""
@@ -117,14 +145,15 @@ def sampling(**kw) -> pb.SamplingParams:
 
 
 async def disaggregated(prefill: Pod, decode: Pod, request_id: str, prompt: list[int], params: pb.SamplingParams,
-                        transport: str = "grpc", timeout: float = 60.0) -> tuple[list[int], list]:
-    """Concurrent dispatch, as the router does: Prefill on P and Generate(prefill_from=P) on D."""
-    async with grpc.aio.insecure_channel(prefill.address) as pc, grpc.aio.insecure_channel(decode.address) as dc:
+                        transport: str = "grpc", timeout: float = 60.0, channel=pod_channel) -> tuple[list[int], list]:
+    """Concurrent dispatch, as the router does: Prefill on P and Generate(prefill_from=P) on D
+    (over channels from `channel(address)`)."""
+    async with channel(prefill.address) as pc, channel(decode.address) as dc:
         pre = pb_grpc.PrefillServiceStub(pc).Prefill(
             pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params), timeout=timeout)
-        gen = pb_grpc.DecodeServiceStub(dc).Generate(
+        gen = pb_grpc.DecodeServiceStub(dc).Generate(vouched(
             pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                               prefill_from=prefill.address, kv_transport=transport), timeout=timeout)
+                               prefill_from=prefill.address, kv_transport=transport)), timeout=timeout)
         messages = [m async for m in gen]
         first = await pre
     tokens = [t for m in messages for t in m.token_ids]

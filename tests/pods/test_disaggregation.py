@@ -14,7 +14,7 @@ from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
-from tests.pods.podproc import Pod, disaggregated, run, sampling
+from tests.pods.podproc import Pod, disaggregated, pod_channel, run, sampling
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_decode_pod_alone_is_the_colocated_engine(pods, reference):
     expected = reference.generate([prompt], SamplingParams(**PARAMS["seeded"]))[0].output_token_ids
 
     async def local():
-        async with grpc.aio.insecure_channel(decode.address) as ch:
+        async with pod_channel(decode.address) as ch:
             stream = pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
                 request_id="local-0", prompt_token_ids=prompt, sampling=sampling(**PARAMS["seeded"])), timeout=60)
             return [m async for m in stream]
@@ -112,7 +112,7 @@ def test_stop_strings_end_streams_where_the_engine_ends_them(pods, reference):
     assert want.finish_reason == "stop" and len(want.output_token_ids) < len(free.output_token_ids)
 
     async def both():
-        async with grpc.aio.insecure_channel(decode.address) as ch:
+        async with pod_channel(decode.address) as ch:
             alone = [m async for m in pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
                 request_id="stop-local", prompt_token_ids=prompt, sampling=sampling(**params)), timeout=60)]
         pulled = await disaggregated(prefill, decode, "stop-pulled", prompt, sampling(**params))
@@ -151,7 +151,7 @@ def test_metrics_exported(pods):
 
 def test_watch_load_streams_reports(pods):
     async def watch():
-        async with grpc.aio.insecure_channel(pods[0].address) as ch:
+        async with pod_channel(pods[0].address) as ch:
             stream = pb_grpc.PrefillServiceStub(ch).WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02), timeout=5)
             reports = []
             async for report in stream:

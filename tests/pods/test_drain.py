@@ -12,14 +12,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
-from tests.pods.podproc import Pod, run, sampling
+from tests.pods.podproc import Pod, pod_channel, run, sampling, vouched
 
 pytestmark = pytest.mark.slow
 DRAIN = 20.0
 
 
 async def _health(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with pod_channel(address) as ch:
         return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)).status
 
 
@@ -27,7 +27,7 @@ def test_sigterm_lets_a_decode_stream_finish_then_exits():
     decode = Pod("decode", "--drain-seconds", str(DRAIN)).wait_ready()
     try:
         async def scenario():
-            async with grpc.aio.insecure_channel(decode.address) as ch:
+            async with pod_channel(decode.address) as ch:
                 stub = pb_grpc.DecodeServiceStub(ch)
                 gen = stub.Generate(pb.GenerateRequest(request_id="long", prompt_token_ids=[1, 9, 9, 9],
                                                        sampling=sampling(max_tokens=300, ignore_eos=True)),
@@ -60,8 +60,8 @@ def test_sigterm_waits_for_a_pending_kv_pull():
     decode = Pod("decode").wait_ready()
     try:
         async def scenario():
-            async with grpc.aio.insecure_channel(prefill.address) as pc, \
-                    grpc.aio.insecure_channel(decode.address) as dc:
+            async with pod_channel(prefill.address) as pc, \
+                    pod_channel(decode.address) as dc:
                 prompt = [1] + list(range(10, 90))
                 params = sampling(max_tokens=5, temperature=0.0)
                 await pb_grpc.PrefillServiceStub(pc).Prefill(pb.PrefillRequest(
@@ -69,9 +69,9 @@ def test_sigterm_waits_for_a_pending_kv_pull():
                 prefill.kill(signal.SIGTERM)          # the KV is held, not yet pulled
                 await asyncio.sleep(0.5)
                 assert prefill.proc.poll() is None    # it waits for the pull
-                gen = pb_grpc.DecodeServiceStub(dc).Generate(pb.GenerateRequest(
+                gen = pb_grpc.DecodeServiceStub(dc).Generate(vouched(pb.GenerateRequest(
                     request_id="held", prompt_token_ids=prompt, sampling=params,
-                    prefill_from=prefill.address), timeout=30)
+                    prefill_from=prefill.address)), timeout=30)
                 return [m async for m in gen]
 
         messages = run(scenario())

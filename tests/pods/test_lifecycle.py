@@ -21,7 +21,7 @@ from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.grpc_transport import KVSource
 from kvtransfer.progress import KVProgress
-from tests.pods.podproc import Pod, disaggregated, run, sampling
+from tests.pods.podproc import Pod, disaggregated, pod_channel, run, sampling, vouched
 
 pytestmark = pytest.mark.slow
 LONG = 1500  # prompt tokens
@@ -52,7 +52,7 @@ def assert_all_free(pods, timeout: float = 3.0) -> None:
 
 
 def stubs(prefill, decode):
-    pc, dc = grpc.aio.insecure_channel(prefill.address), grpc.aio.insecure_channel(decode.address)
+    pc, dc = pod_channel(prefill.address), pod_channel(decode.address)
     return pc, dc, pb_grpc.PrefillServiceStub(pc), pb_grpc.DecodeServiceStub(dc)
 
 
@@ -128,8 +128,9 @@ def test_cancel_during_pull_frees_both_pods(pods):
         p = prompt(LONG, 4)
         pre = ps.Prefill(pb.PrefillRequest(request_id="pull", prompt_token_ids=p, sampling=sampling(max_tokens=4)),
                          timeout=30)
-        gen = ds.Generate(pb.GenerateRequest(request_id="pull", prompt_token_ids=p, sampling=sampling(max_tokens=4),
-                                             prefill_from=prefill.address), timeout=30)
+        gen = ds.Generate(vouched(pb.GenerateRequest(
+            request_id="pull", prompt_token_ids=p, sampling=sampling(max_tokens=4),
+            prefill_from=prefill.address)), timeout=30)
         await asyncio.sleep(0.3)    # the pull streams while P is still prefilling
         gen.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as err:   # P aborted the request: the lease broke
@@ -149,8 +150,9 @@ def test_client_cancels_mid_stream_during_decode(pods):
         p = prompt(60, 5)
         pre = ps.Prefill(pb.PrefillRequest(request_id="dec", prompt_token_ids=p, sampling=sampling(max_tokens=500)),
                          timeout=30)
-        gen = ds.Generate(pb.GenerateRequest(request_id="dec", prompt_token_ids=p, sampling=sampling(max_tokens=500),
-                                             prefill_from=prefill.address), timeout=30)
+        gen = ds.Generate(vouched(pb.GenerateRequest(
+            request_id="dec", prompt_token_ids=p, sampling=sampling(max_tokens=500),
+            prefill_from=prefill.address)), timeout=30)
         seen = 0
         async for _ in gen:
             seen += 1
@@ -209,8 +211,8 @@ def test_sigkill_prefill_during_transfer_falls_back_to_local_prefill(fresh_pair)
         pc, dc, ps, ds = stubs(prefill, decode)
         pre = ps.Prefill(pb.PrefillRequest(request_id="k", prompt_token_ids=p, sampling=sampling(**params)),
                          timeout=60)
-        gen = ds.Generate(pb.GenerateRequest(request_id="k", prompt_token_ids=p, sampling=sampling(**params),
-                                             prefill_from=prefill.address), timeout=60)
+        gen = ds.Generate(vouched(pb.GenerateRequest(request_id="k", prompt_token_ids=p, sampling=sampling(**params),
+                                             prefill_from=prefill.address)), timeout=60)
         await asyncio.sleep(0.3)
         prefill.kill()
         messages = [m async for m in gen]
@@ -233,8 +235,9 @@ def test_sigkill_decode_frees_prefill_blocks_within_a_second(fresh_pair):
         pc, dc, ps, ds = stubs(prefill, decode)
         pre = ps.Prefill(pb.PrefillRequest(request_id="kd", prompt_token_ids=p, sampling=sampling(max_tokens=4)),
                          timeout=60)
-        gen = ds.Generate(pb.GenerateRequest(request_id="kd", prompt_token_ids=p, sampling=sampling(max_tokens=4),
-                                             prefill_from=prefill.address), timeout=60)
+        gen = ds.Generate(vouched(pb.GenerateRequest(
+            request_id="kd", prompt_token_ids=p, sampling=sampling(max_tokens=4),
+            prefill_from=prefill.address)), timeout=60)
         await asyncio.sleep(0.3)
         assert prefill.load().num_free_blocks < p_free      # the transfer is under way
         decode.kill()
@@ -273,7 +276,7 @@ def test_corrupted_chunk_is_refused(pods):
     prefill, decode, *_ = pods
 
     async def scenario():
-        async with grpc.aio.insecure_channel(decode.address) as dc:
+        async with pod_channel(decode.address) as dc:
             ds = pb_grpc.DecodeServiceStub(dc)
             model = (await ds.Handshake(pb.HandshakeRequest())).model
             server = grpc.aio.server()
@@ -281,9 +284,9 @@ def test_corrupted_chunk_is_refused(pods):
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             try:
-                gen = ds.Generate(pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt(40, 9),
+                gen = ds.Generate(vouched(pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt(40, 9),
                                                      sampling=sampling(max_tokens=4),
-                                                     prefill_from=f"127.0.0.1:{port}"), timeout=30)
+                                                     prefill_from=f"127.0.0.1:{port}")), timeout=30)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in gen:
                         pytest.fail("a token was produced from corrupt KV")
@@ -309,8 +312,8 @@ def test_mismatched_prefill_pod_is_refused(pods, mismatch, tmp_path):
     other = Pod("prefill", flag, value).wait_ready()
     try:
         async def scenario():
-            async with grpc.aio.insecure_channel(decode.address) as dc, \
-                    grpc.aio.insecure_channel(other.address) as oc:
+            async with pod_channel(decode.address) as dc, \
+                    pod_channel(other.address) as oc:
                 ours = (await pb_grpc.DecodeServiceStub(dc).Handshake(pb.HandshakeRequest())).model
                 with pytest.raises(grpc.aio.AioRpcError) as hs:
                     await pb_grpc.PrefillServiceStub(oc).Handshake(pb.HandshakeRequest(model=ours))
@@ -318,9 +321,9 @@ def test_mismatched_prefill_pod_is_refused(pods, mismatch, tmp_path):
                 p = prompt(40, 10)
                 pre = pb_grpc.PrefillServiceStub(oc).Prefill(pb.PrefillRequest(
                     request_id="mm", prompt_token_ids=p, sampling=sampling(max_tokens=4)), timeout=30)
-                gen = pb_grpc.DecodeServiceStub(dc).Generate(pb.GenerateRequest(
+                gen = pb_grpc.DecodeServiceStub(dc).Generate(vouched(pb.GenerateRequest(
                     request_id="mm", prompt_token_ids=p, sampling=sampling(max_tokens=4),
-                    prefill_from=other.address), timeout=30)
+                    prefill_from=other.address)), timeout=30)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in gen:
                         pytest.fail("a token was produced from another model's KV")

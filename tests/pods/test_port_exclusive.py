@@ -24,7 +24,7 @@ import time
 import grpc
 import pytest
 
-from tests.pods.podproc import Pod, disaggregated, run, sampling
+from tests.pods.podproc import AUTH, Pod, disaggregated, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -50,7 +50,8 @@ def _pod_ids(address: str, connections: int = 16) -> set[str]:
     ids = set()
     for _ in range(connections):
         with grpc.insecure_channel(address) as channel:
-            ids.add(pb_grpc.PrefillServiceStub(channel).Handshake(pb.HandshakeRequest(), timeout=30).pod_id)
+            ids.add(pb_grpc.PrefillServiceStub(channel).Handshake(pb.HandshakeRequest(), timeout=30,
+                                                                     metadata=AUTH).pod_id)
     return ids
 
 

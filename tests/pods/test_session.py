@@ -19,7 +19,7 @@ import pytest
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 from router.pod_session import DecodeSession
-from tests.pods.podproc import Pod, run, sampling
+from tests.pods.podproc import Pod, pod_channel, run, sampling
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ async def read_all(call) -> list[int]:
 
 def test_session_outputs_equal_generate_and_share_messages(pod):
     async def scenario():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_channel(pod.address) as channel:
             stub = pb_grpc.DecodeServiceStub(channel)
             want = {}
             for i in range(6):
@@ -93,7 +93,7 @@ def test_session_outputs_equal_generate_and_share_messages(pod):
 
 def test_bad_request_fails_alone_and_cancel_frees_kv(pod):
     async def scenario():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_channel(pod.address) as channel:
             session = DecodeSession(pb_grpc.DecodeServiceStub(channel), pod.address, inactivity_seconds=30)
             good = session.generate(request("ok", 1), timeout=60)
             bad = session.generate(pb.GenerateRequest(request_id="bad", prompt_token_ids=[1, 10**6],
@@ -125,7 +125,7 @@ def test_bad_request_fails_alone_and_cancel_frees_kv(pod):
 
 def test_idle_session_hears_heartbeats(pod):
     async def scenario():
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_channel(pod.address) as channel:
             call = pb_grpc.DecodeServiceStub(channel).Session(_never())
             start = time.monotonic()
             heard = [await asyncio.wait_for(call.read(), 30) for _ in range(3)]
@@ -148,7 +148,7 @@ def test_frozen_pod_fails_open_requests_instead_of_hanging():
         idle_free_blocks = pod.load().num_free_blocks
 
         async def scenario():
-            async with grpc.aio.insecure_channel(pod.address) as channel:
+            async with pod_channel(pod.address) as channel:
                 session = DecodeSession(pb_grpc.DecodeServiceStub(channel), pod.address, inactivity_seconds=2)
                 call = session.generate(request("frozen", 1, max_tokens=2000), timeout=600)
                 await call.read()

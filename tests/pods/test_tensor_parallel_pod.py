@@ -18,7 +18,7 @@ from engine.config import CacheConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.tp_launch import EXIT_RANK_LOST
-from tests.pods.podproc import Pod, disaggregated, run, sampling
+from tests.pods.podproc import AUTH, Pod, disaggregated, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -68,7 +68,7 @@ def test_a_rank_killed_mid_stream_ends_its_pod_with_a_clear_error(pods):
         with grpc.insecure_channel(pod.address) as channel:
             stream = pb_grpc.DecodeServiceStub(channel).Generate(pb.GenerateRequest(
                 request_id="long", prompt_token_ids=PROMPT, sampling=sampling(max_tokens=800, temperature=0.0)),
-                timeout=EXIT_DEADLINE_SECONDS * 2)
+                timeout=EXIT_DEADLINE_SECONDS * 2, metadata=AUTH)
             try:
                 for _ in stream:
                     streaming.set()

@@ -143,8 +143,8 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
         self._server: grpc.aio.Server | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    async def start(self, port: int = 0) -> FakePod:
-        self._server = grpc.aio.server()
+    async def start(self, port: int = 0, interceptors=()) -> FakePod:
+        self._server = grpc.aio.server(interceptors=list(interceptors))
         if self.role == "prefill":
             pb_grpc.add_PrefillServiceServicer_to_server(self, self._server)
         else:
@@ -276,5 +276,6 @@ async def _wait_for(condition, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def start_pods(role: str, scripts: list[Script]) -> list[FakePod]:
-    return [await FakePod(role, script, pod_id=f"{role}-{i}").start() for i, script in enumerate(scripts)]
+async def start_pods(role: str, scripts: list[Script], interceptors=()) -> list[FakePod]:
+    return [await FakePod(role, script, pod_id=f"{role}-{i}").start(interceptors=interceptors)
+            for i, script in enumerate(scripts)]

@@ -75,11 +75,12 @@ async def serve_app(app):
 
 @contextlib.asynccontextmanager
 async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[Script] = (),
-                         colocated: list[Script] = (), **config):
-    """Start fake pods and a router over them; yields a Harness once every pod is routable."""
-    pods = {"prefill": await start_pods("prefill", list(prefill)),
-            "decode": await start_pods("decode", list(decode)),
-            "colocated": await start_pods("colocated", list(colocated))}
+                         colocated: list[Script] = (), pod_interceptors=(), **config):
+    """Start fake pods (with `pod_interceptors` on their servers) and a router over them; yields
+    a Harness once every pod is routable."""
+    pods = {"prefill": await start_pods("prefill", list(prefill), pod_interceptors),
+            "decode": await start_pods("decode", list(decode), pod_interceptors),
+            "colocated": await start_pods("colocated", list(colocated), pod_interceptors)}
     config.setdefault("probe_interval_seconds", 0.2)
     config.setdefault("api_key_env", None)
     router_config = RouterConfig(model="fake-model", **{role: tuple(p.address for p in pods[role]) for role in pods},

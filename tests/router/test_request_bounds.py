@@ -69,7 +69,8 @@ async def router_process(pod_address: str):
         port = s.getsockname()[1]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "cbserve.cli", "router", "--model", "tiny", "--host", "127.0.0.1",
-                             "--port", str(port), "--colocated", pod_address, "--api-key-env", ""],
+                             "--port", str(port), "--colocated", pod_address, "--api-key-env", "",
+                             "--insecure-no-cluster-secret"],   # the fake pod checks no secret
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

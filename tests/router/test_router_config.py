@@ -6,8 +6,15 @@ import argparse
 
 import pytest
 
+from pod.auth import SECRET_ENV
 from router.config import RouterConfig
 from router.flags import add_router_arguments, router_config_from_args
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch):
+    """The router refuses to start without the deployment secret; these command lines have one."""
+    monkeypatch.setenv(SECRET_ENV, "router-config-test-secret")
 
 
 def _parse(argv: str) -> RouterConfig:
@@ -33,6 +40,19 @@ def test_contract_kubernetes_and_colocated_command_lines():
         "kubernetes", "serving", "p", "d")
     colocated = _parse("--colocated 127.0.0.1:50052 --policy round_robin")
     assert colocated.colocated == ("127.0.0.1:50052",) and not colocated.disaggregated
+
+
+def test_trust_flags(monkeypatch, tmp_path):
+    assert _parse("--colocated a:1").security.secret == "router-config-test-secret"
+    path = tmp_path / "secret"
+    path.write_text("from-a-mounted-file-0123\n")
+    config = _parse(f"--colocated a:1 --cluster-secret-file {path} --tls-ca {path} --tls-server-name pods")
+    assert config.security.secret == "from-a-mounted-file-0123" and config.security.client_tls
+    assert config.security.tls_server_name == "pods"
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ValueError, match="no cluster secret"):
+        _parse("--colocated a:1")
+    assert _parse("--colocated a:1 --insecure-no-cluster-secret").security.secret is None
 
 
 def test_api_key_from_environment(monkeypatch):
