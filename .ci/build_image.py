@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import fcntl
 import json
 import os
 import shutil
@@ -172,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"build_image.py needs {tool}: apt-get install -y buildah debootstrap")
     args.store.mkdir(parents=True, exist_ok=True)
-    base_seconds = ensure_base(args.store, args.mirror)
-    build_seconds = build(args.store, args.tag, args.python, ROOT)
+    with open(args.store / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # two builds into one store would race on the base
+        base_seconds = ensure_base(args.store, args.mirror)
+        build_seconds = build(args.store, args.tag, args.python, ROOT)
     summary = {"image": args.tag, "size_bytes": image_size(args.store, args.tag),
                "base_seconds": round(base_seconds, 1), "build_seconds": round(build_seconds, 1)}
     print(json.dumps(summary), flush=True)
