@@ -1,10 +1,11 @@
 # Two entry points (README): `make up` runs a local cluster, `make test` runs the test suite.
 # Both create .venv and install everything first, so they work on a fresh machine.
+# `make image` builds the Dockerfile without a daemon (root, buildah, debootstrap: .ci/build_image.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test bench
+.PHONY: install up test bench image
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,3 +22,6 @@ up: install
 
 test: install
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/pytest -q
+
+image: install
+	$(PY) .ci/build_image.py

@@ -108,7 +108,8 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix, rate: fl
     requests = build_requests(mix, rate, args.duration, args.seed)
     router_before, pods_before = scrape_all(cluster)
     results, elapsed = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=args.request_timeout,
-                                                 api_key=os.environ.get("CBSERVE_API_KEY")))
+                                                 api_key=os.environ.get("CBSERVE_API_KEY"),
+                                                 desc=f"{mix.name} at {rate:g} req/s"))
     router_after, pods_after = scrape_all(cluster)
     router = prom.delta(router_after, router_before)
     queue_p95 = prom.histogram_quantile(0.95, router, "cbserve_request_phase_seconds", phase="router_queue")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from bench.workloads import RequestSpec
+from engine.progress import progress
 
 # Outcomes: ok (finished), cancelled (closed by us on purpose), rejected (429/503 before any token),
 # error (any other HTTP status, an SSE error event, a broken stream), timeout (past the request timeout).
@@ -120,14 +121,24 @@ async def _send_at(client: httpx.AsyncClient, model: str, request: RequestSpec, 
 
 
 async def run_open_loop(base_url: str, model: str, requests: Sequence[RequestSpec], *,
-                        timeout_s: float = 120.0, api_key: str | None = None) -> tuple[list[RequestResult], float]:
+                        timeout_s: float = 120.0, api_key: str | None = None,
+                        desc: str = "requests") -> tuple[list[RequestResult], float]:
     """Send every request at its `arrival_s`; return the results (in request order) and the elapsed
-    seconds from the start until the last request finished."""
+    seconds from the start until the last request finished. A bar labelled `desc` counts finished
+    requests on a terminal."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, trust_env=False,
                                  timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        bar = progress(desc=desc, total=len(requests), unit="req")
+
+        async def send(request: RequestSpec) -> RequestResult:
+            result = await _send_at(client, model, request, start, timeout_s)
+            bar.update(1)
+            return result
+
         start = time.perf_counter()
-        results = await asyncio.gather(*(_send_at(client, model, r, start, timeout_s) for r in requests))
+        results = await asyncio.gather(*(send(r) for r in requests))
         elapsed = time.perf_counter() - start
+        bar.close()
     return list(results), elapsed

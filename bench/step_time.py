@@ -27,6 +27,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.presets import resolve_model_dir  # noqa: E402
+from engine.progress import progress  # noqa: E402
 from engine.quant import quantize_model  # noqa: E402
 from engine.scheduler import ScheduledSeq  # noqa: E402
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         runner = ModelRunner(model, kv, args.block_size, torch.device("cpu"))
         for n_threads in threads:
             torch.set_num_threads(n_threads)
-            for name, scheduled in cases:
+            for name, scheduled in progress(cases, desc=f"{dtype_name}, {n_threads} threads", unit="case"):
                 best, median = time_step(runner, scheduled, args.iters)
                 rows.append((dtype_name, n_threads, name, best, median))
                 print(f"  {dtype_name:9s} threads={n_threads} {name:16s} {best:9.1f} ms", file=sys.stderr)

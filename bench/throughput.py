@@ -59,7 +59,7 @@ def run_cbserve(args, prompts, outputs) -> tuple[float, int]:
     device = torch.device(args.device)
     synchronize(device)
     t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
+    results = engine.generate(prompts, params, progress_desc="cbserve")
     synchronize(device)
     elapsed = time.perf_counter() - t0
     assert [len(r.output_token_ids) for r in results] == outputs

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from engine.progress import progress
 from engine.step_inputs import StepInputs, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class DecodeBuckets:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()   # capture runs on a side stream, as torch requires
+        bar = progress(desc="capturing decode CUDA graphs", total=len(self.widths) * len(self.batch_sizes),
+                       unit="graph")
         for width in sorted(self.widths, reverse=True):
             for bs in sorted(self.batch_sizes, reverse=True):
                 t = self.inputs.prepare([], pad_to=bs, width=width)   # all padding: harmless
@@ -126,6 +129,8 @@ class DecodeBuckets:
                 with torch.cuda.graph(graph, pool=pool):
                     self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
                 self.graphs[(bs, width)] = graph
+                bar.update(1)
+        bar.close()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("captured %d decode CUDA graphs (batch sizes up to %d, contexts up to %d blocks) in %.1f s",

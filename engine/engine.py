@@ -32,6 +32,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PrevSample
 from engine.outputs import EngineStats, RequestOutput, StepSample
 from engine.presets import resolve_model_dir
+from engine.progress import progress
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
 from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
@@ -391,17 +392,24 @@ class Engine:
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: Iterable[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Runs the prompts to completion (continuous batching) and returns one output each, in order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress_desc: str | None = None) -> list[RequestOutput]:
+        """Runs the prompts to completion (continuous batching) and returns one output each, in order.
+
+        `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks)."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict[str, RequestOutput] = {}
+        bar = progress(desc=progress_desc or "", total=len(reqs), unit="req", leave=True,
+                       quiet=progress_desc is None)
         while self.has_unfinished_requests():
             for o in self.step():
                 if o.finished:
                     final[o.request_id] = o
+                    bar.update(1)
+        bar.close()
         return [final[r.request_id] for r in reqs]
 
     # ------------------------------------------------------------------ stats

@@ -30,6 +30,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_memory
 from engine.model import LlamaForCausalLM
+from engine.progress import stage
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -260,7 +261,8 @@ def size_cache(cache: CacheConfig, model: LlamaForCausalLM, dtype: torch.dtype, 
         util = cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         if startup is None:
             raise ValueError("size_cache needs measure_startup_memory(), taken before the weights loaded")
-        profile = profile_peak_memory(model, batch, cache.block_size, dtype, device, sampler)
+        with stage(f"profiling KV cache ({batch.num_tokens} tokens, {batch.num_seqs} sequences)"):
+            profile = profile_peak_memory(model, batch, cache.block_size, dtype, device, sampler)
         budget = kv_budget(startup, profile.memory, util, headroom)
         num_blocks = num_blocks_for_budget(budget, block_bytes, util)
         source = (f"--gpu-memory-utilization {util:g}: {budget.describe()}, profiled with "

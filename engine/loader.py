@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.progress import progress
 from engine.tp_shard import TPShard
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -61,15 +62,27 @@ def _slices(cfg: ModelConfig, fused_name: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
+def _num_tensors(files: list[Path]) -> int:
+    """Tensors in the checkpoint, for the progress bar (headers only: cheap)."""
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
 def load_weights(model: LlamaForCausalLM, path: Path, shard: TPShard | None = None) -> None:
     """Fill `model` from the checkpoint at `path`; with a `shard` (tensor parallelism), only the
     rows/columns that rank owns are read from the files (`engine.tp_shard`), never a full tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     seen: dict[str, set[int | None]] = {name: set() for name in params}
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    bar = progress(desc=f"loading {path.name}", total=_num_tensors(files), unit="tensor")
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
+                bar.update(1)
                 target = _target(hf_name, cfg)
                 if target is None:
                     continue
@@ -98,6 +111,7 @@ def load_weights(model: LlamaForCausalLM, path: Path, shard: TPShard | None = No
                         f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config expects {tuple(dest.shape)}")
                 dest.copy_(tensor.to(dest.dtype))
                 seen[ours].add(index)
+    bar.close()
     missing = []
     for name, indices in seen.items():
         expected = {None} if not any(k in name for k in ("qkv_proj", "gate_up_proj")) else set(

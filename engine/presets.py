@@ -90,6 +90,8 @@ def _write_weights(path: Path, name: str) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from engine.progress import progress
+
     cfg = json.loads((path / "config.json").read_text())
     gen = torch.Generator().manual_seed(PRESETS[name]["seed"])
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
@@ -112,7 +114,8 @@ def _write_weights(path: Path, name: str) -> None:
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (cfg["vocab_size"], hidden)
     tensors = {}
-    for tensor_name, shape in shapes.items():  # insertion order: deterministic draws
+    bar = progress(shapes.items(), desc=f"generating {name} weights", total=len(shapes), unit="tensor")
+    for tensor_name, shape in bar:  # insertion order: deterministic draws
         if len(shape) == 1:
             tensors[tensor_name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:

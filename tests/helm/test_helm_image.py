@@ -17,9 +17,21 @@ INSTRUCTIONS = [line.strip() for line in re.sub(r"\\\n", " ", DOCKERFILE).splitl
                 if line.strip() and not line.lstrip().startswith("#")]
 
 
+def stages() -> dict[str, list[str]]:
+    """Stage name -> its instructions, from its FROM line on."""
+    starts = [i for i, line in enumerate(INSTRUCTIONS) if line.startswith("FROM ")] + [len(INSTRUCTIONS)]
+    return {INSTRUCTIONS[a].split()[-1]: INSTRUCTIONS[a:b] for a, b in zip(starts, starts[1:])}
+
+
 def final_stage() -> list[str]:
-    starts = [i for i, line in enumerate(INSTRUCTIONS) if line.startswith("FROM ")]
-    return INSTRUCTIONS[starts[-1]:]
+    return list(stages().values())[-1]
+
+
+def lineage(stage: list[str]) -> list[str]:
+    """The stage's instructions preceded by those of the stages it is built FROM."""
+    parent = stage[0].split()[1]
+    named = stages()
+    return (lineage(named[parent]) if parent in named else []) + stage
 
 
 def instruction(stage: list[str], keyword: str) -> list[str]:
@@ -27,15 +39,19 @@ def instruction(stage: list[str], keyword: str) -> list[str]:
 
 
 @pytest.mark.no_helm
-def test_image_is_built_on_a_cuda_base():
-    (base_arg,) = [line for line in INSTRUCTIONS if line.startswith("ARG CUDA_BASE=")]
+def test_image_is_built_on_a_cuda_base_by_default():
+    """BASE_IMAGE (default: the CUDA base) is the one external image; later stages build on earlier ones."""
+    (base_arg,) = [line for line in INSTRUCTIONS if line.startswith("ARG BASE_IMAGE=")]
     assert base_arg.split("=", 1)[1].startswith("nvidia/cuda:")
-    assert all(line.startswith("FROM ${CUDA_BASE}") for line in INSTRUCTIONS if line.startswith("FROM "))
+    for name, stage in stages().items():
+        parent = stage[0].split()[1]
+        assert parent == "${BASE_IMAGE}" or parent in stages(), (name, parent)
+    assert lineage(final_stage())[0].split()[1] == "${BASE_IMAGE}"
 
 
 @pytest.mark.no_helm
 def test_runtime_keeps_what_triton_compiles_with_and_tini():
-    installs = " ".join(instruction(final_stage(), "RUN"))
+    installs = " ".join(instruction(lineage(final_stage()), "RUN"))
     for package in ("python3-dev", "gcc", "tini"):
         assert package in installs, package
 
