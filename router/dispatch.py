@@ -191,9 +191,11 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
     def is_ready(self) -> bool:
-        """A request could be routed now: a colocated pod, or a prefill and a decode pod."""
+        """A request could be routed now: a colocated pod, or a decode pod with a prefill pod (or
+        without one, when decode pods may prefill locally)."""
         pods = self.pods_by_role()
-        return bool(pods["colocated"]) or bool(pods["prefill"] and pods["decode"])
+        return bool(pods["colocated"]) or bool(pods["decode"]) and (
+            bool(pods["prefill"]) or self.policy.local_prefill_fallback)
 
 
 __all__ = ["Dispatcher", "SequenceSpec", "SequenceStream", "SequenceTrace"]
