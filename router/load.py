@@ -4,7 +4,8 @@ Each pod streams `LoadReport`s (`WatchLoad`, every `load_interval_seconds` <= 10
 polling at the same period if a pod lacks the stream). Between two reports the router counts what
 it dispatched itself, so a burst arriving within one report interval does not all land on the pod
 that looked idle. A pod is routable only while it is healthy (it answered its last probe and its
-load stream is alive), not draining, and listed by discovery. A pod that fails a call is taken out
+load stream is alive and not silent), its gRPC health is not NOT_SERVING (a stalled engine
+reports that: `pod/stall.py`), it is not draining, and discovery lists it. A pod that fails a call is taken out
 at once (`mark_failed`) and re-admitted only after a probe succeeds `probe_interval_seconds` later.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from wire import cbserve_pb2 as pb
 from pod.security import ClusterSecurity
@@ -28,6 +30,9 @@ from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_SECONDS = 2.0
+# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long is frozen
+# or cut off (keepalive ends its connection within ~8 s), so new requests go elsewhere meanwhile.
+LOAD_SILENCE_SECONDS = 3.0
 
 
 @dataclass(eq=False)   # identity: a pod is itself, whatever its load
@@ -40,6 +45,7 @@ class PodState:
     report_time: float = 0.0                 # monotonic time the last report arrived
     model: pb.ModelInfo | None = None
     healthy: bool = False
+    serving: bool = True                     # its gRPC health is not NOT_SERVING (engine stalled, drain)
     num_inflight: int = 0                    # requests the router sent and has not seen finish
     # (monotonic send time, prompt tokens) of requests sent since the last report.
     unreported: deque[tuple[float, int]] = field(default_factory=deque)
@@ -61,7 +67,8 @@ class PodState:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not (self.report is not None and self.report.draining)
+        return (self.healthy and self.serving and not (self.report is not None and self.report.draining)
+                and time.monotonic() - self.report_time < LOAD_SILENCE_SECONDS)
 
     def apply_report(self, report: pb.LoadReport, now: float) -> None:
         # GetLoad (and the first message of WatchLoad) repeat the pod's recent samples; a sample seen
@@ -127,6 +134,7 @@ class LoadTracker:
         self.pod_inactivity_seconds = pod_inactivity_seconds
         self.pods: dict[str, PodState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._health_tasks: dict[str, asyncio.Task] = {}
         self._closing: set[asyncio.Task] = set()
         self._listeners: list[Callable[[], None]] = []
 
@@ -153,6 +161,7 @@ class LoadTracker:
                                                    security=self.security))
                 self.pods[address] = pod
                 self._tasks[address] = asyncio.get_running_loop().create_task(self._track(pod, 0.0))
+                self._health_tasks[address] = asyncio.get_running_loop().create_task(self._watch_health(pod))
         self._notify()
 
     def _remove(self, address: str) -> None:
@@ -163,6 +172,7 @@ class LoadTracker:
         """
         pod = self.pods.pop(address)
         self._tasks.pop(address).cancel()
+        self._health_tasks.pop(address).cancel()
         task = asyncio.get_running_loop().create_task(self._close_when_idle(pod))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -190,9 +200,10 @@ class LoadTracker:
             task.cancel()
         for address in list(self.pods):
             pod = self.pods.pop(address)
-            task = self._tasks.pop(address)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            tasks = [self._tasks.pop(address), self._health_tasks.pop(address)]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await pod.client.close()
 
     async def _probe(self, pod: PodState) -> bool:
@@ -227,6 +238,28 @@ class LoadTracker:
                 log.exception("load stream of %s failed", pod.address)
             pod.healthy = False
             self._notify()
+            await asyncio.sleep(self.probe_interval_seconds)
+
+    async def _watch_health(self, pod: PodState) -> None:
+        """Follow the pod's gRPC health, what Kubernetes' readiness probe reads: NOT_SERVING (its
+        engine stalled, or it drains) takes it out of routing until it says SERVING again. A pod
+        without the health service is judged by its probes and load stream alone."""
+        while True:
+            try:
+                async for reply in pod.client.health.Watch(health_pb2.HealthCheckRequest(service="")):
+                    serving = reply.status != health_pb2.HealthCheckResponse.NOT_SERVING
+                    if serving != pod.serving:
+                        log.warning("pod %s (%s) health: %s", pod.address, pod.role,
+                                    health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                        pod.serving = serving
+                        self._notify()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    pod.serving = True
+                    return
+                log.debug("health watch of %s ended: %s", pod.address, exc.code())
+            except Exception:  # a malformed answer must not end the watch
+                log.exception("health watch of %s failed", pod.address)
             await asyncio.sleep(self.probe_interval_seconds)
 
     async def _follow_load(self, pod: PodState) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from kvtransfer.grpc_options import channel_options
 from wire import cbserve_pb2 as pb
@@ -46,6 +47,7 @@ class PodClient:
             self._stub = pb_grpc.DecodeServiceStub(self._channel)
         self.inactivity_seconds = inactivity_seconds
         self._session: DecodeSession | None = None
+        self.health = health_pb2_grpc.HealthStub(self._channel)   # grpc.health.v1, as readiness probes read it
 
     async def close(self) -> None:
         if self._session is not None:
