@@ -27,6 +27,9 @@ DEFAULT_MAX_CHUNK_BYTES = 4 * MIB
 
 KEEPALIVE_TIME_MS = 3_000       # a ping every 3 s on every connection, busy or idle
 KEEPALIVE_TIMEOUT_MS = 5_000    # an unanswered ping for 5 s closes the connection (UNAVAILABLE)
+# A channel whose peer is down retries connecting with backoff; the default grows to 2 minutes, so
+# a pod restarted at the same address (`cbserve up`, a rescheduled pod) would wait that long.
+MAX_RECONNECT_BACKOFF_MS = 2_000
 # Servers accept pings this often (a client pinging faster than this is not an attack to refuse).
 MIN_RECV_PING_INTERVAL_MS = 1_000
 
@@ -43,6 +46,8 @@ def channel_options() -> list[tuple[str, int]]:
         # stream waiting on a frozen peer's next message would never notice it).
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
