@@ -107,6 +107,16 @@ class EngineLoop:
         if outputs:
             self.loop.call_soon_threadsafe(self._publish_now, outputs)
 
+    def fail_all(self, error: Callable[[], BaseException]) -> list[str]:
+        """Event loop: end every subscribed request now with `error()`; the engine drops them when
+        its thread next runs commands. For a stuck engine thread (`pod.stall`): its requests
+        fail over to other pods in seconds instead of waiting for it. Returns their ids."""
+        request_ids = list(self._subscribers)
+        for request_id in request_ids:
+            self._deliver(request_id, error())
+        self.call(lambda engine: [engine.abort(request_id) for request_id in request_ids])
+        return request_ids
+
     def fail(self, request_id: str, error: BaseException) -> None:
         self.loop.call_soon_threadsafe(self._deliver, request_id, error)
 

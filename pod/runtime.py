@@ -304,9 +304,16 @@ class PodRuntime:
         return stall_threshold(self.pod.stall_seconds, (s.seconds for _, s in self._samples))
 
     def _on_stall_change(self, stalled: bool, service_name: str) -> None:
+        """Not ready while stalled; the requests it holds fail with UNAVAILABLE, so the router
+        retries them elsewhere (a prefill pod's pulls end too: decode pods prefill locally)."""
         self.stalled = stalled
         if not self.draining:
             self.set_serving(not stalled, service_name)
+        if stalled:
+            failed = self.loop.fail_all(lambda: RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, f"{self.role_label} pod {self.pod_id}: engine stalled"))
+            if failed:
+                log.warning("engine stalled: failed %d requests so that they run elsewhere", len(failed))
 
     async def serve(self, add_servicer, service_name: str, post_step=None, on_idle=None,
                     pending_work=lambda: 0) -> None:

@@ -5,8 +5,9 @@ hangs (a stuck device, a hung kernel, a deadlock) still answers every RPC from i
 only the pod itself can tell. The engine thread goes round its loop at least every 50 ms when
 idle and once per step when busy (`EngineLoop.last_iteration_at`); a pod whose thread has not done
 so for longer than the threshold is stalled: its gRPC health says NOT_SERVING (the readiness
-probe of the chart and of `cbserve up` fails, and the router takes it out of routing), and says
-SERVING again once the thread moves. A stalled pod with nothing to do cannot exist: an idle
+probe of the chart and of `cbserve up` fails, and the router takes it out of routing), the
+requests it holds fail with UNAVAILABLE (the router retries them on other pods; decode pods pulling
+from a stalled prefill pod prefill locally), and it says SERVING again once the thread moves. A stalled pod with nothing to do cannot exist: an idle
 engine thread only waits 50 ms for commands.
 
 The threshold is `--stall-seconds` (default 10 s), raised to `STALL_STEP_FACTOR` times the

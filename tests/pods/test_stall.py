@@ -47,7 +47,7 @@ async def _until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_stalled_engine_is_not_ready_and_out_of_routing_until_it_recovers(stallable_pod):
+def test_stalled_engine_is_not_ready_fails_its_requests_and_is_out_of_routing_until_it_recovers(stallable_pod):
     pod, stall_file = stallable_pod
 
     async def scenario():
@@ -79,11 +79,18 @@ def test_stalled_engine_is_not_ready_and_out_of_routing_until_it_recovers(stalla
             print(f"stalled engine reported NOT_SERVING after {took:.1f}s (--stall-seconds 2)")
             await _until(not_routable, 10, "out of routing")
 
+            # The request it held fails over at once (the router would run it elsewhere).
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await asyncio.wait_for(call.read(), 10)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "stalled" in failed.value.details()
+
             stall_file.unlink()
             await _until(lambda: _is(status, SERVING), 30, "SERVING again")
             await _until(routable, 10, "back in routing")
-            tokens = [t async for message in call for t in message.token_ids]
-            assert len(tokens) == 4                           # the request it held finished normally
+            again = pb_grpc.DecodeServiceStub(channel).Generate(pb.GenerateRequest(
+                request_id="after", prompt_token_ids=[1, 5, 6, 7], sampling=sampling(max_tokens=4, temperature=0.0)),
+                timeout=60)
+            assert len([t async for message in again for t in message.token_ids]) == 4
         await tracker.close()
 
     run(scenario())
