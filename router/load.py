@@ -4,8 +4,9 @@ Each pod streams `LoadReport`s (`WatchLoad`, every `load_interval_seconds` <= 10
 polling at the same period if a pod lacks the stream). Between two reports the router counts what
 it dispatched itself, so a burst arriving within one report interval does not all land on the pod
 that looked idle. A pod is routable only while it is healthy (it answered its last probe and its
-load stream is alive and not silent), its gRPC health is not NOT_SERVING (a stalled engine
-reports that: `pod/stall.py`), it is not draining, and discovery lists it. A pod that fails a call is taken out
+load stream is alive), its gRPC health is not NOT_SERVING (a stalled engine reports that:
+`pod/stall.py`), it is not draining, and discovery lists it; one whose reports stopped for
+`LOAD_SILENCE_SECONDS` gets requests only when no other pod of its role can take them. A pod that fails a call is taken out
 at once (`mark_failed`) and re-admitted only after a probe succeeds `probe_interval_seconds` later.
 """
 
@@ -30,8 +31,10 @@ from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_SECONDS = 2.0
-# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long is frozen
-# or cut off (keepalive ends its connection within ~8 s), so new requests go elsewhere meanwhile.
+# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long is likely
+# frozen or cut off (keepalive ends its connection within ~8 s), so new requests go to another pod
+# of its role meanwhile. Only to another: a pod whose event loop was merely starved on a busy
+# machine must not turn into a 503 when it is the only one.
 LOAD_SILENCE_SECONDS = 3.0
 
 
@@ -67,8 +70,12 @@ class PodState:
 
     @property
     def routable(self) -> bool:
-        return (self.healthy and self.serving and not (self.report is not None and self.report.draining)
-                and time.monotonic() - self.report_time < LOAD_SILENCE_SECONDS)
+        return self.healthy and self.serving and not (self.report is not None and self.report.draining)
+
+    @property
+    def silent(self) -> bool:
+        """No load report for `LOAD_SILENCE_SECONDS`: routed to only when no other pod can be."""
+        return time.monotonic() - self.report_time >= LOAD_SILENCE_SECONDS
 
     def apply_report(self, report: pb.LoadReport, now: float) -> None:
         # GetLoad (and the first message of WatchLoad) repeat the pod's recent samples; a sample seen
@@ -147,7 +154,9 @@ class LoadTracker:
             listener()
 
     def routable(self, role: str) -> list[PodState]:
-        return [p for p in self.pods.values() if p.role == role and p.routable]
+        """The pods of `role` that may get requests: routable ones, the silent ones only if no other."""
+        pods = [p for p in self.pods.values() if p.role == role and p.routable]
+        return [p for p in pods if not p.silent] or pods
 
     def set_endpoints(self, endpoints: frozenset[PodEndpoint]) -> None:
         """Discovery listener: start tracking new endpoints, drop vanished ones."""
