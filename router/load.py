@@ -170,7 +170,7 @@ class LoadTracker:
                                                    security=self.security))
                 self.pods[address] = pod
                 self._tasks[address] = asyncio.get_running_loop().create_task(self._track(pod, 0.0))
-                self._health_tasks[address] = asyncio.get_running_loop().create_task(self._watch_health(pod))
+                self._health_tasks[address] = asyncio.get_running_loop().create_task(self._check_health(pod))
         self._notify()
 
     def _remove(self, address: str) -> None:
@@ -249,26 +249,29 @@ class LoadTracker:
             self._notify()
             await asyncio.sleep(self.probe_interval_seconds)
 
-    async def _watch_health(self, pod: PodState) -> None:
-        """Follow the pod's gRPC health, what Kubernetes' readiness probe reads: NOT_SERVING (its
-        engine stalled, or it drains) takes it out of routing until it says SERVING again. A pod
-        without the health service is judged by its probes and load stream alone."""
+    async def _check_health(self, pod: PodState) -> None:
+        """Poll the pod's gRPC health as Kubernetes' readiness probe does (Check, every probe
+        interval): NOT_SERVING (its engine stalled, or it drains) takes it out of routing until it
+        says SERVING again. A pod without the health service is judged by its probes and load
+        stream alone. (Check, not Watch: the pods' health servicer runs a Watch on a blocking
+        thread that outlives the call and keeps the process from exiting.)"""
         while True:
             try:
-                async for reply in pod.client.health.Watch(health_pb2.HealthCheckRequest(service="")):
-                    serving = reply.status != health_pb2.HealthCheckResponse.NOT_SERVING
-                    if serving != pod.serving:
-                        log.warning("pod %s (%s) health: %s", pod.address, pod.role,
-                                    health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-                        pod.serving = serving
-                        self._notify()
+                reply = await pod.client.health.Check(health_pb2.HealthCheckRequest(service=""),
+                                                      timeout=_PROBE_TIMEOUT_SECONDS)
+                serving = reply.status != health_pb2.HealthCheckResponse.NOT_SERVING
+                if serving != pod.serving:
+                    log.warning("pod %s (%s) health: %s", pod.address, pod.role,
+                                health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                    pod.serving = serving
+                    self._notify()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     pod.serving = True
                     return
-                log.debug("health watch of %s ended: %s", pod.address, exc.code())
-            except Exception:  # a malformed answer must not end the watch
-                log.exception("health watch of %s failed", pod.address)
+                log.debug("health check of %s failed: %s", pod.address, exc.code())
+            except Exception:  # a malformed answer must not end the checks
+                log.exception("health check of %s failed", pod.address)
             await asyncio.sleep(self.probe_interval_seconds)
 
     async def _follow_load(self, pod: PodState) -> None:
