@@ -20,6 +20,7 @@ import pytest
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 from cbserve.readiness import http_ready
+from tests.cluster_routing import until_every_pod_served
 
 pytestmark = pytest.mark.slow
 # Keepalive notices a frozen peer in ~8 s (`kvtransfer.grpc_options`); the bound leaves room for a
@@ -34,6 +35,7 @@ def cluster():
                        drain_seconds=2, startup_timeout=240,
                        router_args=("--max-queue-seconds", "10", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"))
     with LocalCluster(spec) as c:
+        until_every_pod_served(c, BODY)
         yield c
 
 

@@ -9,7 +9,6 @@ kill -9 of the router: it comes back on its port.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 
@@ -19,6 +18,7 @@ import pytest
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 from cbserve.readiness import grpc_serving, http_ready
+from tests.cluster_routing import requests_served, until_every_pod_served
 
 pytestmark = pytest.mark.slow
 BODY = {"model": "tiny", "prompt": "Supervised", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -31,21 +31,13 @@ def _until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _served(metrics_url: str) -> float:
-    """Requests the pod behind `metrics_url` finished (its own counter: it restarts with the pod)."""
-    try:
-        page = httpx.get(metrics_url, timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(float(v) for v in re.findall(r"^cbserve_requests_total\{[^}]*\} (\S+)$", page, re.M))
-
-
 def test_killed_decode_pod_and_router_come_back_while_requests_keep_succeeding():
     spec = ClusterSpec(model="tiny", num_prefill=1, num_decode=2, port=0, threads_per_pod=1, policy="round_robin",
                        drain_seconds=2, startup_timeout=240,
                        router_args=("--max-queue-seconds", "10", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"))
     with LocalCluster(spec) as cluster:
         cluster.supervise_in_background(interval=0.2)
+        until_every_pod_served(cluster, BODY)
 
         def complete() -> str:
             response = httpx.post(cluster.base_url + "/completions", json=BODY, timeout=60)
@@ -70,7 +62,7 @@ def test_killed_decode_pod_and_router_come_back_while_requests_keep_succeeding()
         assert all(procs[name].pid == pid for name, pid in pids.items() if name != "decode-0")
 
         # The router takes the restarted pod back (static discovery: same address) and it serves.
-        _until(lambda: complete() == expected and _served(decode0.metrics_url) > 0, 60,
+        _until(lambda: complete() == expected and requests_served(decode0.metrics_url) > 0, 60,
                "the restarted decode-0 to serve")
 
         procs["router"].send(signal.SIGKILL)
