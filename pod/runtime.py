@@ -3,7 +3,8 @@
 A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server.
 Health follows the standard `grpc.health.v1` service: SERVING once the model is loaded and warm,
 NOT_SERVING while the engine thread is stalled (`pod.stall`) and from the first SIGTERM on,
-while in-flight streams and pending KV pulls finish; the process exits when they are done or the drain window has passed. Load reports and metrics are
+while in-flight streams and pending KV pulls finish; the process exits when they are done or the
+drain window has passed. Load reports and metrics are
 read from a snapshot the engine thread refreshes, never from live engine state: every
 `REFRESH_SECONDS` while busy (not every step: `engine.stats()` walks the prefill queue), and at
 once after the step that leaves the engine idle or changes the count of held KV, so a client whose

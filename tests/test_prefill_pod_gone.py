@@ -18,6 +18,7 @@ from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster, free_ports
 from cbserve.processes import ManagedProcess, child_env, stop_group
 from cbserve.readiness import http_ready
+from pod.auth import SECRET_ENV
 
 pytestmark = pytest.mark.slow
 BODY = {"model": "tiny", "prompt": "The prefill pod is gone", "max_tokens": 8, "temperature": 0.0,
@@ -45,7 +46,9 @@ def test_decode_pods_prefill_locally_when_no_prefill_pod_is_left():
         strict = ManagedProcess("strict-router", [sys.executable, "-m", "cbserve.cli", "router", "--model", "tiny",
                                                   "--host", "127.0.0.1", "--port", str(port),
                                                   "--prefill", prefill.address, "--decode", decode.address,
-                                                  "--no-local-prefill-fallback"], child_env(1))
+                                                  "--no-local-prefill-fallback"],
+                                # The cluster's deployment secret, as `cbserve up` hands it to its router.
+                                child_env(1, {SECRET_ENV: cluster.cluster_secret}))
         strict.start()
         try:
             for _ in range(3):

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from kvtransfer.grpc_options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, channel_options
-from tests.pods.podproc import Pod, run, sampling
+from tests.pods.podproc import Pod, pod_channel, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -46,7 +46,7 @@ def test_frozen_pod_fails_open_streams_and_new_unary_calls_within_seconds(frozen
     pod = frozen_prefill_pod
 
     async def scenario():
-        async with grpc.aio.insecure_channel(pod.address, options=channel_options()) as channel:
+        async with pod_channel(pod.address, options=channel_options()) as channel:
             stub = pb_grpc.PrefillServiceStub(channel)
             watch = stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=0.05))
             await watch.read()                             # connected, streaming

@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.loop import FAULT_STALL_FILE_ENV
 from router.discovery.base import PodEndpoint
 from router.load import LoadTracker
-from tests.pods.podproc import Pod, run, sampling
+from pod.security import ClusterSecurity
+from tests.pods.podproc import SECRET, Pod, pod_channel, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -51,10 +52,10 @@ def test_stalled_engine_is_not_ready_fails_its_requests_and_is_out_of_routing_un
     pod, stall_file = stallable_pod
 
     async def scenario():
-        tracker = LoadTracker(probe_interval_seconds=0.2)
+        tracker = LoadTracker(probe_interval_seconds=0.2, security=ClusterSecurity(secret=SECRET))
         tracker.set_endpoints(frozenset({PodEndpoint(pod.address, "colocated")}))
         state = tracker.pods[pod.address]
-        async with grpc.aio.insecure_channel(pod.address) as channel:
+        async with pod_channel(pod.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
 
             async def status() -> int:
