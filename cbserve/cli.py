@@ -127,6 +127,9 @@ def _add_pod_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="also serve grpc.health.v1 on this plaintext port (for probes when serving TLS)")
     from pod.security import add_security_flags
     add_security_flags(p, pod=True)
+    p.add_argument("--stall-seconds", type=float, default=10.0,
+                   help="report not ready while the engine makes no step for this long (raised to 10x the "
+                        "longest recent step)")
 
 
 def _set_threads() -> None:
@@ -161,7 +164,8 @@ def cmd_pod(args: argparse.Namespace) -> int:
                     host=args.host, port=args.port, metrics_port=args.metrics_port, pod_id=args.pod_id,
                     drain_seconds=args.drain_seconds, kv_transport=args.kv_transport,
                     kv_store_port=args.kv_store_port, kv_ttl_seconds=args.kv_ttl_seconds,
-                    local_prefill_fallback=not getattr(args, "no_local_prefill_fallback", False))
+                    local_prefill_fallback=not getattr(args, "no_local_prefill_fallback", False),
+                    stall_seconds=args.stall_seconds)
     engine_role = "prefill" if role == "prefill" else "decode"
     from engine.tp_shard import TensorParallelError
 

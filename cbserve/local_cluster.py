@@ -9,11 +9,14 @@ the chart's behaviour. Pods bind loopback ports chosen free at start; the router
 then HTTP `/ready` on the router (which needs a ready prefill/decode pair). Pods sharing one CUDA
 device start one after another: each sizes its KV cache from the memory it measures and must not
 count a neighbour that is still loading (each gets an even part of `--gpu-memory-utilization`).
-A child that exits during startup fails `start()` with its log tail; `stop()` drains the router
-first (it finishes the streams that still need the pods), then the pods, and SIGKILLs whatever
-outlives the grace period. Each cluster generates its own deployment secret and hands it to every
-child in the environment ($CBSERVE_CLUSTER_SECRET; never on a command line, which `ps` shows), so
-its pods answer only its router and each other (`pod/auth.py`).
+A child that exits during startup fails `start()` with its log tail. Once started, `supervise()`
+(one pass; `supervise_in_background()` runs it in a thread) restarts a child that exits, with
+backoff, at the same address (`cbserve.supervisor`); `check_alive()` instead reports it. `stop()`
+drains the router first (it finishes the streams that still need the pods), then the pods, and
+SIGKILLs whatever outlives the grace period.
+Each cluster generates its own deployment secret and hands it to every child in the environment
+($CBSERVE_CLUSTER_SECRET; never on a command line, which `ps` shows), so its pods answer only its
+router and each other (`pod/auth.py`); a restarted child gets the same one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import secrets
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from pathlib import Path
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.processes import LogSink, ManagedProcess, child_env, kill_all, stop_group
 from cbserve.readiness import grpc_serving, http_ready
+from cbserve.supervisor import Supervisor
 from pod.auth import SECRET_ENV
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo"]
@@ -92,6 +97,9 @@ class LocalCluster:
         self.router_port: int | None = None
         self.cluster_secret = secrets.token_urlsafe(32)   # for clients that call the pods directly
         self._run = _Running()
+        self._supervisor: Supervisor | None = None
+        self._supervising: threading.Thread | None = None
+        self._stop_supervising = threading.Event()
 
     # -- addresses ----------------------------------------------------------------------------------
     @property
@@ -203,8 +211,31 @@ class LocalCluster:
                 raise ClusterError(f"{proc.name} exited with code {code} {when}".rstrip()
                                    + f"; last log lines:\n{proc.tail()}")
 
+    def supervise(self) -> list[str]:
+        """One supervision pass: restart the children that exited and whose backoff has passed
+        (`cbserve.supervisor`). Returns the names restarted now."""
+        if self._supervisor is None:
+            self._supervisor = Supervisor(self._run.procs, self.sink)
+        return self._supervisor.poll()
+
+    def restarts(self, name: str) -> int:
+        """How many times the child `name` was restarted by supervision."""
+        return self._supervisor.restarts(name) if self._supervisor is not None else 0
+
+    def supervise_in_background(self, interval: float = 0.5) -> None:
+        """Run `supervise()` every `interval` seconds in a daemon thread until `stop()`."""
+        def loop() -> None:
+            while not self._stop_supervising.wait(interval):
+                self.supervise()
+        self.supervise()
+        self._supervising = threading.Thread(target=loop, name="cluster-supervisor", daemon=True)
+        self._supervising.start()
+
     def stop(self, grace_seconds: float | None = None) -> list[str]:
         """Drain the router, then the pods; SIGKILL what outlives the grace period. Returns killed names."""
+        self._stop_supervising.set()      # nothing restarts what is being stopped
+        if self._supervising is not None:
+            self._supervising.join()
         grace = self.spec.drain_seconds + 5.0 if grace_seconds is None else grace_seconds
         procs = self._run.procs
         router = [procs["router"]] if "router" in procs else []

@@ -54,11 +54,13 @@ class ManagedProcess:
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, append_log: bool = False) -> None:
+        """Start the process (again, after it exited: same argv and env; `append_log` keeps the
+        log file's earlier lines)."""
         self._proc = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        log = open(self.log_file, "w", encoding="utf-8") if self.log_file else None  # noqa: SIM115 (closed by reader)
+        log = open(self.log_file, "a" if append_log else "w", encoding="utf-8") if self.log_file else None  # noqa: SIM115 (closed by reader)
         self._reader = threading.Thread(target=self._read, args=(self._proc.stdout, log),
                                         name=f"log-{self.name}", daemon=True)
         self._reader.start()

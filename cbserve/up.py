@@ -7,7 +7,9 @@
 
 It prints the router URL and every pod's address and metrics URL once all are ready, streams their
 logs with a `[name]` prefix, and on Ctrl-C / SIGTERM drains the router, then the pods (a second
-Ctrl-C kills at once). A process that dies makes `up` stop the rest and exit 1 with its log tail.
+Ctrl-C kills at once). A process that dies is restarted like a kubelet would (same address,
+exponential backoff capped at 30 s; `cbserve.supervisor`) while the others keep serving; with
+`--exit-on-failure` it makes `up` stop the rest and exit 1 with its log tail instead.
 The Python API is `LocalCluster` (re-exported here).
 """
 
@@ -73,6 +75,8 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--drain-seconds", type=float, default=10.0)
     p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
+    p.add_argument("--exit-on-failure", action="store_true",
+                   help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one completion and one chat request with the openai client")
     p.set_defaults(func=cmd_up)
@@ -157,7 +161,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.demo:
             run_demo(cluster)
         while True:
-            cluster.check_alive("unexpectedly")
+            if args.exit_on_failure:
+                cluster.check_alive("unexpectedly")
+            else:
+                cluster.supervise()
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("stopping: draining the router, then the pods (Ctrl-C again to kill)", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,11 @@ from engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_SECONDS = 0.05
+# TEST FAULT HOOK, never set in production: while the file this variable names exists, the engine
+# thread hangs before each step, as it would on a stuck device or a hung kernel, and the rest of
+# the process (gRPC, health, load reports) keeps running. Tests stall the engine thread alone
+# with it; SIGSTOP can only freeze a whole process.
+FAULT_STALL_FILE_ENV = "CBSERVE_TEST_FAULT_STALL_FILE"
 
 
 async def drain(outputs: asyncio.Queue) -> list:
@@ -54,6 +60,10 @@ class EngineLoop:
         self._subscribers: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Monotonic time the engine thread last went round its loop (at least every 50 ms while it
+        # is alive and not inside a step or a command): how pods tell a stalled engine (`PodRuntime`).
+        self.last_iteration_at = time.monotonic()
+        self._fault_stall_file = os.environ.get(FAULT_STALL_FILE_ENV) or None
 
     def start(self) -> None:
         self._thread.start()
@@ -97,6 +107,16 @@ class EngineLoop:
         if outputs:
             self.loop.call_soon_threadsafe(self._publish_now, outputs)
 
+    def fail_all(self, error: Callable[[], BaseException]) -> list[str]:
+        """Event loop: end every subscribed request now with `error()`; the engine drops them when
+        its thread next runs commands. For a stuck engine thread (`pod.stall`): its requests
+        fail over to other pods in seconds instead of waiting for it. Returns their ids."""
+        request_ids = list(self._subscribers)
+        for request_id in request_ids:
+            self._deliver(request_id, error())
+        self.call(lambda engine: [engine.abort(request_id) for request_id in request_ids])
+        return request_ids
+
     def fail(self, request_id: str, error: BaseException) -> None:
         self.loop.call_soon_threadsafe(self._deliver, request_id, error)
 
@@ -123,6 +143,7 @@ class EngineLoop:
     def _run(self) -> None:
         last_idle = 0.0
         while not self._stop.is_set():
+            self.last_iteration_at = time.monotonic()
             # Busy only while the last step did work: requests that wait for remote KV or for
             # blocks make no progress until a command (KV landed, abort) arrives.
             last = self.engine.last_schedule
@@ -135,6 +156,8 @@ class EngineLoop:
             if not self.engine.has_unfinished_requests():
                 self.engine.last_schedule = None
                 continue
+            if self._fault_stall_file is not None:
+                self._fault_stall()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
@@ -144,6 +167,11 @@ class EngineLoop:
             if self.post_step is not None:
                 self._guard(self.post_step, self.engine, outputs)
             self.publish(outputs)
+
+    def _fault_stall(self) -> None:
+        """TEST FAULT HOOK (see FAULT_STALL_FILE_ENV): hang while the file exists."""
+        while os.path.exists(self._fault_stall_file) and not self._stop.is_set():
+            time.sleep(0.05)
 
     def _guard(self, fn: Callable, *args: Any) -> None:
         try:

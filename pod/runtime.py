@@ -2,8 +2,9 @@
 
 A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server.
 Health follows the standard `grpc.health.v1` service: SERVING once the model is loaded and warm,
-NOT_SERVING from the first SIGTERM on, while in-flight streams and pending KV pulls finish; the
-process exits when they are done or the drain window has passed. Load reports and metrics are
+NOT_SERVING while the engine thread is stalled (`pod.stall`) and from the first SIGTERM on,
+while in-flight streams and pending KV pulls finish; the process exits when they are done or the
+drain window has passed. Load reports and metrics are
 read from a snapshot the engine thread refreshes, never from live engine state: every
 `REFRESH_SECONDS` while busy (not every step: `engine.stats()` walks the prefill queue), and at
 once after the step that leaves the engine idle or changes the count of held KV, so a client whose
@@ -36,6 +37,7 @@ from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
 from pod.security import ClusterSecurity, advertise_address
+from pod.stall import DEFAULT_STALL_SECONDS, stall_threshold, watch_engine
 
 log = logging.getLogger(__name__)
 REFRESH_SECONDS = 0.05     # snapshot age bound while busy; WatchLoad's default interval
@@ -57,12 +59,15 @@ class PodConfig:
     security: ClusterSecurity = ClusterSecurity()   # secret, TLS, KV handles (pod/security.py)
     advertise_address: str = ""           # HOST:PORT[,...] the router dials, besides $CBSERVE_POD_IP or host
     health_port: int = 0                  # > 0: grpc.health.v1 also on this plaintext port (probes under TLS)
+    stall_seconds: float = DEFAULT_STALL_SECONDS  # engine loop silent this long: not ready (pod/stall.py)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in ("grpc", "nccl"):
             raise ValueError(f"kv_transport must be 'grpc' or 'nccl', got {self.kv_transport!r}")
         if self.drain_seconds < 0 or self.kv_ttl_seconds <= 0:
             raise ValueError("drain_seconds must be >= 0 and kv_ttl_seconds > 0")
+        if not self.stall_seconds > 0:
+            raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
 
 
 def bind_error(host: str, port: int) -> str:
@@ -129,6 +134,7 @@ class PodRuntime:
         self.loop: EngineLoop | None = None
         self.health = health.HealthServicer()
         self.draining = False
+        self.stalled = False             # the engine thread is stuck (pod/stall.py): not ready
         self.num_inflight = 0            # open RPC streams that must finish before exit
         self.snapshot: EngineStats = self.engine.stats()
         self.num_held = 0
@@ -295,6 +301,21 @@ class PodRuntime:
         for name in ("", service_name):
             self.health.set(name, status)
 
+    def stall_threshold(self) -> float:
+        return stall_threshold(self.pod.stall_seconds, (s.seconds for _, s in self._samples))
+
+    def _on_stall_change(self, stalled: bool, service_name: str) -> None:
+        """Not ready while stalled; the requests it holds fail with UNAVAILABLE, so the router
+        retries them elsewhere (a prefill pod's pulls end too: decode pods prefill locally)."""
+        self.stalled = stalled
+        if not self.draining:
+            self.set_serving(not stalled, service_name)
+        if stalled:
+            failed = self.loop.fail_all(lambda: RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, f"{self.role_label} pod {self.pod_id}: engine stalled"))
+            if failed:
+                log.warning("engine stalled: failed %d requests so that they run elsewhere", len(failed))
+
     async def serve(self, add_servicer, service_name: str, post_step=None, on_idle=None,
                     pending_work=lambda: 0) -> None:
         """Run until SIGTERM/SIGINT, then drain: unready at once, finish streams and pulls, exit."""
@@ -335,6 +356,9 @@ class PodRuntime:
         for s in servers:
             await s.start()
         self.set_serving(True, service_name)
+        watchdog = asyncio.create_task(watch_engine(
+            lambda: self.loop.last_iteration_at, self.stall_threshold,
+            lambda stalled: self._on_stall_change(stalled, service_name)))
         log.info("%s pod %s serving on %s:%d (metrics :%s, %s, %s)", self.role_label, self.pod_id, self.pod.host,
                  bound, self.pod.metrics_port or "-", "TLS" if security.tls_cert else "plaintext",
                  "cluster secret required" if security.secret else "NO cluster secret: open to anyone")
@@ -342,6 +366,7 @@ class PodRuntime:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        watchdog.cancel()
         self.draining = True
         self.set_serving(False, service_name)
         deadline = time.monotonic() + self.pod.drain_seconds

@@ -3,10 +3,11 @@
 `try_route` is the caller's routing attempt; on success it has already reserved the chosen pods
 (the router's in-flight accounting), so several waiters released in one pass do not all pick the
 same pod. Modes:
-- "reject": no route now -> 429 with Retry-After (or 503 when no pod is routable at all).
+- "reject": no route now -> 429 with Retry-After.
 - "queue": wait, earliest deadline first, until a route appears or `max_queue_seconds` passes;
   every load report and every finished request re-runs the waiting attempts. A full queue or an
   expired wait is a 429 with Retry-After.
+In both modes a request for which no pod is routable at all gets 503 at once.
 """
 
 from __future__ import annotations
@@ -85,8 +86,12 @@ class AdmissionController:
         else:
             # Others are already waiting: join the queue rather than overtake them.
             first = NoRoute("slo")
+        if first.reason == "no_pods":
+            # Nothing to wait for: no pod that could take it is routable now, and a pod coming back
+            # takes longer than a request should sit here (clients retry after Retry-After).
+            raise self._refuse("no_pods", first)
         if self.mode == "reject":
-            raise self._refuse("no_pods" if first.reason == "no_pods" else "slo", first)
+            raise self._refuse("slo", first)
         if self.num_waiting >= self.max_queue_size:
             raise self._refuse("queue_full", first)
 

@@ -3,7 +3,7 @@
 Startup (the app's lifespan) loads the tokenizer, starts discovery and load tracking, and wires
 policy, admission and dispatch together. Routes: `/v1/completions`, `/v1/chat/completions`,
 `/v1/models` (API key checked on every `/v1` route when one is configured), `/health` (liveness),
-`/ready` (503 while draining or without a ready prefill/decode pair), `/metrics`.
+`/ready` (503 while draining or with no pod to route to), `/metrics`.
 
 The OpenAPI document (`app.openapi()`, not served) carries the request bodies' JSON schemas, so
 the schema fuzz (tests/router/test_openapi_fuzz.py) can generate requests from it.
@@ -88,7 +88,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         prefix_index = PrefixIndex(config.prefix_affinity_entries)
         admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
         tracker.add_listener(admission.wake)
-        policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second)
+        policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second,
+                              config.local_prefill_fallback)
         dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries,
                                 config.kv_transport)
         encoder = PromptEncoder(tokenizer)

@@ -62,6 +62,7 @@ class RouterConfig:
     max_queue_size: int = 1024
     max_retries: int = 2                     # extra attempts on other pods, before the first token only
     kv_transport: str = ""                   # GenerateRequest.kv_transport: "" (grpc), "grpc" or "nccl"
+    local_prefill_fallback: bool = True      # no prefill pod routable: decode pods prefill locally
     # Serving. The API key: `api_key`, else the file `api_key_file`, else the variable `api_key_env`.
     api_key_env: str | None = "CBSERVE_API_KEY"
     api_key: str | None = field(default=None, repr=False)

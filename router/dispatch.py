@@ -7,7 +7,8 @@ deadline as its gRPC timeout.
 
 Failures: a call that fails before the first token is retried on other pods (the failed pod is
 excluded and, for connection-level errors, taken out of routing until a probe succeeds). After the
-first token the request fails with an error the client sees. When the consumer stops early (client
+first token the sequence fails with `PodLost`: a streaming client sees an error event, a
+non-streaming request runs the sequence again elsewhere (nothing reached its client yet). When the consumer stops early (client
 disconnect, stop string found by the router), `SequenceStream.close` cancels both calls, which
 frees their state on the pods, and a best-effort `Abort` follows.
 """
@@ -63,6 +64,16 @@ class SequenceTrace:
     num_cached_tokens: int = 0
     local_prefill: bool = False
     attempts: list[str] = field(default_factory=list)   # "P@addr+D@addr" per attempt
+
+
+class PodLost(APIError):
+    """A pod failed a sequence after its first tokens (dead, frozen, unavailable): too late to retry
+    once the client saw tokens, but a request that buffers its whole answer (non-streaming) can
+    run the sequence again on other pods (`router.generation.Choice`). `failure` names the pod."""
+
+    def __init__(self, failure: PodFailure) -> None:
+        super().__init__(502, f"Generation failed: {failure}", type="server_error", code="upstream_error")
+        self.failure = failure
 
 
 def with_ttft_budget_left(routing: RoutingRequest, waited_seconds: float) -> RoutingRequest:
@@ -155,8 +166,10 @@ class Dispatcher:
             self.tracker.mark_failed(failed.pod, f"{code.name}: {failed.details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return timeout_error("The request's deadline passed before it finished.")
-        if not retry or code in _NOT_RETRYABLE:
+        if code in _NOT_RETRYABLE:
             return upstream_error(f"Generation failed: {failed}")
+        if not retry:
+            return PodLost(failed)
         return None
 
     def observe_ttft(self, decision: RoutingDecision, ttft_seconds: float) -> None:
@@ -191,9 +204,11 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
     def is_ready(self) -> bool:
-        """A request could be routed now: a colocated pod, or a prefill and a decode pod."""
+        """A request could be routed now: a colocated pod, or a decode pod with a prefill pod (or
+        without one, when decode pods may prefill locally)."""
         pods = self.pods_by_role()
-        return bool(pods["colocated"]) or bool(pods["prefill"] and pods["decode"])
+        return bool(pods["colocated"]) or bool(pods["decode"]) and (
+            bool(pods["prefill"]) or self.policy.local_prefill_fallback)
 
 
-__all__ = ["Dispatcher", "SequenceSpec", "SequenceStream", "SequenceTrace"]
+__all__ = ["Dispatcher", "PodLost", "SequenceSpec", "SequenceStream", "SequenceTrace"]

@@ -40,6 +40,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--kv-transport", choices=["grpc", "nccl"], default=None,
                    help="KV transport decode pods use to pull from prefill pods (default: the pods' own)")
+    p.add_argument("--no-local-prefill-fallback", action="store_true",
+                   help="with no prefill pod routable, answer 503 instead of letting decode pods prefill locally")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="API key every /v1 request must present (visible in `ps`: for development; in "
@@ -69,7 +71,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         colocated_service=args.colocated_service, grpc_port_name=args.grpc_port_name, policy=args.policy,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, admission=args.admission,
         max_queue_seconds=args.max_queue_seconds, max_queue_size=args.max_queue_size,
-        max_retries=args.max_retries, kv_transport=args.kv_transport or "", api_key_env=args.api_key_env or None,
+        max_retries=args.max_retries, kv_transport=args.kv_transport or "",
+        local_prefill_fallback=not args.no_local_prefill_fallback, api_key_env=args.api_key_env or None,
         api_key=args.api_key or None, api_key_file=args.api_key_file,
         max_request_body_bytes=args.max_request_body_bytes,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,

@@ -6,7 +6,8 @@ Each choice (prompt x n) is a `Choice`: `start()` routes it and waits for its fi
 `update` per pod message (a message carries every token of one engine step), and records the
 choice's latency metrics at its end. `RequestRun.prime()` starts every choice and waits for all
 first tokens, so admission errors (429, 503) and routing failures become a proper HTTP status even
-for streaming requests, before any header is sent.
+for streaming requests, before any header is sent. A non-streaming request's choice whose pod is
+lost after its first tokens runs again on other pods: its client has seen nothing yet.
 
 With one choice, `RequestRun.events()` is that choice's own generator: the task that writes the
 HTTP response reads the pod's stream itself, with no task or queue in between. With several, each
@@ -19,12 +20,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 from wire import cbserve_pb2 as pb
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from router.dispatch import Dispatcher, SequenceSpec, SequenceStream, SequenceTrace
+from router.dispatch import Dispatcher, PodLost, SequenceSpec, SequenceStream, SequenceTrace
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -44,9 +46,13 @@ class Choice:
     """One output sequence of a request: its pod stream as text events, and its metrics."""
 
     def __init__(self, index: int, spec: SequenceSpec, dispatcher: Dispatcher, tokenizer: Tokenizer,
-                 metrics: RouterMetrics, arrival: float) -> None:
+                 metrics: RouterMetrics, arrival: float, replayable: bool = False) -> None:
         self.index = index
         self.spec = spec
+        # Non-streaming: nothing reaches the client before the end, so a sequence whose pod is lost
+        # after its first tokens runs again elsewhere, up to `max_retries` times (`events`).
+        self.replays_left = dispatcher.max_retries if replayable else 0
+        self._attempt_spec = spec       # the spec of the current run (a replay has its own id)
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -61,10 +67,48 @@ class Choice:
 
     async def start(self) -> None:
         """Route the choice and wait for its first tokens; raises APIError if it cannot be served."""
-        self.stream = await self.dispatcher.start(self.spec, self.trace)
+        self.stream = await self.dispatcher.start(self._attempt_spec, self.trace)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Text events, one per pod message, until the one with `finish_reason`. Needs `start()`."""
+        """Text events, one per pod message, until the one with `finish_reason`. Needs `start()`.
+
+        A replayable choice yields nothing until its sequence has finished: if a pod is lost on
+        the way (`PodLost`), the events so far are dropped and the sequence runs again on other
+        pods; the client, which has seen nothing yet, gets one whole answer."""
+        if not self.replays_left:
+            async for event in self._events():
+                yield event
+            return
+        while True:
+            buffered = []
+            try:
+                async for event in self._events():
+                    buffered.append(event)
+            except PodLost as lost:
+                if not self.replays_left:
+                    raise
+                await self._replay(lost)
+                continue
+            for event in buffered:
+                yield event
+            return
+
+    async def _replay(self, lost: PodLost) -> None:
+        """Run the sequence again from the start, away from the pod that failed it."""
+        self.replays_left -= 1
+        self.metrics.retries.inc()
+        failed = lost.failure.pod.address
+        log.warning("request %s: %s after its first tokens; nothing reached the client, running it again "
+                    "elsewhere", self.spec.request_id, lost.failure)
+        routing = replace(self._attempt_spec.routing, exclude=self._attempt_spec.routing.exclude | {failed},
+                          slo_ttft_seconds=float("inf"), slo_tpot_seconds=float("inf"))
+        replays = self.dispatcher.max_retries - self.replays_left
+        self._attempt_spec = replace(self.spec, request_id=f"{self.spec.request_id}-replay{replays}",
+                                     routing=routing)
+        self.trace = SequenceTrace()
+        await self.start()
+
+    async def _events(self) -> AsyncIterator[ChoiceEvent]:
         stream, index, params = self.stream, self.index, self.spec.params
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.spec.prompt_token_ids, params)
         stop_ids = set(params.stop_token_ids)
@@ -142,9 +186,12 @@ class RequestRun:
     """Runs the choices of one HTTP request and merges their events."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, metrics: RouterMetrics,
-                 specs: list[SequenceSpec], arrival: float) -> None:
+                 specs: list[SequenceSpec], arrival: float, replayable: bool = False) -> None:
+        """`replayable`: the answer is sent whole at the end (non-streaming), so a choice whose pod
+        is lost midway may run again elsewhere (`Choice.events`)."""
         self.metrics = metrics
-        self.choices = [Choice(i, spec, dispatcher, tokenizer, metrics, arrival) for i, spec in enumerate(specs)]
+        self.choices = [Choice(i, spec, dispatcher, tokenizer, metrics, arrival, replayable)
+                        for i, spec in enumerate(specs)]
         self._tasks: list[asyncio.Future] = []
 
     @property

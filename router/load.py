@@ -4,7 +4,9 @@ Each pod streams `LoadReport`s (`WatchLoad`, every `load_interval_seconds` <= 10
 polling at the same period if a pod lacks the stream). Between two reports the router counts what
 it dispatched itself, so a burst arriving within one report interval does not all land on the pod
 that looked idle. A pod is routable only while it is healthy (it answered its last probe and its
-load stream is alive), not draining, and listed by discovery. A pod that fails a call is taken out
+load stream is alive), its gRPC health is not NOT_SERVING (a stalled engine reports that:
+`pod/stall.py`), it is not draining, and discovery lists it; one whose reports stopped for
+`LOAD_SILENCE_SECONDS` gets requests only when no other pod of its role can take them. A pod that fails a call is taken out
 at once (`mark_failed`) and re-admitted only after a probe succeeds `probe_interval_seconds` later.
 """
 
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from wire import cbserve_pb2 as pb
 from pod.security import ClusterSecurity
@@ -28,6 +31,11 @@ from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_SECONDS = 2.0
+# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long is likely
+# frozen or cut off (keepalive ends its connection within ~8 s), so new requests go to another pod
+# of its role meanwhile. Only to another: a pod whose event loop was merely starved on a busy
+# machine must not turn into a 503 when it is the only one.
+LOAD_SILENCE_SECONDS = 3.0
 
 
 @dataclass(eq=False)   # identity: a pod is itself, whatever its load
@@ -40,6 +48,7 @@ class PodState:
     report_time: float = 0.0                 # monotonic time the last report arrived
     model: pb.ModelInfo | None = None
     healthy: bool = False
+    serving: bool = True                     # its gRPC health is not NOT_SERVING (engine stalled, drain)
     num_inflight: int = 0                    # requests the router sent and has not seen finish
     # (monotonic send time, prompt tokens) of requests sent since the last report.
     unreported: deque[tuple[float, int]] = field(default_factory=deque)
@@ -61,7 +70,12 @@ class PodState:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not (self.report is not None and self.report.draining)
+        return self.healthy and self.serving and not (self.report is not None and self.report.draining)
+
+    @property
+    def silent(self) -> bool:
+        """No load report for `LOAD_SILENCE_SECONDS`: routed to only when no other pod can be."""
+        return time.monotonic() - self.report_time >= LOAD_SILENCE_SECONDS
 
     def apply_report(self, report: pb.LoadReport, now: float) -> None:
         # GetLoad (and the first message of WatchLoad) repeat the pod's recent samples; a sample seen
@@ -127,6 +141,7 @@ class LoadTracker:
         self.pod_inactivity_seconds = pod_inactivity_seconds
         self.pods: dict[str, PodState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._health_tasks: dict[str, asyncio.Task] = {}
         self._closing: set[asyncio.Task] = set()
         self._listeners: list[Callable[[], None]] = []
 
@@ -139,7 +154,9 @@ class LoadTracker:
             listener()
 
     def routable(self, role: str) -> list[PodState]:
-        return [p for p in self.pods.values() if p.role == role and p.routable]
+        """The pods of `role` that may get requests: routable ones, the silent ones only if no other."""
+        pods = [p for p in self.pods.values() if p.role == role and p.routable]
+        return [p for p in pods if not p.silent] or pods
 
     def set_endpoints(self, endpoints: frozenset[PodEndpoint]) -> None:
         """Discovery listener: start tracking new endpoints, drop vanished ones."""
@@ -153,6 +170,7 @@ class LoadTracker:
                                                    security=self.security))
                 self.pods[address] = pod
                 self._tasks[address] = asyncio.get_running_loop().create_task(self._track(pod, 0.0))
+                self._health_tasks[address] = asyncio.get_running_loop().create_task(self._check_health(pod))
         self._notify()
 
     def _remove(self, address: str) -> None:
@@ -163,6 +181,7 @@ class LoadTracker:
         """
         pod = self.pods.pop(address)
         self._tasks.pop(address).cancel()
+        self._health_tasks.pop(address).cancel()
         task = asyncio.get_running_loop().create_task(self._close_when_idle(pod))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -190,9 +209,10 @@ class LoadTracker:
             task.cancel()
         for address in list(self.pods):
             pod = self.pods.pop(address)
-            task = self._tasks.pop(address)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            tasks = [self._tasks.pop(address), self._health_tasks.pop(address)]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await pod.client.close()
 
     async def _probe(self, pod: PodState) -> bool:
@@ -227,6 +247,31 @@ class LoadTracker:
                 log.exception("load stream of %s failed", pod.address)
             pod.healthy = False
             self._notify()
+            await asyncio.sleep(self.probe_interval_seconds)
+
+    async def _check_health(self, pod: PodState) -> None:
+        """Poll the pod's gRPC health as Kubernetes' readiness probe does (Check, every probe
+        interval): NOT_SERVING (its engine stalled, or it drains) takes it out of routing until it
+        says SERVING again. A pod without the health service is judged by its probes and load
+        stream alone. (Check, not Watch: the pods' health servicer runs a Watch on a blocking
+        thread that outlives the call and keeps the process from exiting.)"""
+        while True:
+            try:
+                reply = await pod.client.health.Check(health_pb2.HealthCheckRequest(service=""),
+                                                      timeout=_PROBE_TIMEOUT_SECONDS)
+                serving = reply.status != health_pb2.HealthCheckResponse.NOT_SERVING
+                if serving != pod.serving:
+                    log.warning("pod %s (%s) health: %s", pod.address, pod.role,
+                                health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                    pod.serving = serving
+                    self._notify()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    pod.serving = True
+                    return
+                log.debug("health check of %s failed: %s", pod.address, exc.code())
+            except Exception:  # a malformed answer must not end the checks
+                log.exception("health check of %s failed", pod.address)
             await asyncio.sleep(self.probe_interval_seconds)
 
     async def _follow_load(self, pod: PodState) -> None:

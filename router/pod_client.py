@@ -12,7 +12,9 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
+from kvtransfer.grpc_options import channel_options
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 from pod.security import ClusterSecurity
@@ -21,15 +23,8 @@ from router.pod_session import DecodeSession, SessionCall
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
-# Tokens, not KV, cross the router's channels; the default 4 MiB limit is ample except for huge
-# prompts, so allow what a max-length prompt of int32 ids needs.
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+# Keepalive as on every cbserve channel: a frozen pod fails every call on it within ~8 s.
+_CHANNEL_OPTIONS = channel_options()
 
 
 class PodClient:
@@ -52,6 +47,7 @@ class PodClient:
             self._stub = pb_grpc.DecodeServiceStub(self._channel)
         self.inactivity_seconds = inactivity_seconds
         self._session: DecodeSession | None = None
+        self.health = health_pb2_grpc.HealthStub(self._channel)   # grpc.health.v1, as readiness probes read it
 
     async def close(self) -> None:
         if self._session is not None:

@@ -34,6 +34,7 @@ from router.prompts import Prompt, PromptEncoder
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request_body import check_json_containers, read_body
 
+log = logging.getLogger(__name__)
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 Model = TypeVar("Model", bound=BaseModel)
@@ -246,7 +247,7 @@ async def execute(state: ServingState, http: Request, arrival: float, specs: lis
     tokenization included. Streaming, each pod message becomes one SSE write, made by the task
     that read the message (one choice) or by the one merging the choices' events (n > 1).
     """
-    run = RequestRun(state.dispatcher, state.tokenizer, state.metrics, specs, arrival)
+    run = RequestRun(state.dispatcher, state.tokenizer, state.metrics, specs, arrival, replayable=not stream)
     if not stream:
         async def work() -> Response:
             try:
@@ -290,6 +291,11 @@ async def execute(state: ServingState, http: Request, arrival: float, specs: lis
         except APIError as exc:
             status = "error"
             yield R.sse(exc.body()) + R.sse("[DONE]")
+        except Exception as exc:   # noqa: BLE001 - the client still gets a clean end of stream
+            log.exception("stream of %s failed", specs[0].request_id)
+            status = "error"
+            yield R.sse(APIError(500, f"Internal error: {type(exc).__name__}", type="server_error",
+                                 code="internal_error").body()) + R.sse("[DONE]")
         finally:
             run.cancel()
             state.metrics.request_finished(status)

@@ -12,11 +12,16 @@ __all__ = ["NoRoute", "Policy", "Profile", "RoutingDecision", "RoutingRequest", 
            "block_hashes", "build_policy"]
 
 
-def build_policy(name: str, prefix_index: PrefixIndex, default_prefill_tokens_per_second: float = 20000.0) -> Policy:
+def build_policy(name: str, prefix_index: PrefixIndex, default_prefill_tokens_per_second: float = 20000.0,
+                 local_prefill_fallback: bool = True) -> Policy:
+    """The named policy; `local_prefill_fallback`: see `Policy.local_prefill_fallback`."""
     if name == "round_robin":
-        return round_robin_policy()
-    if name == "least_loaded":
-        return least_loaded_policy()
-    if name == "goodput":
-        return GoodputPolicy(LatencyPredictor(prefix_index, default_prefill_tokens_per_second))
-    raise ValueError(f"unknown policy {name!r}")
+        policy = round_robin_policy()
+    elif name == "least_loaded":
+        policy = least_loaded_policy()
+    elif name == "goodput":
+        policy = GoodputPolicy(LatencyPredictor(prefix_index, default_prefill_tokens_per_second))
+    else:
+        raise ValueError(f"unknown policy {name!r}")
+    policy.local_prefill_fallback = local_prefill_fallback
+    return policy

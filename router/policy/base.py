@@ -85,7 +85,8 @@ class Profile:
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """Where a request goes: `prefill` is None for a colocated pod (then `decode` is that pod).
+    """Where a request goes: `prefill` is None for a colocated pod (then `decode` is that pod), or
+    for a decode pod that prefills locally because no prefill pod is routable.
 
     `predicted_tpot_seconds` is the step model's uncalibrated TPOT on `decode` when the policy
     predicted one, `predicted_ttft_seconds` the queue model's uncalibrated TTFT on the pod that
@@ -113,6 +114,10 @@ class Policy:
 
     def __init__(self, prefill: Profile, decode: Profile, colocated: Profile) -> None:
         self.profiles = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        # With no prefill pod to use, a decode pod prefills the prompt itself (Generate without
+        # `prefill_from`), as it does when its prefill pod dies mid-transfer: slower first tokens
+        # beat a 503 while decode pods stand idle. Off: such requests get 503 at once.
+        self.local_prefill_fallback = True
 
     def retry_after(self, request: RoutingRequest, pods: list[PodState]) -> float:
         """Seconds until a rejected request could be met; overridden by SLO-aware policies."""
@@ -124,9 +129,17 @@ class Policy:
             if pod is None:
                 return self._no_route(failed, request, pods_by_role["colocated"])
             return RoutingDecision(None, pod)
-        prefill, failed = self.profiles["prefill"].run(request, pods_by_role.get("prefill", []))
+        prefill_pods = pods_by_role.get("prefill", [])
+        if self.local_prefill_fallback and all(p.address in request.exclude for p in prefill_pods):
+            # No prefill pod is routable (none configured, all down, or every one failed this
+            # request): the decode pod prefills locally, routed like a decode.
+            decode, failed = self.profiles["decode"].run(request, pods_by_role.get("decode", []))
+            if decode is None:
+                return self._no_route(failed, request, pods_by_role.get("decode", []))
+            return RoutingDecision(None, decode)
+        prefill, failed = self.profiles["prefill"].run(request, prefill_pods)
         if prefill is None:
-            return self._no_route(failed, request, pods_by_role.get("prefill", []))
+            return self._no_route(failed, request, prefill_pods)
         decode, failed = self.profiles["decode"].run(request, pods_by_role.get("decode", []))
         if decode is None:
             return self._no_route(failed, request, pods_by_role.get("decode", []))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvtransfer.grpc_options import server_options
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -144,7 +145,7 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, port: int = 0, interceptors=()) -> FakePod:
-        self._server = grpc.aio.server(interceptors=list(interceptors))
+        self._server = grpc.aio.server(interceptors=list(interceptors), options=server_options())
         if self.role == "prefill":
             pb_grpc.add_PrefillServiceServicer_to_server(self, self._server)
         else:

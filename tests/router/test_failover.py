@@ -89,6 +89,23 @@ async def test_no_retry_after_tokens_reached_the_client(tokenizer):
         assert len(other.records.generate_requests) == 0      # no replay on another pod
 
 
+async def test_non_streaming_request_whose_pod_breaks_midway_runs_again_elsewhere(tokenizer):
+    breaks = Script(fail_generate_after=3, token_delay=0.01)
+    async with running_router(tokenizer, prefill=[Script()], decode=[breaks, Script()],
+                              policy="round_robin", probe_interval_seconds=30) as h:
+        target = sorted(h.decode, key=lambda p: p.address)[0]
+        target.script, other = breaks, [p for p in h.decode if p is not target][0]
+        other.script = Script()
+        response = await h.http().post("/v1/completions", json={"prompt": "abc", "max_tokens": 10})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        # The client sees one whole answer: the broken run's tokens are not in it twice.
+        assert body["choices"][0]["text"] == tokenizer.decode(expected_tokens(tokenizer.encode("abc"), 10))
+        assert body["usage"]["completion_tokens"] == 10
+        assert [r.request_id.endswith("-replay1") for r in other.records.generate_requests] == [True]
+        assert 'cbserve_router_retries_total{role="router"} 1.0' in (await h.http().get("/metrics")).text
+
+
 async def test_failing_pod_leaves_routing_and_returns_after_a_probe(tokenizer):
     async with running_router(tokenizer, colocated=[Script(), Script()], policy="round_robin",
                               probe_interval_seconds=0.2) as h:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from wire import cbserve_pb2 as pb
 from fake_pods import Script, start_pods
+from policy_pods import pod
 from router.discovery.base import PodEndpoint
-from router.load import LoadTracker
+from router.load import LOAD_SILENCE_SECONDS, LoadTracker
 
 pytestmark = pytest.mark.anyio
 
@@ -99,3 +101,16 @@ async def test_vanished_endpoint_stops_tracking():
     finally:
         await tracker.close()
         await pod.stop()
+
+
+def test_silent_pod_gets_requests_only_when_no_other_pod_can():
+    tracker = LoadTracker()
+    fresh, silent, lone = pod("d1", "decode"), pod("d2", "decode"), pod("p1", "prefill")
+    now = time.monotonic()
+    fresh.report_time, silent.report_time = now, now - LOAD_SILENCE_SECONDS - 1
+    lone.report_time = now - LOAD_SILENCE_SECONDS - 1
+    tracker.pods = {p.address: p for p in (fresh, silent, lone)}
+    assert tracker.routable("decode") == [fresh]
+    assert tracker.routable("prefill") == [lone]       # silent, but the only one: keepalive decides
+    fresh.serving = False                              # its gRPC health says NOT_SERVING
+    assert tracker.routable("decode") == [silent]

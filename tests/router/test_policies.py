@@ -42,6 +42,10 @@ CASES = [
     ("goodput: colocated pods", "goodput",
      _pods([], [], [pod("c1", "colocated", step=0.045), pod("c2", "colocated", step=0.01)]), {}, (None, "c2")),
     ("no decode pod at all", "goodput", _pods([pod("p1")], []), {}, "no_pods"),
+    ("no prefill pod: the least loaded decode pod prefills locally", "goodput",
+     _pods([], [pod("d1", "decode", step=0.03), pod("d2", "decode", step=0.01)]), {}, (None, "d2")),
+    ("every prefill pod failed this request: local prefill", "round_robin",
+     _pods([pod("p1")], [pod("d1", "decode")]), {"exclude": frozenset({"p1"})}, (None, "d1")),
     ("retry excludes the failed decode pod", "round_robin",
      _pods([pod("p1")], [pod("d1", "decode"), pod("d2", "decode")]), {"exclude": frozenset({"d1"})},
      ("p1", "d2")),
@@ -58,6 +62,13 @@ def test_policy_routes(name, policy, pods, kwargs, expected):
         assert isinstance(decision, RoutingDecision)
         prefill = decision.prefill.address if decision.prefill else None
         assert (prefill, decision.decode.address) == expected
+
+
+@pytest.mark.parametrize("policy", ["goodput", "round_robin", "least_loaded"])
+def test_no_local_prefill_fallback_means_no_route_without_a_prefill_pod(policy):
+    decision = build_policy(policy, PrefixIndex(), local_prefill_fallback=False).route(
+        request(100), _pods([], [pod("d1", "decode")]))
+    assert isinstance(decision, NoRoute) and decision.reason == "no_pods"
 
 
 def test_round_robin_alternates_pairs():
