@@ -166,18 +166,30 @@ def test_watch_load_streams_reports(pods):
     assert reports[0].num_total_blocks > 0 and reports[-1].timestamp > reports[0].timestamp
 
 
-def test_int8_pods_equal_the_int8_colocated_engine():
-    """`--quantization int8` on both pods: tokens equal an int8 colocated engine's, greedy and seeded.
-    Prompts fit one prefill step and prefix caching is off, so every prompt is computed in one chunk
-    on both sides (int8 amplifies the float noise of other chunk boundaries: engine/quant.py).
-    A request whose pull failed (D then prefills locally, in its own batch) proves nothing about
-    the transfer and may differ at a near-tie: it is counted, not compared; at most one may."""
-    flags = ("--quantization", "int8", "--no-prefix-caching")
+QUANTIZED = {
+    # `--quantization int8`: int8 amplifies the float noise of other chunk boundaries (engine/quant.py).
+    "int8": (("--quantization", "int8"), {"quantization": "int8"}, {}),
+    # `--kv-cache-dtype fp8`: the decode pod receives the prefill pod's e4m3 bytes (the handshake
+    # checked dtype and scales); quantizing K/V turns float noise from other batch shapes into a
+    # different e4m3 code now and then.
+    "fp8kv": (("--kv-cache-dtype", "fp8"), {}, {"kv_cache_dtype": "fp8"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_pods_equal_the_quantized_colocated_engine(name):
+    """Quantized pods: tokens equal a colocated engine's with the same quantization, greedy and
+    seeded. Prompts fit one prefill step and prefix caching is off, so every prompt is computed in
+    one chunk on both sides. A request whose pull failed (D then prefills locally, in its own
+    batch) proves nothing about the transfer and may differ at a near-tie: it is counted, not
+    compared; at most one may."""
+    pod_flags, engine_kw, cache_kw = QUANTIZED[name]
+    flags = (*pod_flags, "--no-prefix-caching")
     prefill, decode = Pod("prefill", *flags), Pod("decode", *flags)
     try:
         prefill.wait_ready(), decode.wait_ready()
-        reference = Engine(EngineConfig(model="tiny", quantization="int8",
-                                        cache=CacheConfig(num_blocks=512, enable_prefix_caching=False)))
+        reference = Engine(EngineConfig(model="tiny", **engine_kw, cache=CacheConfig(
+            num_blocks=512, enable_prefix_caching=False, **cache_kw)))
         prompts = [p for i, p in enumerate(_prompts()) if i != 4]  # no shared prefix
         local = 0
         for mode, kw in sorted(PARAMS.items()):
@@ -185,41 +197,7 @@ def test_int8_pods_equal_the_int8_colocated_engine():
 
             async def all_at_once():
                 return await asyncio.gather(*(
-                    disaggregated(prefill, decode, f"int8-{mode}-{i}", p, sampling(**kw))
-                    for i, p in enumerate(prompts)))
-
-            for i, (tokens, messages) in enumerate(run(all_at_once())):
-                assert messages[-1].finished, (mode, i, decode.log_tail())
-                if messages[0].local_prefill:
-                    local += 1
-                    continue
-                assert tokens == expected[i], (mode, i)
-        assert local <= 1, decode.log_tail()
-    finally:
-        prefill.stop()
-        decode.stop()
-
-
-def test_fp8_kv_pods_equal_the_fp8_kv_colocated_engine():
-    """`--kv-cache-dtype fp8` on both pods: the decode pod receives the prefill pod's e4m3 bytes (the
-    handshake checked dtype and scales) and its tokens equal an fp8-KV colocated engine's, greedy
-    and seeded. Prefix caching is off and prompts fit one prefill step, as for int8: quantizing K/V
-    turns float noise from other batch shapes into a different e4m3 code now and then. A request
-    that fell back to a local prefill proves nothing about the transfer: counted, at most one."""
-    flags = ("--kv-cache-dtype", "fp8", "--no-prefix-caching")
-    prefill, decode = Pod("prefill", *flags), Pod("decode", *flags)
-    try:
-        prefill.wait_ready(), decode.wait_ready()
-        reference = Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=512, kv_cache_dtype="fp8",
-                                                                        enable_prefix_caching=False)))
-        prompts = [p for i, p in enumerate(_prompts()) if i != 4]  # no shared prefix
-        local = 0
-        for mode, kw in sorted(PARAMS.items()):
-            expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**kw))]
-
-            async def all_at_once():
-                return await asyncio.gather(*(
-                    disaggregated(prefill, decode, f"fp8kv-{mode}-{i}", p, sampling(**kw))
+                    disaggregated(prefill, decode, f"{name}-{mode}-{i}", p, sampling(**kw))
                     for i, p in enumerate(prompts)))
 
             for i, (tokens, messages) in enumerate(run(all_at_once())):

@@ -4,6 +4,7 @@ failing pods leave routing and come back after a successful probe."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -72,13 +73,21 @@ async def test_failing_decode_pod_is_retried_on_another_before_the_first_token(t
         assert 'cbserve_router_retries_total{role="router"} 1.0' in (await client.get("/metrics")).text
 
 
-async def test_no_retry_after_tokens_reached_the_client(tokenizer):
+@contextlib.asynccontextmanager
+async def one_decode_pod_breaks_midway(tokenizer):
+    """Two decode pods under round robin; the first one routed to breaks after 3 tokens.
+    Yields the harness and the other (healthy) pod."""
     breaks = Script(fail_generate_after=3, token_delay=0.01)
     async with running_router(tokenizer, prefill=[Script()], decode=[breaks, Script()],
                               policy="round_robin", probe_interval_seconds=30) as h:
         target = sorted(h.decode, key=lambda p: p.address)[0]
         target.script, other = breaks, [p for p in h.decode if p is not target][0]
         other.script = Script()
+        yield h, other
+
+
+async def test_no_retry_after_tokens_reached_the_client(tokenizer):
+    async with one_decode_pod_breaks_midway(tokenizer) as (h, other):
         async with h.http().stream("POST", "/v1/completions",
                                    json={"prompt": "abc", "max_tokens": 10, "stream": True}) as response:
             assert response.status_code == 200
@@ -90,12 +99,7 @@ async def test_no_retry_after_tokens_reached_the_client(tokenizer):
 
 
 async def test_non_streaming_request_whose_pod_breaks_midway_runs_again_elsewhere(tokenizer):
-    breaks = Script(fail_generate_after=3, token_delay=0.01)
-    async with running_router(tokenizer, prefill=[Script()], decode=[breaks, Script()],
-                              policy="round_robin", probe_interval_seconds=30) as h:
-        target = sorted(h.decode, key=lambda p: p.address)[0]
-        target.script, other = breaks, [p for p in h.decode if p is not target][0]
-        other.script = Script()
+    async with one_decode_pod_breaks_midway(tokenizer) as (h, other):
         response = await h.http().post("/v1/completions", json={"prompt": "abc", "max_tokens": 10})
         assert response.status_code == 200, response.text
         body = response.json()
