@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -56,10 +57,11 @@ class Buildah:
         assert proc.returncode == 0, f"buildah {' '.join(args)}: {proc.stderr}"
         return proc.stdout
 
-    def run_args(self, container: str, user: str, command: list[str]) -> list[str]:
+    def run_args(self, container: str, user: str, command: list[str], env: dict[str, str] | None = None) -> list[str]:
         """argv that runs `command` in `container` as `user` on the host network, as a pod would."""
+        extra = [arg for key, value in (env or {}).items() for arg in ("--env", f"{key}={value}")]
         return [*self.base, "run", "--isolation", "chroot", "--network", "host", "--user", user,
-                "--env", "OMP_NUM_THREADS=1", container, "--", *command]
+                "--env", "OMP_NUM_THREADS=1", *extra, container, "--", *command]
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +148,14 @@ def test_router_prefill_and_decode_from_the_image_answer_over_loopback(built, co
                    "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}",
                    "--drain-seconds", "5"],
     }
+    # The router and the pods share one deployment secret (the chart mounts it as a file).
+    secret = {"CBSERVE_CLUSTER_SECRET": secrets.token_urlsafe(24)}
     procs: dict[str, subprocess.Popen] = {}
     try:
         for name, argv in commands.items():
             # Own session: teardown signals exactly the group this test started.
-            procs[name] = subprocess.Popen(buildah.run_args(container, config["User"], argv), stdout=subprocess.PIPE,
+            procs[name] = subprocess.Popen(buildah.run_args(container, config["User"], argv, secret),
+                                           stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
         url = f"http://127.0.0.1:{http_port}"
         _wait_ready(url, procs)
