@@ -2,7 +2,9 @@
 
 The pod (or `cbserve generate`) process is rank 0: it hosts the rendezvous store on the loopback
 address, starts ranks 1..N-1 as `python -m engine.tp_worker` subprocesses (their settings travel as
-JSON in an environment variable: no pickled closures), and joins the group with them. It alone
+JSON in an environment variable: no pickled closures), and joins the group with them. The store
+cannot authenticate its callers, so the group's keys live under a random namespace that only the
+ranks' environment carries (`group_store`): another local process can reach the port, not the group. It alone
 schedules; `TPDriver.step` sends each step's inputs to the others before rank 0's forward.
 
 Failure: a rank that dies must not leave the pod hanging in a collective. A watchdog thread polls
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.tp_comm import CMD_HEARTBEAT, CMD_STEP, CMD_STOP, TPComm
-from engine.tp_worker import SPEC_ENV, WorkerSpec
+from engine.tp_worker import SPEC_ENV, WorkerSpec, group_store
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +73,11 @@ class TPDriver:
         size = base.size
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=False)
+        namespace = secrets.token_hex(16)
         procs = []
         for rank in range(1, size):
-            spec = base.with_rank(rank, str(rank_device(device, rank)), store.port, timeout_s)
+            spec = dataclasses.replace(base.with_rank(rank, str(rank_device(device, rank)), store.port, timeout_s),
+                                       store_namespace=namespace)
             env = dict(os.environ, **{SPEC_ENV: spec.to_json()})
             # stdout belongs to rank 0 (`cbserve generate` prints the text there): workers log to
             # stderr. Their own session: signals to the pod's process group (Ctrl-C, `kill -- -pgid`)
@@ -81,7 +87,7 @@ class TPDriver:
             log.info("tensor-parallel rank %d/%d started (pid %d)", rank, size, procs[-1].pid)
         watchdog = _Watchdog(procs)
         watchdog.start()                      # a rank that fails to load ends us, not a hang
-        comm = TPComm.init(0, size, device, store, timeout_s)
+        comm = TPComm.init(0, size, device, group_store(store, namespace), timeout_s)
         driver = cls(comm, procs)
         driver._store = store                 # keep the store alive as long as the group
         watchdog.driver = driver

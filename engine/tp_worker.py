@@ -29,6 +29,13 @@ PARENT_POLL_SECONDS = 0.5
 log = logging.getLogger("engine.tp_worker")
 
 
+def group_store(store, namespace: str):
+    """The launch's own view of the rendezvous store: every key under its secret namespace."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"cbserve-tp/{namespace}/", store) if namespace else store
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a rank needs to build its share of rank 0's engine (all derived by rank 0)."""
@@ -47,6 +54,9 @@ class WorkerSpec:
     size: int
     rank: int = 0
     store_port: int = 0
+    # Random per launch, given in the environment (never argv): the group's keys live under it, so
+    # another local process that reaches the loopback store cannot read or forge them.
+    store_namespace: str = ""
     timeout_s: float = 300.0
     parent_pid: int = 0
 
@@ -97,7 +107,7 @@ def run(spec: WorkerSpec) -> None:
     startup = measure_startup_memory(cache, device)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
                           timeout=timedelta(seconds=spec.timeout_s))
-    comm = TPComm.init(spec.rank, spec.size, device, store, spec.timeout_s)
+    comm = TPComm.init(spec.rank, spec.size, device, group_store(store, spec.store_namespace), spec.timeout_s)
     cfg = ModelConfig.from_dir(spec.model_dir)
     model = load_model(Path(spec.model_dir), cfg, dtype, device, spec.max_position,
                        shard=TPShard(cfg, spec.rank, spec.size), comm=comm)

@@ -20,7 +20,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     p.add_argument("--model", default=d.model, help="preset (tiny, small) or model directory: tokenizer + config.json")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default=d.host, help="bind address (default loopback; the chart passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--prefill", type=_addresses, default=(), help="prefill pod addresses HOST:PORT,...")
     p.add_argument("--decode", type=_addresses, default=(), help="decode pod addresses HOST:PORT,...")
