@@ -6,8 +6,10 @@ at a time, from a grpc.aio client in this process, as the router sends them: on 
 the Session), one `Generate` stream per request: greedy, ignore_eos,
 `--prompt-len`-token prompts, `--output-len` output tokens each. Reported per tree:
 - output tokens/s, end to end, and the pod's CPU µs per output token (/proc/<pid>/stat, utime +
-  stime, read around the measured batch only; a warm-up batch comes first), in all and in its main
-  thread alone: the event loop, where the gRPC handlers run (the engine has its own thread);
+  stime, read around the measured batch only; a warm-up batch comes first), in all (the pod's
+  process and its engine-core process) and in the server's main thread alone: the event loop,
+  where the gRPC handlers run (the engine has its own thread, in its own process since the engine
+  core);
 - mean tokens per gRPC message from the pod (1.0 = one message per token; a Session message
   carries every request that moved in a step, so it goes above 1 with concurrency);
 - the pod's mean engine step time from its LoadReport step samples (WatchLoad), decode-only steps
@@ -67,6 +69,15 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` of a process and its descendants (a decode pod's engine core is its child)."""
+    total = cpu_seconds(pid)
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            total += tree_cpu_seconds(int(child))
+    return total
 
 
 # ---------------------------------------------------------------------- offline (subprocess)
@@ -214,9 +225,9 @@ def measure_tree(path: Path, args, api: str) -> dict:
         async def scenario():
             await wait_ready(proc, address, log)
             await drive(address, workload(args, args.concurrency, seed=1), args, "warm", api)
-            cpu0, loop0 = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
+            cpu0, loop0 = tree_cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
             result = await drive(address, workload(args), args, "run", api)
-            result["pod_cpu_us_per_token"] = 1e6 * (cpu_seconds(proc.pid) - cpu0) / result["tokens"]
+            result["pod_cpu_us_per_token"] = 1e6 * (tree_cpu_seconds(proc.pid) - cpu0) / result["tokens"]
             result["loop_cpu_us_per_token"] = 1e6 * (cpu_seconds(proc.pid, proc.pid) - loop0) / result["tokens"]
             return result
 

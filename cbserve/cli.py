@@ -169,17 +169,29 @@ def cmd_pod(args: argparse.Namespace) -> int:
     engine_role = "prefill" if role == "prefill" else "decode"
     from engine.tp_shard import TensorParallelError
 
+    engine_config = engine_config_from_args(args, engine_role)
+    if role != "prefill" and args.engine_core_fd < 0:
+        # A decode pod's engine runs in an engine-core process started with this command line
+        # (decode_pod/core.py); this process serves gRPC.
+        from decode_pod.core_client import CoreRuntime, EngineCoreExited
+        from decode_pod.server import serve
+        try:
+            return asyncio.run(serve(CoreRuntime(engine_config, pod, role, args.argv)))
+        except TensorParallelError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except EngineCoreExited as e:   # it said why on stderr
+            return e.code
     try:
-        runtime = PodRuntime(engine_config_from_args(args, engine_role), pod, role)
+        runtime = PodRuntime(engine_config, pod, role)
     except TensorParallelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if role == "prefill":
-        from prefill_pod.server import serve
-    else:
-        from decode_pod.server import serve
-    asyncio.run(serve(runtime))
-    return 0
+    if role != "prefill":
+        from decode_pod.core import run_core
+        return run_core(runtime, args.engine_core_fd)
+    from prefill_pod.server import serve
+    return asyncio.run(serve(runtime))
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -218,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pod_flags(dec, 50052)
     dec.add_argument("--no-local-prefill-fallback", action="store_true",
                      help="fail a request whose prefill pod is lost instead of prefilling it here")
+    dec.add_argument("--engine-core-fd", type=int, default=-1, help=argparse.SUPPRESS)  # decode_pod/core.py
     dec.add_argument("--colocated", action="store_true",
                      help="label this pod a colocated engine (it prefills every request itself)")
     dec.set_defaults(func=cmd_pod)
@@ -234,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # a decode pod's engine core gets it too
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):  # one line per readiness probe otherwise

@@ -1,10 +1,10 @@
 """One request's life on a decode pod, shared by the per-request `Generate` call and the `Session`.
 
-`OpenRequest` registers the request (its `Job`, its subscription to the engine's outputs, its
-deadline timer), turns whatever the engine queued for it since the last message into one
-`GenerateResponse` (`respond`), records the pod's request metrics, and on `close` undoes all of it:
-the pull is cancelled (which frees the prefill pod's blocks) and an unfinished request is aborted in
-the engine (which frees its own). Who calls `respond` and where the message goes is the caller's:
+`OpenRequest` (server process) registers the request (its `Job`, its subscription to the engine
+core's outputs, its deadline timer), turns whatever the engine core sent for it since the last
+message (`CoreOutput`s) into one `GenerateResponse` (`respond`), records the pod's request metrics,
+and on `close` undoes all of it: an unfinished request is aborted in the engine core, which ends
+its pull (freeing the prefill pod's blocks) and frees its own. Who calls `respond` and where the message goes is the caller's:
 a `Generate` handler yields it on its own stream; a `Session` packs the messages of every request
 that moved in one engine step into one `SessionResponse`.
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from wire import cbserve_pb2
-from pod.runtime import RequestFailed, logprobs_to_pb
+from pod.runtime import RequestFailed
 
 if TYPE_CHECKING:
     from decode_pod.server import DecodeServicer
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Job:
+    """A request on this pod: the server's record, and the engine core's (which pulls its KV)."""
     prefill_from: str
     transport: str
     deadline: float                     # monotonic
@@ -37,6 +38,8 @@ class Job:
     kv_pulled_at: float | None = None   # monotonic: the pull ended, the first token is known
     task: asyncio.Task | None = None
     kv_handle: cbserve_pb2.KVHandle | None = None   # the router's voucher, forwarded to the prefill pod
+    kv_bytes: int = 0
+    reported: bool = False              # engine core: how the KV got here went out with the first output
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -81,23 +84,23 @@ class OpenRequest:
         self._closed = False
 
     def start(self, prompt, params, request: cbserve_pb2.GenerateRequest):
-        """Queue the request in the engine; returns the engine thread's future (it raises if the
-        engine refuses the request)."""
-        req_id, remote = self.request_id, bool(request.prefill_from)
-        return self.rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority, remote_kv=remote))
+        """Queue the request in the engine core; a refusal comes back as the request's failure."""
+        return self.rt.loop.add(request, self.job.remaining())
 
     def respond(self, items: list, new=cbserve_pb2.GenerateResponse,
                 ) -> tuple[cbserve_pb2.GenerateResponse | None, BaseException | None]:
         """Everything queued since the last call, as one message made by `new(**fields)` (a
         session passes its response's `outputs.add`, so nothing is copied), or None if no token
         came; and the failure that ends the request (None if it goes on)."""
-        token_ids, logprobs, last, error = [], [], None, None
-        for item in items:
+        token_ids, logprobs, first, last, error = [], [], None, None, None
+        for item in items:   # CoreOutputs, or the exception that ends the request
             if isinstance(item, BaseException):
                 error = item
                 break
             token_ids += item.new_token_ids
             logprobs += item.new_logprobs
+            if first is None:
+                first = item
             last = item
             if item.finished:
                 break
@@ -106,11 +109,11 @@ class OpenRequest:
         job, metrics = self.job, self.rt.metrics
         response = new(
             request_id=self.request_id, index=self.index, token_ids=token_ids, finished=last.finished,
-            finish_reason=last.finish_reason or "", num_prompt_tokens=last.num_prompt_tokens,
-            logprobs=[logprobs_to_pb(lp) for lp in logprobs if lp is not None])
+            finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens, logprobs=logprobs)
         now = time.monotonic()
         if self.index == 0:
             self._first_token_at = now
+            self._arrived(first)
             metrics.ttft.observe(now - job.arrival)
             response.local_prefill = job.local_prefill
             response.kv_transfer_seconds = job.kv_transfer_seconds
@@ -126,6 +129,17 @@ class OpenRequest:
                 metrics.tpot.observe((now - self._first_token_at) / (self.index - 1))
             metrics.request_finished(self.finish_reason)
         return response, (None if last.finished else error)
+
+    def _arrived(self, first) -> None:
+        """The first output says how the KV got here: record it."""
+        job, metrics = self.job, self.rt.metrics
+        job.local_prefill = first.local_prefill
+        if first.kv_pulled_at > 0:
+            job.kv_pulled_at, job.kv_transfer_seconds = first.kv_pulled_at, first.kv_transfer_seconds
+            metrics.kv_transfer.observe(first.kv_transfer_seconds)
+            metrics.kv_bytes.inc(first.kv_bytes)
+        elif job.prefill_from and first.local_prefill:
+            metrics.local_prefill_fallbacks.inc()
 
     def failed(self, error: BaseException) -> tuple[grpc.StatusCode, str]:
         """Record a failure that ends the request; the status and message its caller gets."""
@@ -143,8 +157,6 @@ class OpenRequest:
         rt.loop.unsubscribe(req_id)
         if self.servicer.jobs.get(req_id) is job:
             del self.servicer.jobs[req_id]
-        if job.task is not None and not job.task.done():
-            job.task.cancel()   # ends the PullKV stream: the prefill pod frees its blocks
         if not self.finished:
-            rt.loop.call(lambda e: e.abort(req_id))
+            rt.loop.abort(req_id)   # also ends its PullKV stream: the prefill pod frees its blocks
         rt.num_inflight -= 1

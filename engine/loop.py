@@ -4,8 +4,9 @@ The engine is single-threaded by design; servers live on an event loop. Everythi
 the engine runs in the engine thread, between steps: callers submit functions (`call`); each
 step's outputs go back to their subscribers in one `call_soon_threadsafe`: a per-request asyncio
 queue that the subscriber takes with `drain` (everything queued at once, not one wake per token),
-or a callback (a pod's Session collects a whole step for many requests and sends one message). A step that
-raises fails the requests it touched, not the process: one bad request never kills the engine.
+or a callback; or, with a `sink`, to it directly from the engine thread (a decode pod's engine
+core builds one message per step for its server process). A step that raises fails the requests
+it touched, not the process: one bad request never kills the engine.
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ async def drain(outputs: asyncio.Queue) -> list:
 
 class EngineLoop:
     """`post_step(engine, outputs)` runs in the engine thread after every step (pods use it to
-    publish KV progress); `on_idle(engine)` runs at least every 50 ms (TTL expiry)."""
+    publish KV progress); `on_idle(engine)` runs at least every 50 ms (TTL expiry).
+
+    With a `sink`, outputs and failures go to it instead of to subscribers on the event loop:
+    `sink.outputs(list)` in the engine thread after each step, `sink.failure(request_id, error)`
+    from either thread (a decode pod's engine-core process sends them to its server process)."""
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
                  post_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
-                 on_idle: Callable[[Engine], None] | None = None) -> None:
+                 on_idle: Callable[[Engine], None] | None = None, sink: Any = None) -> None:
         self.engine = engine
         self.loop = loop
         self.post_step = post_step
         self.on_idle = on_idle
+        self.sink = sink
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = \
             queue.SimpleQueue()
         self._subscribers: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
@@ -83,6 +89,10 @@ class EngineLoop:
     async def run(self, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
+    def abort(self, request_id: str) -> concurrent.futures.Future[bool]:
+        """Abort `request_id` in the engine (idempotent; frees its blocks) before the next step."""
+        return self.call(lambda engine: engine.abort(request_id))
+
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Outputs of `request_id` (call before the request is added, from the event loop)."""
         q: asyncio.Queue = asyncio.Queue()
@@ -104,7 +114,9 @@ class EngineLoop:
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: hand outputs to their subscribers."""
-        if outputs:
+        if self.sink is not None:
+            self.sink.outputs(outputs)
+        elif outputs:
             self.loop.call_soon_threadsafe(self._publish_now, outputs)
 
     def fail_all(self, error: Callable[[], BaseException]) -> list[str]:
@@ -118,7 +130,10 @@ class EngineLoop:
         return request_ids
 
     def fail(self, request_id: str, error: BaseException) -> None:
-        self.loop.call_soon_threadsafe(self._deliver, request_id, error)
+        if self.sink is not None:
+            self.sink.failure(request_id, error)
+        else:
+            self.loop.call_soon_threadsafe(self._deliver, request_id, error)
 
     def _publish_now(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

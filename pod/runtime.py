@@ -1,6 +1,8 @@
 """What both pods share: the engine thread, the gRPC server, health, metrics, load, drain.
 
-A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server.
+A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server;
+a decode pod runs that thread in an engine-core process of its own (`decode_pod.core_client.CoreRuntime`
+is this runtime without an engine, fed by the core's messages).
 Health follows the standard `grpc.health.v1` service: SERVING once the model is loaded and warm,
 NOT_SERVING while the engine thread is stalled (`pod.stall`) and from the first SIGTERM on,
 while in-flight streams and pending KV pulls finish; the process exits when they are done or the
@@ -114,15 +116,14 @@ class PodRuntime:
             raise TensorParallelError(
                 f"--tensor-parallel-size {engine_config.tensor_parallel_size} needs --kv-transport grpc "
                 f"(got {pod.kv_transport})")
-        # The router turns ids into text; the engine detokenizes only requests with stop strings.
-        self.engine = Engine(dataclasses.replace(engine_config, detokenize=False))
         self.metrics = EngineMetrics(role_label)
-        self.layout = KVLayout.from_tensor(self.engine.kv_cache)
-        if self.engine.tp_kv is not None:   # on the wire a block has every KV head, whatever the TP degree
-            self.layout = dataclasses.replace(self.layout, num_kv_heads=self.engine.model_config.num_kv_heads)
-        self.model_info = self.layout.to_model_info(
-            engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.model_config.vocab_size)
+        self.engine_config = engine_config
+        self.engine: Engine | None = None
+        self.model_info: cbserve_pb2.ModelInfo | None = None
+        self.block_size = self.max_num_seqs = 0
+        self.snapshot: EngineStats | None = None
+        if self.owns_engine:
+            self._load_engine(engine_config)
         self.pod_id = pod.pod_id or f"{role_label}-{pod.host}:{pod.port}"
         # Every address the router may dial this pod at (KV handles name one): the derived one and
         # any given with --advertise-address (comma-separated: a pod behind a proxy has two).
@@ -136,12 +137,26 @@ class PodRuntime:
         self.draining = False
         self.stalled = False             # the engine thread is stuck (pod/stall.py): not ready
         self.num_inflight = 0            # open RPC streams that must finish before exit
-        self.snapshot: EngineStats = self.engine.stats()
         self.num_held = 0
         self._samples: list[tuple[int, object]] = []
         self._refreshed_at = 0.0
         self._steps_timed = 0
         self._idle = asyncio.Event()
+
+    owns_engine = True   # False: the engine runs in another process (decode_pod.core_client)
+
+    def _load_engine(self, engine_config: EngineConfig) -> None:
+        # The router turns ids into text; the engine detokenizes only requests with stop strings.
+        self.engine = Engine(dataclasses.replace(engine_config, detokenize=False))
+        self.layout = KVLayout.from_tensor(self.engine.kv_cache)
+        if self.engine.tp_kv is not None:   # on the wire a block has every KV head, whatever the TP degree
+            self.layout = dataclasses.replace(self.layout, num_kv_heads=self.engine.model_config.num_kv_heads)
+        self.model_info = self.layout.to_model_info(
+            engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size)
+        self.block_size = self.engine.cache_config.block_size
+        self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
+        self.snapshot = self.engine.stats()
 
     # ------------------------------------------------------------------ engine thread hooks
     def after_step(self, engine: Engine, num_held: int = 0) -> None:
@@ -264,12 +279,12 @@ class PodRuntime:
 
     def abort_request_nowait(self, request_id: str, reason: str):
         """As `abort_request`, without waiting (safe in `finally` of a cancelled handler)."""
-        future = self.loop.call(lambda e: e.abort(request_id))
+        future = self.loop.abort(request_id)
         self.loop.fail(request_id, RequestFailed(grpc.StatusCode.ABORTED, reason))
         return future
 
     def load_report(self, since_step: int = -1) -> tuple[cbserve_pb2.LoadReport, int]:
-        s, cfg = self.snapshot, self.engine
+        s = self.snapshot
         samples = [x for n, x in self._samples if n > since_step]
         last = self._samples[-1][0] if self._samples else since_step
         report = cbserve_pb2.LoadReport(
@@ -277,8 +292,8 @@ class PodRuntime:
             prefill_queue_tokens=s.prefill_queue_tokens, num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, step_seconds_ewma=s.step_seconds_ewma,
             prefill_tokens_per_second=s.prefill_tokens_per_second, timestamp=time.time(),
-            draining=self.draining, block_size=cfg.cache_config.block_size,
-            max_num_seqs=cfg.scheduler_config.max_num_seqs, num_held_kv=self.num_held,
+            draining=self.draining, block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held,
             step_samples=[cbserve_pb2.StepSample(num_seqs=x.num_seqs, num_context_tokens=x.num_context_tokens,
                                                  num_prefill_tokens=x.num_prefill_tokens, seconds=x.seconds)
                           for x in samples[-32:]])
@@ -318,17 +333,11 @@ class PodRuntime:
 
     async def serve(self, add_servicer, service_name: str, post_step=None, on_idle=None,
                     pending_work=lambda: 0) -> None:
-        """Run until SIGTERM/SIGINT, then drain: unready at once, finish streams and pulls, exit."""
-        if self.engine.tp is not None:   # a lost rank: unready at once, then the process exits
-            self.engine.tp.on_lost.append(lambda message: self.set_serving(False, service_name))
-        self.warm_up()
-        # Everything alive now (model, tokenizer, config) lives as long as the process: keep it out
-        # of the collector's generations so GC pauses stay short in the step loop.
-        gc.collect()
-        gc.freeze()
+        """Run until SIGTERM/SIGINT (or `stop`), then drain: unready at once, finish streams and
+        pulls, exit. Returns the process's exit code."""
         loop = asyncio.get_running_loop()
-        self.loop = EngineLoop(self.engine, loop, post_step=post_step, on_idle=on_idle)
-        self.loop.start()
+        self._stop = asyncio.Event()
+        await self.start_engine(service_name, post_step, on_idle)
         security = self.pod.security
         server = grpc.aio.server(options=server_options(), interceptors=security.server_interceptors())
         add_servicer(server)
@@ -362,10 +371,9 @@ class PodRuntime:
         log.info("%s pod %s serving on %s:%d (metrics :%s, %s, %s)", self.role_label, self.pod_id, self.pod.host,
                  bound, self.pod.metrics_port or "-", "TLS" if security.tls_cert else "plaintext",
                  "cluster secret required" if security.secret else "NO cluster secret: open to anyone")
-        stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            loop.add_signal_handler(sig, self._stop.set)
+        await self._stop.wait()
         watchdog.cancel()
         self.draining = True
         self.set_serving(False, service_name)
@@ -377,6 +385,26 @@ class PodRuntime:
             await s.stop(grace=max(0.0, min(1.0, deadline - time.monotonic())))
         self.loop.stop()
         log.info("drained; exiting")
+        return self.exit_code
+
+    exit_code = 0
+
+    def stop(self, exit_code: int = 0) -> None:
+        """Event loop: drain and exit as on SIGTERM, with `exit_code`."""
+        self.exit_code = self.exit_code or exit_code
+        self._stop.set()
+
+    async def start_engine(self, service_name: str, post_step, on_idle) -> None:
+        """Warm the engine up and start its thread (`self.loop`) before the server listens."""
+        if self.engine.tp is not None:   # a lost rank: unready at once, then the process exits
+            self.engine.tp.on_lost.append(lambda message: self.set_serving(False, service_name))
+        self.warm_up()
+        # Everything alive now (model, tokenizer, config) lives as long as the process: keep it out
+        # of the collector's generations so GC pauses stay short in the step loop.
+        gc.collect()
+        gc.freeze()
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), post_step=post_step, on_idle=on_idle)
+        self.loop.start()
 
 
 class CommonRPCs:

@@ -116,7 +116,7 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
                 if not done:   # cancelled or failed: nothing will be pulled
                     with self._lease_lock:
                         self._forget(req_id, "prefill cancelled")
-                    rt.loop.call(lambda e: e.abort(req_id))
+                    rt.loop.abort(req_id)
         ttft = time.monotonic() - arrival
         rt.metrics.ttft.observe(ttft)
         rt.metrics.request_finished("prefilled")
@@ -221,8 +221,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
         return cbserve_pb2.SetupTransportResponse()
 
 
-async def serve(runtime: PodRuntime) -> None:
+async def serve(runtime: PodRuntime) -> int:
     servicer = PrefillServicer(runtime)
-    await runtime.serve(lambda server: cbserve_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
-                        SERVICE_NAME, post_step=servicer.post_step, on_idle=servicer.on_idle,
-                        pending_work=lambda: servicer.held.num_held + len(servicer.pulling))
+    return await runtime.serve(lambda server: cbserve_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
+                               SERVICE_NAME, post_step=servicer.post_step, on_idle=servicer.on_idle,
+                               pending_work=lambda: servicer.held.num_held + len(servicer.pulling))

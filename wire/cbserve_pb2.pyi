@@ -341,3 +341,95 @@ class SessionResponse(_message.Message):
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     heartbeat_seconds: float
     def __init__(self, outputs: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
+
+class CoreCommand(_message.Message):
+    __slots__ = ("add", "abort_request_id", "stop")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    add: GenerateRequest
+    abort_request_id: str
+    stop: bool
+    def __init__(self, add: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class CoreOutput(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLED_AT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    finished: bool
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    local_prefill: bool
+    kv_transfer_seconds: float
+    kv_pulled_at: float
+    kv_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class CoreStats(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_EWMA_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SAMPLE_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    prefill_queue_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_hit_ratio: float
+    num_preemptions: int
+    step_seconds_ewma: float
+    prefill_tokens_per_second: float
+    num_steps: int
+    first_sample_step: int
+    samples: _containers.RepeatedCompositeFieldContainer[StepSample]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ...) -> None: ...
+
+class CoreReady(_message.Message):
+    __slots__ = ("model", "block_size", "max_num_seqs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    block_size: int
+    max_num_seqs: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+
+class CoreEvents(_message.Message):
+    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_AT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[CoreOutput]
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    iteration_at: float
+    step_seconds: _containers.RepeatedScalarFieldContainer[float]
+    stats: CoreStats
+    ready: CoreReady
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ...) -> None: ...

@@ -223,16 +223,28 @@ def test_a_pod_without_a_secret_refuses_to_start():
         pod.stop()
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a decode pod's engine core is its child)."""
+    pids = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                pids += _process_tree(int(child))
+    return pids
+
+
 def _listening(pid: int) -> list[str]:
-    """Local addresses ("IP:port", IPv4 and IPv6 hex as /proc shows them) of `pid`'s listening TCP sockets."""
+    """Local addresses ("IP:port", IPv4 and IPv6 hex as /proc shows them) of the listening TCP
+    sockets of `pid` and its descendants."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+    for proc in _process_tree(pid):
+        for fd in os.listdir(f"/proc/{proc}/fd"):
+            try:
+                target = os.readlink(f"/proc/{proc}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
     found = []
     for table in ("tcp", "tcp6"):
         for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:

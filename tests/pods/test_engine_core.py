@@ -1,0 +1,153 @@
+"""A decode pod's engine runs in its own process (`decode_pod/core.py`), apart from the gRPC server.
+
+Against real pod processes: the core is the server's child and serves requests; it never outlives
+the server; a dead core fails the open requests with UNAVAILABLE and takes the pod down (so the
+kubelet or `cbserve up` restarts it); SIGTERM drains the open requests, then stops the core. And
+in this process: the statistics the core sends become the server's load reports and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from decode_pod.core import stats_to_pb
+from decode_pod.core_client import CoreRuntime
+from engine.engine import EngineConfig
+from engine.outputs import EngineStats, StepSample
+from pod.runtime import PodConfig
+from tests.pods.podproc import Pod, pod_channel, run, sampling
+from wire import cbserve_pb2 as pb
+from wire import cbserve_pb2_grpc as pb_grpc
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return found
+
+
+def engine_core_of(pod: Pod) -> int:
+    cores = [c for c in children(pod.proc.pid)
+             if "--engine-core-fd" in Path(f"/proc/{c}/cmdline").read_bytes().decode().split("\0")]
+    assert len(cores) == 1, f"expected one engine-core child of {pod.proc.pid}, found {cores}"
+    return cores[0]
+
+
+def gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True   # exited; its parent has not reaped it yet
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def request(req_id: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=req_id, prompt_token_ids=[1, 5, 9, 13, 17, 21],
+                              sampling=sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+@pytest.mark.slow
+def test_engine_core_is_a_child_that_never_outlives_its_server():
+    pod = Pod("decode")
+    try:
+        pod.wait_ready()
+        core = engine_core_of(pod)
+
+        async def generate():
+            async with pod_channel(pod.address) as channel:
+                stub = pb_grpc.DecodeServiceStub(channel)
+                return [t async for m in stub.Generate(request("child", 8), timeout=60) for t in m.token_ids]
+
+        assert len(run(generate())) == 8
+        os.kill(pod.proc.pid, signal.SIGKILL)      # the server alone, not its process group
+        assert gone(core, timeout=10), "the engine core outlived its server"
+    finally:
+        pod.kill()
+        pod.proc.wait(15)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_core_fails_open_requests_and_the_pod_exits():
+    pod = Pod("decode")
+    try:
+        pod.wait_ready()
+        core = engine_core_of(pod)
+
+        async def scenario():
+            async with pod_channel(pod.address) as channel:
+                call = pb_grpc.DecodeServiceStub(channel).Generate(request("doomed", 2000), timeout=120)
+                await call.read()
+                os.kill(core, signal.SIGKILL)
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                return err.value, time.monotonic() - started
+
+        error, seconds = run(scenario())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "engine process exited" in error.details()
+        assert seconds < 10
+        assert pod.proc.wait(30) != 0, "a pod whose engine died must exit (and be restarted)"
+    finally:
+        pod.kill()
+        pod.proc.wait(15)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_open_requests_then_stops_the_engine_core():
+    pod = Pod("decode", "--drain-seconds", "60")
+    try:
+        pod.wait_ready()
+        core = engine_core_of(pod)
+
+        async def scenario():
+            async with pod_channel(pod.address) as channel:
+                call = pb_grpc.DecodeServiceStub(channel).Generate(request("drained", 64), timeout=120)
+                tokens = list((await call.read()).token_ids)
+                os.kill(pod.proc.pid, signal.SIGTERM)
+                async for message in call:
+                    tokens += message.token_ids
+                return tokens
+
+        assert len(run(scenario())) == 64
+        assert pod.proc.wait(30) == 0
+        assert gone(core, timeout=10)
+    finally:
+        pod.kill()
+        pod.proc.wait(15)
+
+
+def test_the_cores_statistics_become_load_reports_and_metrics():
+    rt = CoreRuntime(EngineConfig(model="tiny"), PodConfig(), "decode", argv=[])
+    assert rt.engine is None                     # no model loaded in the server process
+    ready = pb.CoreReady(block_size=16, max_num_seqs=48)
+    ready.model.model_name = "tiny"
+    rt.apply_ready(ready)
+    assert rt.model_info.model_name == "tiny"
+    stats = EngineStats(num_running=3, num_waiting=2, prefill_queue_tokens=70, num_free_blocks=50,
+                        num_total_blocks=64, kv_cache_usage=0.22, prefix_cache_hit_ratio=0.5,
+                        num_preemptions=1, step_seconds_ewma=0.02, prefill_tokens_per_second=900.0, num_steps=12)
+    samples = [(10, StepSample(3, 120, 0, 0.02)), (11, StepSample(3, 123, 16, 0.03))]
+    message = pb.CoreStats()
+    stats_to_pb(stats, samples, message)
+    rt.apply_stats(pb.CoreStats.FromString(message.SerializeToString()))
+    assert rt.snapshot == stats
+    report, last = rt.load_report(since_step=10)
+    assert last == 11 and [s.num_prefill_tokens for s in report.step_samples] == [16]
+    assert (report.num_running, report.num_waiting, report.num_free_blocks, report.block_size,
+            report.max_num_seqs) == (3, 2, 50, 16, 48)
+    assert rt.metrics.registry.get_sample_value("cbserve_requests_running", {"role": "decode"}) == 3
+    assert rt.stall_threshold() >= 0.03
