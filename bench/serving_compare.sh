@@ -10,7 +10,7 @@ MODEL=${MODEL:-$HOME/.cache/cbserve/models/tiny-v1}
 PEER=${PEER:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/vllm_cpu.sh}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=$HERE/.venv/bin/python
-OUTD=${OUTD:-$(mktemp -d)}
+OUTD=${OUTD:-$(mktemp -d)}; mkdir -p "$OUTD"
 RELAX="--slo-ttft-ms 600000 --slo-tpot-ms 60000"
 wait_up() { for _ in $(seq 1 150); do sleep 2; curl -s "localhost:$1/v1/models" >/dev/null && return 0; done; return 1; }
 bench() {  # name port
