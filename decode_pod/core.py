@@ -34,6 +34,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -85,40 +86,39 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats) -> None:
 
 
 class Outbox:
-    """What the engine core has to say, collected into one `CoreEvents` and sent by a writer thread
-    (the engine thread builds its step's message; a slow reader never blocks it)."""
+    """The engine core's messages, built and sent by a writer thread. The engine thread queues what
+    a step produced as it is (one closure, no per-output work), and the writer turns everything
+    queued into one `CoreEvents` while the engine computes the next step: output processing
+    overlaps the next step instead of following it, and a slow reader gets fewer, larger messages."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._lock = threading.Lock()
-        self._events = cbserve_pb2.CoreEvents()
-        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[Callable[[cbserve_pb2.CoreEvents], None] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="core-writer", daemon=True)
         self._writer.start()
 
-    def error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        with self._lock:
-            self._events.errors.add(request_id=request_id, code=code.value[0], message=message)
-
-    def flush(self, iteration_at: float, fill=None) -> None:
-        """Send what was collected (with `fill(events)` called under the lock first), if anything."""
-        with self._lock:
-            events = self._events
-            if fill is not None:
-                fill(events)
-            events.iteration_at = iteration_at
-            self._events = cbserve_pb2.CoreEvents()
-        self._frames.put(frame(events))
+    def put(self, fill: Callable[[cbserve_pb2.CoreEvents], None]) -> None:
+        """`fill(events)` runs in the writer thread, in the order of `put`s, on the next message."""
+        self._items.put(fill)
 
     def close(self) -> None:
-        self._frames.put(None)
+        self._items.put(None)
         self._writer.join(5.0)
 
     def _write(self) -> None:
-        while (data := self._frames.get()) is not None:
+        while True:
+            item, events = self._items.get(), cbserve_pb2.CoreEvents()
+            while item is not None:
+                item(events)
+                try:
+                    item = self._items.get_nowait()
+                except queue.Empty:
+                    break
             try:
-                self._sock.sendall(data)
+                self._sock.sendall(frame(events))
             except OSError:   # the server is gone; the command reader sees it too and exits
+                return
+            if item is None:
                 return
 
 
@@ -150,20 +150,34 @@ class DecodeCore:
 
     def on_idle(self, engine: Engine) -> None:
         self.rt.refresh(engine)
-        self.outbox.flush(self.rt.loop.last_iteration_at, self._fill_step)
+        self.outputs([])   # at least every 50 ms: statistics, and proof that the engine thread is alive
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
-        """`EngineLoop` sink, engine thread: a step's outputs go out in one message."""
-        self.outbox.flush(self.rt.loop.last_iteration_at, lambda events: self._fill(events, outputs))
+        """`EngineLoop` sink, engine thread: queue a step's outputs, with the step times and the
+        statistics refreshed since the last call, for the writer thread."""
+        engine, rt = self.rt.engine, self.rt
+        new = min(engine.num_steps - self._steps_sent, len(engine.step_samples))
+        self._steps_sent = engine.num_steps
+        steps = [engine.step_samples[-i].seconds for i in range(new, 0, -1)]
+        stats = None
+        if rt._refreshed_at != self._stats_sent_at:   # snapshot and samples are replaced, never mutated
+            self._stats_sent_at = rt._refreshed_at
+            stats = (rt.snapshot, rt._samples)
+        iteration_at = rt.loop.last_iteration_at
+        self.outbox.put(lambda events: self._fill(events, outputs, steps, stats, iteration_at))
 
     def failure(self, request_id: str, error: BaseException) -> None:
         """`EngineLoop` sink, either thread: `request_id` ended with `error`."""
         code = error.code if isinstance(error, RequestFailed) else grpc.StatusCode.INTERNAL
-        self.outbox.error(request_id, code, str(error))
-        self.outbox.flush(self.rt.loop.last_iteration_at)
+
+        def fill(events: cbserve_pb2.CoreEvents) -> None:
+            events.errors.add(request_id=request_id, code=code.value[0], message=str(error))
+        self.outbox.put(fill)
         self.rt.loop.loop.call_soon_threadsafe(self._forget, request_id)
 
-    def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput]) -> None:
+    def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], steps: list[float],
+              stats, iteration_at: float) -> None:
+        """Writer thread: one step's share of the next message."""
         for out in outputs:
             o = events.outputs.add(request_id=out.request_id, new_token_ids=out.new_token_ids,
                                    finished=out.finished, finish_reason=out.finish_reason or "",
@@ -180,18 +194,11 @@ class DecodeCore:
                 o.kv_bytes = job.kv_bytes
             if out.finished:
                 self.rt.loop.loop.call_soon_threadsafe(self._forget, out.request_id)
-        self._fill_step(events)
-
-    def _fill_step(self, events: cbserve_pb2.CoreEvents) -> None:
-        """Step times since the last message, and statistics if they were refreshed since."""
-        engine, rt = self.rt.engine, self.rt
-        new = min(engine.num_steps - self._steps_sent, len(engine.step_samples))
-        if new > 0:
-            events.step_seconds.extend(s.seconds for s in list(engine.step_samples)[-new:])
-        self._steps_sent = engine.num_steps
-        if rt._refreshed_at != self._stats_sent_at:
-            self._stats_sent_at = rt._refreshed_at
-            stats_to_pb(rt.snapshot, rt._samples, events.stats)
+        events.step_seconds.extend(steps)
+        if stats is not None:
+            events.ClearField("stats")
+            stats_to_pb(*stats, events.stats)
+        events.iteration_at = max(events.iteration_at, iteration_at)
 
     # ------------------------------------------------------------------ commands (event loop)
     def _add(self, request: cbserve_pb2.GenerateRequest) -> None:
@@ -237,7 +244,7 @@ class DecodeCore:
         ready.ready.block_size, ready.ready.max_num_seqs = rt.block_size, rt.max_num_seqs
         stats_to_pb(rt.snapshot, [], ready.stats)
         ready.iteration_at = time.monotonic()
-        self.sock.sendall(frame(ready))
+        self.outbox.put(lambda events: events.MergeFrom(ready))
         rt.loop.start()
         self._stopped = asyncio.Event()
         threading.Thread(target=self._read_commands, args=(loop,), name="core-commands", daemon=True).start()
