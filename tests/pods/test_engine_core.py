@@ -8,7 +8,7 @@ in this process: the statistics the core sends become the server's load reports 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -54,6 +54,18 @@ def gone(pid: int, timeout: float) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def decode_pod(*args: str):
+    """A ready decode pod and the pid of its engine core; SIGKILLed at the end."""
+    pod = Pod("decode", *args)
+    try:
+        pod.wait_ready()
+        yield pod, engine_core_of(pod)
+    finally:
+        pod.kill()
+        pod.proc.wait(15)
+
+
 def request(req_id: str, max_tokens: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=req_id, prompt_token_ids=[1, 5, 9, 13, 17, 21],
                               sampling=sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
@@ -61,10 +73,7 @@ def request(req_id: str, max_tokens: int) -> pb.GenerateRequest:
 
 @pytest.mark.slow
 def test_engine_core_is_a_child_that_never_outlives_its_server():
-    pod = Pod("decode")
-    try:
-        pod.wait_ready()
-        core = engine_core_of(pod)
+    with decode_pod() as (pod, core):
 
         async def generate():
             async with pod_channel(pod.address) as channel:
@@ -74,17 +83,11 @@ def test_engine_core_is_a_child_that_never_outlives_its_server():
         assert len(run(generate())) == 8
         os.kill(pod.proc.pid, signal.SIGKILL)      # the server alone, not its process group
         assert gone(core, timeout=10), "the engine core outlived its server"
-    finally:
-        pod.kill()
-        pod.proc.wait(15)
 
 
 @pytest.mark.slow
 def test_a_dead_engine_core_fails_open_requests_and_the_pod_exits():
-    pod = Pod("decode")
-    try:
-        pod.wait_ready()
-        core = engine_core_of(pod)
+    with decode_pod() as (pod, core):
 
         async def scenario():
             async with pod_channel(pod.address) as channel:
@@ -101,17 +104,11 @@ def test_a_dead_engine_core_fails_open_requests_and_the_pod_exits():
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "engine process exited" in error.details()
         assert seconds < 10
         assert pod.proc.wait(30) != 0, "a pod whose engine died must exit (and be restarted)"
-    finally:
-        pod.kill()
-        pod.proc.wait(15)
 
 
 @pytest.mark.slow
 def test_sigterm_drains_open_requests_then_stops_the_engine_core():
-    pod = Pod("decode", "--drain-seconds", "60")
-    try:
-        pod.wait_ready()
-        core = engine_core_of(pod)
+    with decode_pod("--drain-seconds", "60") as (pod, core):
 
         async def scenario():
             async with pod_channel(pod.address) as channel:
@@ -125,9 +122,6 @@ def test_sigterm_drains_open_requests_then_stops_the_engine_core():
         assert len(run(scenario())) == 64
         assert pod.proc.wait(30) == 0
         assert gone(core, timeout=10)
-    finally:
-        pod.kill()
-        pod.proc.wait(15)
 
 
 def test_the_cores_statistics_become_load_reports_and_metrics():
