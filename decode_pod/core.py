@@ -87,9 +87,11 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats) -> None:
 
 class Outbox:
     """The engine core's messages, built and sent by a writer thread. The engine thread queues what
-    a step produced as it is (one closure, no per-output work), and the writer turns everything
-    queued into one `CoreEvents` while the engine computes the next step: output processing
-    overlaps the next step instead of following it, and a slow reader gets fewer, larger messages."""
+    a step produced as it is (one closure, no per-output work), and the writer turns it into a
+    `CoreEvents` while the engine computes the next step: output processing overlaps the next step
+    instead of following it. One message per item (a request appears at most once in a step); a
+    slow reader still gets fewer, larger messages from the server, whose Session sends whatever
+    arrived since its last message."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -106,19 +108,12 @@ class Outbox:
         self._writer.join(5.0)
 
     def _write(self) -> None:
-        while True:
-            item, events = self._items.get(), cbserve_pb2.CoreEvents()
-            while item is not None:
-                item(events)
-                try:
-                    item = self._items.get_nowait()
-                except queue.Empty:
-                    break
+        while (item := self._items.get()) is not None:
+            events = cbserve_pb2.CoreEvents()
+            item(events)
             try:
                 self._sock.sendall(frame(events))
             except OSError:   # the server is gone; the command reader sees it too and exits
-                return
-            if item is None:
                 return
 
 
@@ -177,15 +172,24 @@ class DecodeCore:
 
     def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], steps: list[float],
               stats, iteration_at: float) -> None:
-        """Writer thread: one step's share of the next message."""
+        """Writer thread: one step's message. Outputs that are only new tokens go out packed (three
+        repeated fields filled in bulk); a request's first output, its last, and outputs with
+        logprobs go out as `CoreOutput`s."""
+        jobs, ids, counts, tokens = self.jobs, [], [], []
         for out in outputs:
+            job = jobs.get(out.request_id)
+            if not out.finished and (job is None or job.reported) and \
+                    not (out.new_logprobs and out.new_logprobs[0] is not None):
+                ids.append(out.request_id)
+                counts.append(len(out.new_token_ids))
+                tokens += out.new_token_ids
+                continue
             o = events.outputs.add(request_id=out.request_id, new_token_ids=out.new_token_ids,
                                    finished=out.finished, finish_reason=out.finish_reason or "",
                                    num_prompt_tokens=out.num_prompt_tokens,
                                    num_cached_tokens=out.num_cached_tokens)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
-            job = self.jobs.get(out.request_id)
             if job is not None and not job.reported:
                 job.reported = True
                 o.local_prefill = job.local_prefill
@@ -194,11 +198,14 @@ class DecodeCore:
                 o.kv_bytes = job.kv_bytes
             if out.finished:
                 self.rt.loop.loop.call_soon_threadsafe(self._forget, out.request_id)
+        if ids:
+            events.token_request_ids.extend(ids)
+            events.num_new_tokens.extend(counts)
+            events.token_ids.extend(tokens)
         events.step_seconds.extend(steps)
         if stats is not None:
-            events.ClearField("stats")
             stats_to_pb(*stats, events.stats)
-        events.iteration_at = max(events.iteration_at, iteration_at)
+        events.iteration_at = iteration_at
 
     # ------------------------------------------------------------------ commands (event loop)
     def _add(self, request: cbserve_pb2.GenerateRequest) -> None:

@@ -39,6 +39,19 @@ ROOT = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 10.0
 
 
+class NewTokens:
+    """A step's new tokens for a request, from `CoreEvents`' packed fields: reads like a
+    `CoreOutput` that is neither the request's first nor its last and has no logprobs."""
+
+    __slots__ = ("new_token_ids",)
+    new_logprobs = ()
+    finished = False
+    finish_reason = ""
+
+    def __init__(self, new_token_ids: list[int]) -> None:
+        self.new_token_ids = new_token_ids
+
+
 class EngineCoreExited(RuntimeError):
     def __init__(self, code: int) -> None:
         super().__init__(f"the engine-core process exited with code {code} before it was ready")
@@ -188,6 +201,13 @@ class EngineCoreClient:
             deliver = subscribers.get(out.request_id)
             if deliver is not None:
                 deliver(out)
+        if events.token_request_ids:
+            tokens, start = list(events.token_ids), 0
+            for request_id, count in zip(events.token_request_ids, events.num_new_tokens):
+                deliver = subscribers.get(request_id)
+                if deliver is not None:
+                    deliver(NewTokens(tokens[start:start + count]))
+                start += count
         for error in events.errors:
             code = STATUS_CODES.get(error.code, grpc.StatusCode.INTERNAL)
             if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -78,6 +78,7 @@ class OpenRequest:
         self._deadline = asyncio.get_running_loop().call_later(timeout, deliver, DeadlineExceeded())
         rt.num_inflight += 1                    # counted for the drain, like `rt.track()`
         self.index = 0                          # output position of the next token
+        self.num_prompt_tokens = 0              # from the first output
         self.finished = False
         self.finish_reason = ""
         self._first_token_at: float | None = None
@@ -109,11 +110,12 @@ class OpenRequest:
         job, metrics = self.job, self.rt.metrics
         response = new(
             request_id=self.request_id, index=self.index, token_ids=token_ids, finished=last.finished,
-            finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens, logprobs=logprobs)
+            finish_reason=last.finish_reason, num_prompt_tokens=self.num_prompt_tokens, logprobs=logprobs)
         now = time.monotonic()
         if self.index == 0:
             self._first_token_at = now
             self._arrived(first)
+            response.num_prompt_tokens = self.num_prompt_tokens = first.num_prompt_tokens
             metrics.ttft.observe(now - job.arrival)
             response.local_prefill = job.local_prefill
             response.kv_transfer_seconds = job.kv_transfer_seconds

@@ -419,17 +419,23 @@ class CoreReady(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class CoreEvents(_message.Message):
-    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready")
+    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_AT_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[CoreOutput]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     iteration_at: float
     step_seconds: _containers.RepeatedScalarFieldContainer[float]
     stats: CoreStats
     ready: CoreReady
-    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ...) -> None: ...
+    token_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
