@@ -221,21 +221,28 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str
 
 def measure_tree(path: Path, args, api: str) -> dict:
     proc, address, log = start_pod(path, args)
-    try:
-        async def scenario():
-            await wait_ready(proc, address, log)
-            await drive(address, workload(args, args.concurrency, seed=1), args, "warm", api)
-            cpu0, loop0 = tree_cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
-            result = await drive(address, workload(args), args, "run", api)
-            result["pod_cpu_us_per_token"] = 1e6 * (tree_cpu_seconds(proc.pid) - cpu0) / result["tokens"]
-            result["loop_cpu_us_per_token"] = 1e6 * (cpu_seconds(proc.pid, proc.pid) - loop0) / result["tokens"]
-            return result
 
+    async def scenario():
+        await wait_ready(proc, address, log)
+        await drive(address, workload(args, args.concurrency, seed=1), args, "warm", api)
+        cpu0, loop0 = tree_cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
+        result = await drive(address, workload(args), args, "run", api)
+        result["pod_cpu_us_per_token"] = 1e6 * (tree_cpu_seconds(proc.pid) - cpu0) / result["tokens"]
+        result["loop_cpu_us_per_token"] = 1e6 * (cpu_seconds(proc.pid, proc.pid) - loop0) / result["tokens"]
+        return result
+
+    return pod_and_offline(path, args, proc, scenario, Path(__file__))
+
+
+def pod_and_offline(path: Path, args, proc: subprocess.Popen, scenario, script: Path) -> dict:
+    """`scenario()` against the running pod `proc` (stopped afterwards), then `script --offline`
+    with this command line in the tree at `path`: {"pod": ..., "offline": ...}."""
+    try:
         pod = asyncio.run(scenario())
     finally:
         proc.terminate()
         proc.wait(30)
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--offline", *sys.argv[1:]],
+    run = subprocess.run([sys.executable, str(script.resolve()), "--offline", *sys.argv[1:]],
                          cwd=path, env=tree_env(path, args), capture_output=True, text=True, check=True)
     return {"pod": pod, "offline": json.loads(run.stdout.strip().splitlines()[-1])}
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from pod_overhead import BENCH_SECRET, cpu_seconds, tree_env, wait_ready, workload  # noqa: E402
+from pod_overhead import (BENCH_SECRET, cpu_seconds, pod_and_offline, tree_env, wait_ready,  # noqa: E402
+                          workload)
 
 
 def engine_flags(args) -> list[str]:
@@ -124,23 +125,17 @@ def measure_tree(path: Path, args) -> dict:
                              "--port", str(port), "--advertise-address", f"127.0.0.1:{port}", *engine_flags(args)],
                             cwd=path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     address = f"127.0.0.1:{port}"
-    try:
-        async def scenario():
-            await wait_ready(proc, address, log)
-            await drive(address, workload(args, args.concurrency, seed=1), args, "warm")
-            cpu0, loop0 = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
-            result = await drive(address, workload(args), args, "run")
-            result["pod_cpu_ms_per_request"] = 1e3 * (cpu_seconds(proc.pid) - cpu0) / args.requests
-            result["loop_cpu_ms_per_request"] = 1e3 * (cpu_seconds(proc.pid, proc.pid) - loop0) / args.requests
-            return result
 
-        pod = asyncio.run(scenario())
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--offline", *sys.argv[1:]],
-                         cwd=path, env=tree_env(path, args), capture_output=True, text=True, check=True)
-    return {"pod": pod, "offline": json.loads(run.stdout.strip().splitlines()[-1])}
+    async def scenario():
+        await wait_ready(proc, address, log)
+        await drive(address, workload(args, args.concurrency, seed=1), args, "warm")
+        cpu0, loop0 = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
+        result = await drive(address, workload(args), args, "run")
+        result["pod_cpu_ms_per_request"] = 1e3 * (cpu_seconds(proc.pid) - cpu0) / args.requests
+        result["loop_cpu_ms_per_request"] = 1e3 * (cpu_seconds(proc.pid, proc.pid) - loop0) / args.requests
+        return result
+
+    return pod_and_offline(path, args, proc, scenario, Path(__file__))
 
 
 def main() -> None:
