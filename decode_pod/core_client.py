@@ -47,6 +47,9 @@ class NewTokens:
     new_logprobs = ()
     finished = False
     finish_reason = ""
+    num_prompt_tokens = num_cached_tokens = kv_bytes = 0
+    local_prefill = False
+    kv_transfer_seconds = kv_pulled_at = 0.0
 
     def __init__(self, new_token_ids: list[int]) -> None:
         self.new_token_ids = new_token_ids

@@ -8,8 +8,10 @@ in this process: the statistics the core sends become the server's load reports 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import types
 import signal
 import time
 from pathlib import Path
@@ -18,7 +20,8 @@ import grpc
 import pytest
 
 from decode_pod.core import stats_to_pb
-from decode_pod.core_client import CoreRuntime
+from decode_pod.core_client import CoreRuntime, NewTokens
+from decode_pod.open_request import OpenRequest
 from engine.engine import EngineConfig
 from engine.outputs import EngineStats, StepSample
 from pod.runtime import PodConfig
@@ -145,3 +148,29 @@ def test_the_cores_statistics_become_load_reports_and_metrics():
             report.max_num_seqs) == (3, 2, 50, 16, 48)
     assert rt.metrics.registry.get_sample_value("cbserve_requests_running", {"role": "decode"}) == 3
     assert rt.stall_threshold() >= 0.03
+
+
+def test_steps_that_arrive_together_read_as_one_response():
+    """The server drains everything the core sent for a request since its last message: a first
+    output (a `CoreOutput`) with packed tokens after it, or packed tokens before the last output."""
+    rt = CoreRuntime(EngineConfig(model="tiny"), PodConfig(), "decode", argv=[])
+    rt.loop = types.SimpleNamespace(subscribe_with=lambda *a: None, unsubscribe=lambda *a: None,
+                                    abort=lambda *a: None)
+    servicer = types.SimpleNamespace(rt=rt, jobs={})
+
+    async def scenario():
+        req = OpenRequest(servicer, pb.GenerateRequest(request_id="r", prompt_token_ids=[1, 5, 9]), 60,
+                          lambda item: None)
+        first = pb.CoreOutput(request_id="r", new_token_ids=[7], num_prompt_tokens=3, num_cached_tokens=2,
+                              local_prefill=True)
+        response, error = req.respond([first, NewTokens([8, 9])])
+        assert error is None and list(response.token_ids) == [7, 8, 9] and response.index == 0
+        assert (response.num_prompt_tokens, response.num_cached_tokens, response.local_prefill) == (3, 2, True)
+        last = pb.CoreOutput(request_id="r", new_token_ids=[11], finished=True, finish_reason="length",
+                             num_prompt_tokens=3)
+        response, error = req.respond([NewTokens([10]), last])
+        assert list(response.token_ids) == [10, 11] and response.index == 3 and response.num_prompt_tokens == 3
+        assert response.finished and response.finish_reason == "length" and req.finished
+        req.close()
+
+    asyncio.run(scenario())
