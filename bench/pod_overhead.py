@@ -264,23 +264,28 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def add_workload_arguments(p: argparse.ArgumentParser, requests: int, num_blocks: int) -> None:
+    """The flags a pod-vs-offline bench shares (this one and `prefill_overhead.py`)."""
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in the pod and the offline engine")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=num_blocks)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)   # the subprocess side
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH[@generate]",
                    help="a checkout to run the pod and the offline engine from (default: this one); "
                         "@generate drives it with one Generate stream per request instead of a Session")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=256)
+    add_workload_arguments(p, requests=128, num_blocks=2048)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--threads", type=int, default=1, help="torch threads in the pod and the offline engine")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--num-blocks", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)   # the subprocess side
     args = p.parse_args()
     if args.offline:
         sys.path.insert(0, os.getcwd())        # the tree's engine, not this checkout's

@@ -28,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from pod_overhead import (BENCH_SECRET, cpu_seconds, pod_and_offline, tree_env, wait_ready,  # noqa: E402
-                          workload)
+from pod_overhead import (BENCH_SECRET, add_workload_arguments, cpu_seconds, pod_and_offline,  # noqa: E402
+                          tree_env, wait_ready, workload)
 
 
 def engine_flags(args) -> list[str]:
@@ -141,16 +141,7 @@ def measure_tree(path: Path, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--requests", type=int, default=192)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--threads", type=int, default=1, help="torch threads in the pod and the offline engine")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)
+    add_workload_arguments(p, requests=192, num_blocks=4096)
     args = p.parse_args()
     if args.offline:
         print(json.dumps(offline(args)))

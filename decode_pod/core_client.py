@@ -23,13 +23,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
 from wire import cbserve_pb2
 from decode_pod.core import frame, read_frame
+from engine.loop import Subscribers
 from engine.outputs import EngineStats
 from pod.runtime import PodRuntime, RequestFailed
 
@@ -102,12 +102,12 @@ class CoreRuntime(PodRuntime):
         self._samples = [(stats.first_sample_step + i, s) for i, s in enumerate(stats.samples)]
 
 
-class EngineCoreClient:
+class EngineCoreClient(Subscribers):
     def __init__(self, runtime: CoreRuntime, service_name: str) -> None:
+        super().__init__()
         self.rt = runtime
         self.service_name = service_name
         self.loop = asyncio.get_running_loop()
-        self._subscribers: dict[str, Callable[[object], None]] = {}
         self.last_iteration_at = time.monotonic()
         self.proc: subprocess.Popen | None = None
         self._stopping = False
@@ -133,17 +133,6 @@ class EngineCoreClient:
         self._reading = asyncio.create_task(self._read())
 
     # ------------------------------------------------------------------ what EngineLoop offers
-    def subscribe(self, request_id: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers[request_id] = q.put_nowait
-        return q
-
-    def subscribe_with(self, request_id: str, deliver: Callable[[object], None]) -> None:
-        self._subscribers[request_id] = deliver
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._subscribers.pop(request_id, None)
-
     def add(self, request: cbserve_pb2.GenerateRequest, timeout: float) -> concurrent.futures.Future:
         """Queue `request` in the engine core (its refusal arrives as the request's failure)."""
         command = cbserve_pb2.CoreCommand()
@@ -162,14 +151,6 @@ class EngineCoreClient:
     def fail(self, request_id: str, error: BaseException) -> None:
         self.loop.call_soon(self._deliver, request_id, error)
 
-    def fail_all(self, error: Callable[[], BaseException]) -> list[str]:
-        """End every subscribed request now with `error()` and abort it in the engine core."""
-        request_ids = list(self._subscribers)
-        for request_id in request_ids:
-            self._deliver(request_id, error())
-            self.abort(request_id)
-        return request_ids
-
     def stop(self, timeout: float = STOP_SECONDS) -> None:
         """Stop the engine core (after the drain) and wait for it to exit."""
         self._stopping = True
@@ -185,11 +166,6 @@ class EngineCoreClient:
     def _send(self, command: cbserve_pb2.CoreCommand) -> None:
         if not self.writer.is_closing():
             self.writer.write(frame(command))
-
-    def _deliver(self, request_id: str, item: object) -> None:
-        deliver = self._subscribers.get(request_id)
-        if deliver is not None:
-            deliver(item)
 
     def _apply(self, events: cbserve_pb2.CoreEvents) -> None:
         rt = self.rt

@@ -1,8 +1,8 @@
 """A decode pod's `Session`: many requests on one stream, one message per engine step.
 
-The router keeps one Session open per decode pod. Requests and cancels arrive on it; the engine
-loop hands each step's outputs to the session in one event-loop callback (`EngineLoop.subscribe_with`),
-and the session answers with one `SessionResponse` holding a `GenerateResponse` for every request
+The router keeps one Session open per decode pod. Requests and cancels arrive on it; each step
+message from the engine core is fanned out to its requests in one event-loop wake
+(`Subscribers.subscribe_with`), and the session answers with one `SessionResponse` holding a `GenerateResponse` for every request
 that moved. So a step of a 64-request batch costs one wake and one gRPC message, where per-request
 streams cost 64 of each (the send was about three quarters of the pod's loop-thread CPU per token).
 When the reader is slow, the steps queued meanwhile go out together in the next message.

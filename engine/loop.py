@@ -45,7 +45,48 @@ async def drain(outputs: asyncio.Queue) -> list:
     return items
 
 
-class EngineLoop:
+class Subscribers:
+    """Where each request's outputs go on the event loop: `subscribe` (a queue) or `subscribe_with`
+    (a callback), until `unsubscribe`. Shared by `EngineLoop` (the engine in this process) and a
+    decode pod's `EngineCoreClient` (the engine in its engine-core process), which supply `abort`."""
+
+    def __init__(self) -> None:
+        self._subscribers: dict[str, Callable[[Any], None]] = {}
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """Outputs of `request_id` (call before the request is added, from the event loop)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers[request_id] = q.put_nowait
+        return q
+
+    def subscribe_with(self, request_id: str, deliver: Callable[[Any], None]) -> None:
+        """As `subscribe`, with `deliver(item)` called on the event loop for each output or failure."""
+        self._subscribers[request_id] = deliver
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        deliver = self._subscribers.get(request_id)
+        if deliver is not None:
+            deliver(item)
+
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    def fail_all(self, error: Callable[[], BaseException]) -> list[str]:
+        """Event loop: end every subscribed request now with `error()` and abort it in the engine
+        (which drops it when its thread next runs commands). For a stuck engine thread
+        (`pod.stall`): its requests fail over to other pods in seconds instead of waiting for it.
+        Returns their ids."""
+        request_ids = list(self._subscribers)
+        for request_id in request_ids:
+            self._deliver(request_id, error())
+            self.abort(request_id)
+        return request_ids
+
+
+class EngineLoop(Subscribers):
     """`post_step(engine, outputs)` runs in the engine thread after every step (pods use it to
     publish KV progress); `on_idle(engine)` runs at least every 50 ms (TTL expiry).
 
@@ -56,6 +97,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
                  post_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
                  on_idle: Callable[[Engine], None] | None = None, sink: Any = None) -> None:
+        super().__init__()
         self.engine = engine
         self.loop = loop
         self.post_step = post_step
@@ -63,7 +105,6 @@ class EngineLoop:
         self.sink = sink
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = \
             queue.SimpleQueue()
-        self._subscribers: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # Monotonic time the engine thread last went round its loop (at least every 50 ms while it
@@ -93,24 +134,7 @@ class EngineLoop:
         """Abort `request_id` in the engine (idempotent; frees its blocks) before the next step."""
         return self.call(lambda engine: engine.abort(request_id))
 
-    def subscribe(self, request_id: str) -> asyncio.Queue:
-        """Outputs of `request_id` (call before the request is added, from the event loop)."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers[request_id] = q.put_nowait
-        return q
-
-    def subscribe_with(self, request_id: str, deliver: Callable[[RequestOutput | BaseException], None]) -> None:
-        """As `subscribe`, with `deliver(item)` called on the event loop for each output or failure."""
-        self._subscribers[request_id] = deliver
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._subscribers.pop(request_id, None)
-
     # ------------------------------------------------------------------ engine thread
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        deliver = self._subscribers.get(request_id)
-        if deliver is not None:
-            deliver(item)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: hand outputs to their subscribers."""
@@ -118,16 +142,6 @@ class EngineLoop:
             self.sink.outputs(outputs)
         elif outputs:
             self.loop.call_soon_threadsafe(self._publish_now, outputs)
-
-    def fail_all(self, error: Callable[[], BaseException]) -> list[str]:
-        """Event loop: end every subscribed request now with `error()`; the engine drops them when
-        its thread next runs commands. For a stuck engine thread (`pod.stall`): its requests
-        fail over to other pods in seconds instead of waiting for it. Returns their ids."""
-        request_ids = list(self._subscribers)
-        for request_id in request_ids:
-            self._deliver(request_id, error())
-        self.call(lambda engine: [engine.abort(request_id) for request_id in request_ids])
-        return request_ids
 
     def fail(self, request_id: str, error: BaseException) -> None:
         if self.sink is not None:
