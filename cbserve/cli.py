@@ -111,6 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_pod_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--engine-core-fd", type=int, default=-1,   # the engine-core process's socket (pod/core.py)
+                   help=argparse.SUPPRESS)
     _add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=default_port)
@@ -170,11 +172,14 @@ def cmd_pod(args: argparse.Namespace) -> int:
     from engine.tp_shard import TensorParallelError
 
     engine_config = engine_config_from_args(args, engine_role)
-    if role != "prefill" and args.engine_core_fd < 0:
-        # A decode pod's engine runs in an engine-core process started with this command line
-        # (decode_pod/core.py); this process serves gRPC.
-        from decode_pod.core_client import CoreRuntime, EngineCoreExited
-        from decode_pod.server import serve
+    if args.engine_core_fd < 0:
+        # A pod's engine runs in an engine-core process started with this command line
+        # (pod/core.py); this process serves gRPC.
+        from pod.core_client import CoreRuntime, EngineCoreExited
+        if role == "prefill":
+            from prefill_pod.server import serve
+        else:
+            from decode_pod.server import serve
         try:
             return asyncio.run(serve(CoreRuntime(engine_config, pod, role, args.argv)))
         except TensorParallelError as e:
@@ -187,11 +192,12 @@ def cmd_pod(args: argparse.Namespace) -> int:
     except TensorParallelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if role != "prefill":
-        from decode_pod.core import run_core
-        return run_core(runtime, args.engine_core_fd)
-    from prefill_pod.server import serve
-    return asyncio.run(serve(runtime))
+    from pod.core import run_core
+    if role == "prefill":
+        from prefill_pod.core import PrefillCore
+        return run_core(PrefillCore, runtime, args.engine_core_fd)
+    from decode_pod.core import DecodeCore
+    return run_core(DecodeCore, runtime, args.engine_core_fd)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -230,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pod_flags(dec, 50052)
     dec.add_argument("--no-local-prefill-fallback", action="store_true",
                      help="fail a request whose prefill pod is lost instead of prefilling it here")
-    dec.add_argument("--engine-core-fd", type=int, default=-1, help=argparse.SUPPRESS)  # decode_pod/core.py
     dec.add_argument("--colocated", action="store_true",
                      help="label this pod a colocated engine (it prefills every request itself)")
     dec.set_defaults(func=cmd_pod)

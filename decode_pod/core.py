@@ -1,47 +1,26 @@
-"""A decode pod's engine-core process: the engine, its thread and the KV pulls, apart from the server.
+"""A decode pod's engine core (`pod.core`): the engine, its thread and the KV pulls.
 
-The pod's server process (`decode_pod.server`, with `decode_pod.core_client`) keeps the gRPC
-server, the Sessions, each request's bookkeeping and metrics; this process keeps everything that
-touches the engine or its KV cache: the engine thread (`engine.loop.EngineLoop`), and on its event
-loop the pulls of KV from prefill pods (which write into the cache) and the commands the server
-sends. So the per-request and per-token Python of the server (gRPC handlers, building each
-request's response, grpc.aio's own send path) runs on another interpreter and never holds the
-engine's GIL, and it runs while the engine computes the next step instead of after it; the
-engine-core side of a step is one `CoreEvents` message built in the engine thread and written by a
-writer thread. vLLM V1 splits its API server from its engine core the same way; like vLLM's KV
-connectors, the KV pulls stay with the engine, so the KV cache never has to be shared across
-processes and tensor-parallel pods gather and scatter KV in their rank-0 process as before.
-
-Protocol (`CoreCommand` in, `CoreEvents` out): frames over a socketpair the server created and
-passed as a file descriptor (`--engine-core-fd`); each frame is a 4-byte little-endian length and a
-protobuf message. Nothing is pickled. The first message out is `ready` (model loaded and warm).
-While idle the engine thread still sends a message every 50 ms (statistics, `iteration_at`): the
-server's stall watch reads the engine thread's liveness from it. This process exits when the server
-says `stop` or its end of the socket closes (the server died), and ignores SIGINT and SIGTERM: the
-server drains first, then stops it.
+Commands: `add` (a `GenerateRequest`, with its remaining time), `abort_request_id`, `stop`. Each
+request's KV is pulled from its prefill pod here, on this process's event loop, as soon as the
+engine has reserved blocks for it, and lands in the batch through a command to the engine thread.
+A step's outputs go out as every request's new tokens: packed when they are only tokens, as a
+`CoreOutput` for a request's first output (with how its KV arrived), its last, and outputs with
+logprobs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import logging
 import os
-import queue
-import signal
-import socket
-import struct
-import threading
 import time
-from collections.abc import Callable
 
 import grpc
 
 from wire import cbserve_pb2, cbserve_pb2_grpc
-from decode_pod.open_request import Job, refused
+from decode_pod.open_request import Job
 from engine.engine import Engine
-from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
@@ -49,89 +28,23 @@ from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, Sour
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
 from kvtransfer.pair_setup import open_pair
-from pod.runtime import PodRuntime, RequestFailed, logprobs_from_pb, logprobs_to_pb
+from pod.core import EngineCore
+from pod.runtime import RequestFailed, logprobs_from_pb, logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
-FRAME = struct.Struct("<I")
-MAX_FRAME_BYTES = 1 << 30
 
 
-def frame(message) -> bytes:
-    data = message.SerializeToString()
-    return FRAME.pack(len(data)) + data
+class DecodeCore(EngineCore):
+    """The engine core of one decode pod."""
 
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """The next frame's message bytes (the server's side); raises asyncio.IncompleteReadError at the
-    end of the stream."""
-    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"engine-core frame of {size} bytes")
-    return await reader.readexactly(size)
-
-
-def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats) -> None:
-    """`EngineStats` and numbered step samples [(step, StepSample)] into `message`."""
-    message.num_running, message.num_waiting = stats.num_running, stats.num_waiting
-    message.prefill_queue_tokens = stats.prefill_queue_tokens
-    message.num_free_blocks, message.num_total_blocks = stats.num_free_blocks, stats.num_total_blocks
-    message.kv_cache_usage, message.prefix_cache_hit_ratio = stats.kv_cache_usage, stats.prefix_cache_hit_ratio
-    message.num_preemptions, message.num_steps = stats.num_preemptions, stats.num_steps
-    message.step_seconds_ewma = stats.step_seconds_ewma
-    message.prefill_tokens_per_second = stats.prefill_tokens_per_second
-    message.first_sample_step = samples[0][0] if samples else 0
-    for _, s in samples:
-        message.samples.add(num_seqs=s.num_seqs, num_context_tokens=s.num_context_tokens,
-                            num_prefill_tokens=s.num_prefill_tokens, seconds=s.seconds)
-
-
-class Outbox:
-    """The engine core's messages, built and sent by a writer thread. The engine thread queues what
-    a step produced as it is (one closure, no per-output work), and the writer turns it into a
-    `CoreEvents` while the engine computes the next step: output processing overlaps the next step
-    instead of following it. One message per item (a request appears at most once in a step); a
-    slow reader still gets fewer, larger messages from the server, whose Session sends whatever
-    arrived since its last message."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._items: queue.SimpleQueue[Callable[[cbserve_pb2.CoreEvents], None] | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write, name="core-writer", daemon=True)
-        self._writer.start()
-
-    def put(self, fill: Callable[[cbserve_pb2.CoreEvents], None]) -> None:
-        """`fill(events)` runs in the writer thread, in the order of `put`s, on the next message."""
-        self._items.put(fill)
-
-    def close(self) -> None:
-        self._items.put(None)
-        self._writer.join(5.0)
-
-    def _write(self) -> None:
-        while (item := self._items.get()) is not None:
-            events = cbserve_pb2.CoreEvents()
-            item(events)
-            try:
-                self._sock.sendall(frame(events))
-            except OSError:   # the server is gone; the command reader sees it too and exits
-                return
-
-
-class DecodeCore:
-    """The engine core of one decode pod: `run()` serves commands until told to stop."""
-
-    def __init__(self, runtime: PodRuntime, sock: socket.socket) -> None:
-        self.rt = runtime
-        self.sock = sock
-        self.outbox = Outbox(sock)
+    def __init__(self, runtime, sock) -> None:
+        super().__init__(runtime, sock)
         self.jobs: dict[str, Job] = {}
         self._stubs: dict[str, cbserve_pb2_grpc.PrefillServiceStub] = {}
         self._groups: dict[str, PairGroup] = {}
         self._store = None
         self._group_ids = itertools.count()
         self._group_lock = asyncio.Lock()
-        self._steps_sent = 0
-        self._stats_sent_at = 0.0
 
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -143,38 +56,10 @@ class DecodeCore:
                                                        req.num_prompt_tokens)
         self.rt.after_step(engine)
 
-    def on_idle(self, engine: Engine) -> None:
-        self.rt.refresh(engine)
-        self.outputs([])   # at least every 50 ms: statistics, and proof that the engine thread is alive
-
-    def outputs(self, outputs: list[RequestOutput]) -> None:
-        """`EngineLoop` sink, engine thread: queue a step's outputs, with the step times and the
-        statistics refreshed since the last call, for the writer thread."""
-        engine, rt = self.rt.engine, self.rt
-        new = min(engine.num_steps - self._steps_sent, len(engine.step_samples))
-        self._steps_sent = engine.num_steps
-        steps = [engine.step_samples[-i].seconds for i in range(new, 0, -1)]
-        stats = None
-        if rt._refreshed_at != self._stats_sent_at:   # snapshot and samples are replaced, never mutated
-            self._stats_sent_at = rt._refreshed_at
-            stats = (rt.snapshot, rt._samples)
-        iteration_at = rt.loop.last_iteration_at
-        self.outbox.put(lambda events: self._fill(events, outputs, steps, stats, iteration_at))
-
-    def failure(self, request_id: str, error: BaseException) -> None:
-        """`EngineLoop` sink, either thread: `request_id` ended with `error`."""
-        code = error.code if isinstance(error, RequestFailed) else grpc.StatusCode.INTERNAL
-
-        def fill(events: cbserve_pb2.CoreEvents) -> None:
-            events.errors.add(request_id=request_id, code=code.value[0], message=str(error))
-        self.outbox.put(fill)
-        self.rt.loop.loop.call_soon_threadsafe(self._forget, request_id)
-
-    def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], steps: list[float],
-              stats, iteration_at: float) -> None:
-        """Writer thread: one step's message. Outputs that are only new tokens go out packed (three
-        repeated fields filled in bulk); a request's first output, its last, and outputs with
-        logprobs go out as `CoreOutput`s."""
+    def fill_outputs(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], extra) -> None:
+        """Writer thread: outputs that are only new tokens go out packed (three repeated fields
+        filled in bulk); a request's first output, its last, and outputs with logprobs go out as
+        `CoreOutput`s."""
         jobs, ids, counts, tokens = self.jobs, [], [], []
         for out in outputs:
             job = jobs.get(out.request_id)
@@ -197,15 +82,11 @@ class DecodeCore:
                 o.kv_pulled_at = job.kv_pulled_at or 0.0
                 o.kv_bytes = job.kv_bytes
             if out.finished:
-                self.rt.loop.loop.call_soon_threadsafe(self._forget, out.request_id)
+                self.rt.loop.loop.call_soon_threadsafe(self.forget, out.request_id)
         if ids:
             events.token_request_ids.extend(ids)
             events.num_new_tokens.extend(counts)
             events.token_ids.extend(tokens)
-        events.step_seconds.extend(steps)
-        if stats is not None:
-            stats_to_pb(*stats, events.stats)
-        events.iteration_at = iteration_at
 
     # ------------------------------------------------------------------ commands (event loop)
     def _add(self, request: cbserve_pb2.GenerateRequest) -> None:
@@ -228,59 +109,14 @@ class DecodeCore:
                 self.failure(req_id, refused(future.exception()))
         added.add_done_callback(on_added)
 
-    def _abort(self, req_id: str) -> None:
-        self._forget(req_id)
-        self.rt.loop.abort(req_id)
-
-    def _forget(self, req_id: str) -> None:
+    def forget(self, req_id: str) -> None:
         job = self.jobs.pop(req_id, None)
         if job is not None and job.task is not None and not job.task.done():
             job.task.cancel()   # ends the PullKV stream: the prefill pod frees its blocks
 
-    async def run(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):   # the server drains, then says stop
-            signal.signal(sig, signal.SIG_IGN)
-        rt = self.rt
-        rt.warm_up()
-        gc.collect()
-        gc.freeze()
-        loop = asyncio.get_running_loop()
-        rt.loop = EngineLoop(rt.engine, loop, post_step=self.post_step, on_idle=self.on_idle, sink=self)
-        ready = cbserve_pb2.CoreEvents()
-        ready.ready.model.CopyFrom(rt.model_info)
-        ready.ready.block_size, ready.ready.max_num_seqs = rt.block_size, rt.max_num_seqs
-        stats_to_pb(rt.snapshot, [], ready.stats)
-        ready.iteration_at = time.monotonic()
-        self.outbox.put(lambda events: events.MergeFrom(ready))
-        rt.loop.start()
-        self._stopped = asyncio.Event()
-        threading.Thread(target=self._read_commands, args=(loop,), name="core-commands", daemon=True).start()
-        await self._stopped.wait()
-        rt.loop.stop()
-        self.outbox.close()
-
-    def _read_commands(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Command-reader thread: each command runs on the event loop, in order."""
-        reader = self.sock.makefile("rb", buffering=1 << 16)
-        while True:
-            header = reader.read(FRAME.size)
-            if len(header) < FRAME.size:
-                log.warning("the decode pod's server process is gone; the engine core exits")
-                os._exit(1)
-            (size,) = FRAME.unpack(header)
-            command = cbserve_pb2.CoreCommand.FromString(reader.read(size))
-            loop.call_soon_threadsafe(self._command, command)
-            if command.WhichOneof("kind") == "stop":
-                return
-
-    def _command(self, command: cbserve_pb2.CoreCommand) -> None:
-        kind = command.WhichOneof("kind")
+    def command(self, kind: str, command: cbserve_pb2.CoreCommand) -> None:
         if kind == "add":
             self._add(command.add)
-        elif kind == "abort_request_id":
-            self._abort(command.abort_request_id)
-        elif kind == "stop":
-            self._stopped.set()
 
     # ------------------------------------------------------------------ KV pull (event loop)
     def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
@@ -363,10 +199,3 @@ class DecodeCore:
     def _fail(self, req_id: str, error: RequestFailed) -> None:
         self.rt.loop.abort(req_id)
         self.rt.loop.fail(req_id, error)
-
-
-def run_core(runtime: PodRuntime, fd: int) -> int:
-    """Entry point of the engine-core process (`cbserve decode ... --engine-core-fd FD`)."""
-    sock = socket.socket(fileno=fd)
-    asyncio.run(DecodeCore(runtime, sock).run())
-    return 0

@@ -52,14 +52,6 @@ class DeadlineExceeded(RequestFailed):
         super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish before the deadline")
 
 
-def refused(error: BaseException) -> RequestFailed:
-    """The failure for a request the engine would not queue (its `add_request` raised)."""
-    if isinstance(error, RequestFailed):
-        return error
-    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL
-    return RequestFailed(code, f"the engine refused the request: {error}")
-
-
 class OpenRequest:
     """A request admitted to this pod: `start` it, feed `respond` its queued outputs until
     `finished` (or an error), then `close` it exactly once."""

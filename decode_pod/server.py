@@ -2,7 +2,7 @@
 
 Two processes: this one serves gRPC (Sessions, per-request bookkeeping, metrics, health); the
 engine, its thread and the KV pulls run in an engine-core process (`decode_pod.core`, reached
-through `decode_pod.core_client`), so nothing here can hold the engine's GIL.
+through `pod.core_client`), so nothing here can hold the engine's GIL.
 
 `Generate(req, prefill_from=P)` queues the request until the engine has reserved blocks for its
 prompt (nothing is pulled into a pod that has not made room), then pulls the KV from P over the
@@ -24,10 +24,10 @@ import logging
 
 from wire import cbserve_pb2, cbserve_pb2_grpc
 from engine.loop import drain
-from decode_pod.core_client import CoreRuntime
-from decode_pod.open_request import Job, OpenRequest, refused
+from pod.core_client import CoreRuntime
+from decode_pod.open_request import Job, OpenRequest
 from decode_pod.session import Session
-from pod.runtime import CommonRPCs, RequestFailed
+from pod.runtime import CommonRPCs, RequestFailed, refused
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cbserve.v1.DecodeService"

@@ -18,8 +18,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from wire import cbserve_pb2
-from decode_pod.open_request import OpenRequest, refused
-from pod.runtime import RequestFailed
+from decode_pod.open_request import OpenRequest
+from pod.runtime import RequestFailed, refused
 
 if TYPE_CHECKING:
     from decode_pod.server import DecodeServicer

@@ -48,7 +48,7 @@ async def drain(outputs: asyncio.Queue) -> list:
 class Subscribers:
     """Where each request's outputs go on the event loop: `subscribe` (a queue) or `subscribe_with`
     (a callback), until `unsubscribe`. Shared by `EngineLoop` (the engine in this process) and a
-    decode pod's `EngineCoreClient` (the engine in its engine-core process), which supply `abort`."""
+    pod's `EngineCoreClient` (the engine in its engine-core process), which supply `abort`."""
 
     def __init__(self) -> None:
         self._subscribers: dict[str, Callable[[Any], None]] = {}
@@ -62,6 +62,9 @@ class Subscribers:
     def subscribe_with(self, request_id: str, deliver: Callable[[Any], None]) -> None:
         """As `subscribe`, with `deliver(item)` called on the event loop for each output or failure."""
         self._subscribers[request_id] = deliver
+
+    def is_subscribed(self, request_id: str) -> bool:
+        return request_id in self._subscribers
 
     def unsubscribe(self, request_id: str) -> None:
         self._subscribers.pop(request_id, None)

@@ -1,8 +1,9 @@
 """What both pods share: the engine thread, the gRPC server, health, metrics, load, drain.
 
-A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server;
-a decode pod runs that thread in an engine-core process of its own (`decode_pod.core_client.CoreRuntime`
-is this runtime without an engine, fed by the core's messages).
+A pod is one `Engine` in its own thread (`engine.loop.EngineLoop`) behind a `grpc.aio` server, in
+two processes: the engine-core process (`pod.core`) holds this runtime with its engine, and the
+server process holds `pod.core_client.CoreRuntime`, this runtime without an engine, fed by the
+core's messages.
 Health follows the standard `grpc.health.v1` service: SERVING once the model is loaded and warm,
 NOT_SERVING while the engine thread is stalled (`pod.stall`) and from the first SIGTERM on,
 while in-flight streams and pending KV pulls finish; the process exits when they are done or the
@@ -91,6 +92,14 @@ class RequestFailed(Exception):
         self.code = code
 
 
+def refused(error: BaseException) -> RequestFailed:
+    """The failure for a request the engine would not queue (its `add_request` raised)."""
+    if isinstance(error, RequestFailed):
+        return error
+    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL
+    return RequestFailed(code, f"the engine refused the request: {error}")
+
+
 def logprobs_to_pb(lp: TokenLogprobs | None) -> cbserve_pb2.TokenLogprobs | None:
     if lp is None:
         return None
@@ -143,7 +152,7 @@ class PodRuntime:
         self._steps_timed = 0
         self._idle = asyncio.Event()
 
-    owns_engine = True   # False: the engine runs in another process (decode_pod.core_client)
+    owns_engine = True   # False: the engine runs in another process (pod.core_client)
 
     def _load_engine(self, engine_config: EngineConfig) -> None:
         # The router turns ids into text; the engine detokenizes only requests with stop strings.

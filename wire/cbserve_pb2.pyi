@@ -343,17 +343,57 @@ class SessionResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class CoreCommand(_message.Message):
-    __slots__ = ("add", "abort_request_id", "stop")
+    __slots__ = ("add", "abort_request_id", "stop", "prefill", "pull", "end_pull_request_id", "setup_transport", "call_id", "timeout_seconds")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    END_PULL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SETUP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     add: GenerateRequest
     abort_request_id: str
     stop: bool
-    def __init__(self, add: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
+    prefill: PrefillRequest
+    pull: PullKVRequest
+    end_pull_request_id: str
+    setup_transport: SetupTransportRequest
+    call_id: int
+    timeout_seconds: float
+    def __init__(self, add: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., stop: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., pull: _Optional[_Union[PullKVRequest, _Mapping]] = ..., end_pull_request_id: _Optional[str] = ..., setup_transport: _Optional[_Union[SetupTransportRequest, _Mapping]] = ..., call_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CoreReply(_message.Message):
+    __slots__ = ("call_id", "code", "message", "found")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    message: str
+    found: bool
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class CorePullChunk(_message.Message):
+    __slots__ = ("request_id", "chunk", "end", "code", "message", "num_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: KVChunk
+    end: bool
+    code: int
+    message: str
+    num_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class CoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +405,8 @@ class CoreOutput(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_PULLED_AT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -376,10 +418,12 @@ class CoreOutput(_message.Message):
     kv_transfer_seconds: float
     kv_pulled_at: float
     kv_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    queue_seconds: float
+    prefill_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples")
+    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples", "num_held_kv")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +437,7 @@ class CoreStats(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     FIRST_SAMPLE_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_KV_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     prefill_queue_tokens: int
@@ -406,7 +451,8 @@ class CoreStats(_message.Message):
     num_steps: int
     first_sample_step: int
     samples: _containers.RepeatedCompositeFieldContainer[StepSample]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ...) -> None: ...
+    num_held_kv: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., num_held_kv: _Optional[int] = ...) -> None: ...
 
 class CoreReady(_message.Message):
     __slots__ = ("model", "block_size", "max_num_seqs")
@@ -419,7 +465,7 @@ class CoreReady(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class CoreEvents(_message.Message):
-    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids")
+    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids", "replies", "pull_chunks", "lease_expiries")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_AT_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +475,9 @@ class CoreEvents(_message.Message):
     TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    PULL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[CoreOutput]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     iteration_at: float
@@ -438,4 +487,7 @@ class CoreEvents(_message.Message):
     token_request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    replies: _containers.RepeatedCompositeFieldContainer[CoreReply]
+    pull_chunks: _containers.RepeatedCompositeFieldContainer[CorePullChunk]
+    lease_expiries: int
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[CoreReply, _Mapping]]] = ..., pull_chunks: _Optional[_Iterable[_Union[CorePullChunk, _Mapping]]] = ..., lease_expiries: _Optional[int] = ...) -> None: ...

@@ -1,9 +1,11 @@
-"""A decode pod's engine runs in its own process (`decode_pod/core.py`), apart from the gRPC server.
+"""A pod's engine runs in its own process (`pod/core.py`), apart from the gRPC server.
 
-Against real pod processes: the core is the server's child and serves requests; it never outlives
-the server; a dead core fails the open requests with UNAVAILABLE and takes the pod down (so the
-kubelet or `cbserve up` restarts it); SIGTERM drains the open requests, then stops the core. And
-in this process: the statistics the core sends become the server's load reports and metrics.
+Against real pod processes, decode and prefill: the core is the server's child and serves
+requests; it never outlives the server; a dead core fails the open requests (and a prefill pod's
+open KV pulls) with UNAVAILABLE and takes the pod down (so the kubelet or `cbserve up` restarts
+it); SIGTERM drains the open requests (and a prefill pod's KV still waiting for its pull), then
+stops the core. And in this process: the statistics the core sends become the server's load
+reports and metrics.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_pod.core import stats_to_pb
-from decode_pod.core_client import CoreRuntime, NewTokens
+from pod.core import stats_to_pb
+from pod.core_client import CoreRuntime, NewTokens
 from decode_pod.open_request import OpenRequest
 from engine.engine import EngineConfig
 from engine.outputs import EngineStats, StepSample
 from pod.runtime import PodConfig
-from tests.pods.podproc import Pod, pod_channel, run, sampling
+from tests.pods.podproc import HANDLES, Pod, pod_channel, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -58,9 +60,9 @@ def gone(pid: int, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def decode_pod(*args: str):
-    """A ready decode pod and the pid of its engine core; SIGKILLed at the end."""
-    pod = Pod("decode", *args)
+def decode_pod(*args: str, role: str = "decode"):
+    """A ready pod (decode unless `role` says) and the pid of its engine core; SIGKILLed at the end."""
+    pod = Pod(role, *args)
     try:
         pod.wait_ready()
         yield pod, engine_core_of(pod)
@@ -86,6 +88,77 @@ def test_engine_core_is_a_child_that_never_outlives_its_server():
         assert len(run(generate())) == 8
         os.kill(pod.proc.pid, signal.SIGKILL)      # the server alone, not its process group
         assert gone(core, timeout=10), "the engine core outlived its server"
+
+
+@pytest.mark.slow
+def test_a_prefill_pods_engine_core_is_a_child_that_never_outlives_its_server():
+    with decode_pod(role="prefill") as (pod, core):
+
+        async def prefill():
+            async with pod_channel(pod.address) as channel:
+                stub = pb_grpc.PrefillServiceStub(channel)
+                return await stub.Prefill(prefill_request("child"), timeout=60)
+
+        assert run(prefill()).first_token_id > 0
+        os.kill(pod.proc.pid, signal.SIGKILL)
+        assert gone(core, timeout=10), "the engine core outlived its server"
+
+
+def prefill_request(req_id: str) -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=req_id, prompt_token_ids=[1] + list(range(4, 100)),
+                             sampling=sampling(temperature=0.0, max_tokens=8))
+
+
+def pull_request(req_id: str, model: pb.ModelInfo, address: str) -> pb.PullKVRequest:
+    return pb.PullKVRequest(request_id=req_id, model=model, transport="grpc",
+                            kv_handle=HANDLES.issue(req_id, address, time.time() + 120))
+
+
+@pytest.mark.slow
+def test_a_dead_prefill_core_fails_open_pulls_and_the_pod_exits():
+    with decode_pod(role="prefill") as (pod, core):
+
+        async def scenario():
+            async with pod_channel(pod.address) as channel:
+                stub = pb_grpc.PrefillServiceStub(channel)
+                model = (await stub.Handshake(pb.HandshakeRequest(), timeout=20)).model
+                # A pull that waits for a Prefill that has not come yet: open in the core.
+                call = stub.PullKV(pull_request("waiting", model, pod.address), timeout=120)
+                await asyncio.sleep(1.0)
+                os.kill(core, signal.SIGKILL)
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                return err.value, time.monotonic() - started
+
+        error, seconds = run(scenario())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "engine process exited" in error.details()
+        assert seconds < 10
+        assert pod.proc.wait(30) != 0, "a pod whose engine died must exit (and be restarted)"
+
+
+@pytest.mark.slow
+def test_sigterm_waits_for_held_kv_to_be_pulled_then_stops_the_prefill_core():
+    """The held count the drain waits on comes from the core's statistics."""
+    with decode_pod("--drain-seconds", "60", "--kv-ttl-seconds", "60", role="prefill") as (pod, core):
+
+        async def scenario():
+            async with pod_channel(pod.address) as channel:
+                stub = pb_grpc.PrefillServiceStub(channel)
+                model = (await stub.Handshake(pb.HandshakeRequest(), timeout=20)).model
+                first = await stub.Prefill(prefill_request("held"), timeout=60)
+                os.kill(pod.proc.pid, signal.SIGTERM)
+                await asyncio.sleep(2.0)
+                assert pod.proc.poll() is None, "the pod exited with KV still waiting for its pull"
+                chunks = [c async for c in stub.PullKV(pull_request("held", model, pod.address), timeout=60)]
+                return first, chunks
+
+        first, chunks = run(scenario())
+        assert chunks[-1].last and chunks[-1].first_token_id == first.first_token_id
+        assert sum(c.num_blocks for c in chunks) == -(-97 // 16)
+        assert pod.proc.wait(30) == 0
+        assert gone(core, timeout=10)
 
 
 @pytest.mark.slow

@@ -1,14 +1,15 @@
-"""The server side of a decode pod's engine core (`decode_pod.core`): where the engine lives for
-the pod's gRPC server.
+"""The server side of a pod's engine core (`pod.core`): where the engine lives for the pod's gRPC
+server.
 
 `CoreRuntime` is the pod runtime without an engine of its own: it starts the engine-core process
 before the server listens, takes the model's description from its `ready` message, and keeps the
 statistics and step samples the core sends (load reports and metrics read them, as they read the
 engine thread's snapshot in a pod with its engine in-process). `EngineCoreClient` stands where
 `engine.loop.EngineLoop` stands in such a pod: requests go out as commands; each `CoreEvents`
-message costs the event loop one wake, and hands every request's `CoreOutput`s to its subscriber.
+message costs the event loop one wake, and hands every request's `CoreOutput`s to its subscriber,
+a prefill pod's KV chunks to the pull stream they belong to, and replies to the calls awaiting them.
 
-If the engine core exits, every open request fails with UNAVAILABLE (the router retries it
+If the engine core exits, every open request and KV pull fails with UNAVAILABLE (the router retries it
 elsewhere), the pod reports NOT_SERVING and exits with the core's exit code.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import itertools
 import logging
 import os
 import socket
@@ -28,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from wire import cbserve_pb2
-from decode_pod.core import frame, read_frame
+from pod.core import frame, read_frame
 from engine.loop import Subscribers
 from engine.outputs import EngineStats
 from pod.runtime import PodRuntime, RequestFailed
@@ -62,7 +64,7 @@ class EngineCoreExited(RuntimeError):
 
 
 class CoreRuntime(PodRuntime):
-    """A decode pod's runtime whose engine runs in an engine-core process (`argv`: the pod's
+    """A pod's runtime whose engine runs in an engine-core process (`argv`: the pod's
     command line, which the core process gets too, with `--engine-core-fd`)."""
 
     owns_engine = False
@@ -97,7 +99,8 @@ class CoreRuntime(PodRuntime):
             prefix_cache_hit_ratio=stats.prefix_cache_hit_ratio, num_preemptions=stats.num_preemptions,
             step_seconds_ewma=stats.step_seconds_ewma, prefill_tokens_per_second=stats.prefill_tokens_per_second,
             num_steps=stats.num_steps)
-        self.metrics.update(self.snapshot, 0)
+        self.num_held = stats.num_held_kv
+        self.metrics.update(self.snapshot, self.num_held)
         # StepSample messages read like engine.outputs.StepSample (load reports, the stall threshold)
         self._samples = [(stats.first_sample_step + i, s) for i, s in enumerate(stats.samples)]
 
@@ -110,7 +113,11 @@ class EngineCoreClient(Subscribers):
         self.loop = asyncio.get_running_loop()
         self.last_iteration_at = time.monotonic()
         self.proc: subprocess.Popen | None = None
+        self.pulls: dict[str, asyncio.Queue] = {}   # request id -> its PullKV stream's CorePullChunks
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count(1)
         self._stopping = False
+        self._exited = False
         self._done: concurrent.futures.Future = concurrent.futures.Future()
         self._done.set_result(None)
 
@@ -123,11 +130,15 @@ class EngineCoreClient(Subscribers):
             [sys.executable, "-m", "cbserve.cli", *argv, "--engine-core-fd", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
-        self.reader, self.writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 20)
+        await self.connect(ours)
+
+    async def connect(self, sock: socket.socket) -> None:
+        """Talk to the engine core at the other end of `sock`; wait for its `ready`."""
+        self.reader, self.writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
         try:
             first = cbserve_pb2.CoreEvents.FromString(await read_frame(self.reader))
         except (asyncio.IncompleteReadError, ConnectionError):
-            raise EngineCoreExited(await asyncio.to_thread(self.proc.wait)) from None
+            raise EngineCoreExited(await asyncio.to_thread(self.proc.wait) if self.proc else 1) from None
         self.rt.apply_ready(first.ready)
         self._apply(first)
         self._reading = asyncio.create_task(self._read())
@@ -141,11 +152,43 @@ class EngineCoreClient(Subscribers):
         self._send(command)
         return self._done
 
+    def prefill(self, request: cbserve_pb2.PrefillRequest, timeout: float) -> None:
+        """Queue `request` in a prefill pod's engine core (its refusal arrives as its failure)."""
+        command = cbserve_pb2.CoreCommand(timeout_seconds=timeout)
+        command.prefill.CopyFrom(request)
+        self._send(command)
+
+    def pull(self, request: cbserve_pb2.PullKVRequest, timeout: float) -> asyncio.Queue:
+        """Start a prefill pod's KV pull in the engine core: the queue gets its `CorePullChunk`s, the
+        last with `end` set. Call `end_pull` when the stream is over."""
+        chunks = self.pulls[request.request_id] = asyncio.Queue()
+        command = cbserve_pb2.CoreCommand(timeout_seconds=timeout)
+        command.pull.CopyFrom(request)
+        self._send(command)
+        if self._exited:
+            chunks.put_nowait(self._lost_pull(request.request_id))
+        return chunks
+
+    def end_pull(self, request_id: str, early: bool) -> None:
+        """The pull's stream is over; `early`: before its last chunk (the core stops sending)."""
+        self.pulls.pop(request_id, None)
+        if early:
+            self._send(cbserve_pb2.CoreCommand(end_pull_request_id=request_id))
+
+    def call(self, command: cbserve_pb2.CoreCommand) -> concurrent.futures.Future:
+        """Send `command` with a call id; the future gets the core's `CoreReply`."""
+        command.call_id = next(self._call_ids)
+        reply = self._calls[command.call_id] = concurrent.futures.Future()
+        self._send(command)
+        if self._exited:
+            self._lose_calls()
+        return reply
+
     def abort(self, request_id: str) -> concurrent.futures.Future[bool]:
-        """Abort `request_id` in the engine core; the future says whether it was open here."""
-        self._send(cbserve_pb2.CoreCommand(abort_request_id=request_id))
+        """Abort `request_id` in the engine core; the future says whether it was open there."""
         found: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        found.set_result(request_id in self._subscribers)
+        reply = self.call(cbserve_pb2.CoreCommand(abort_request_id=request_id))
+        reply.add_done_callback(lambda r: found.set_result(r.result().found))
         return found
 
     def fail(self, request_id: str, error: BaseException) -> None:
@@ -187,6 +230,16 @@ class EngineCoreClient(Subscribers):
                 if deliver is not None:
                     deliver(NewTokens(tokens[start:start + count]))
                 start += count
+        for reply in events.replies:
+            future = self._calls.pop(reply.call_id, None)
+            if future is not None:
+                future.set_result(reply)
+        for chunk in events.pull_chunks:
+            chunks = self.pulls.get(chunk.request_id)
+            if chunks is not None:
+                chunks.put_nowait(chunk)
+        if events.lease_expiries:
+            rt.metrics.lease_expiries.inc(events.lease_expiries)
         for error in events.errors:
             code = STATUS_CODES.get(error.code, grpc.StatusCode.INTERNAL)
             if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -199,14 +252,28 @@ class EngineCoreClient(Subscribers):
                 self._apply(cbserve_pb2.CoreEvents.FromString(await read_frame(self.reader)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        if self._stopping:
+        if self._stopping:   # stopped after the drain: nothing is open, but answer any late call
+            self._exited, self._why = True, f"{self.rt.role_label} pod {self.rt.pod_id} stopped"
+            self._lose_calls()
             return
         code = await asyncio.to_thread(self.proc.wait)
-        log.error("the engine-core process exited with code %s: failing %d requests; the pod exits",
-                  code, len(self._subscribers))
+        log.error("the engine-core process exited with code %s: failing %d requests and %d KV pulls; the pod exits",
+                  code, len(self._subscribers), len(self.pulls))
         self.rt.set_serving(False, self.service_name)
-        self._stopping = True
+        self._stopping = self._exited = True
+        self._why = f"{self.rt.role_label} pod {self.rt.pod_id}: its engine process exited ({code})"
         for request_id in list(self._subscribers):
-            self._deliver(request_id, RequestFailed(
-                grpc.StatusCode.UNAVAILABLE, f"decode pod {self.rt.pod_id}: its engine process exited ({code})"))
+            self._deliver(request_id, RequestFailed(grpc.StatusCode.UNAVAILABLE, self._why))
+        for request_id, chunks in self.pulls.items():
+            chunks.put_nowait(self._lost_pull(request_id))
+        self._lose_calls()
         self.rt.stop(exit_code=code if code and code > 0 else 1)
+
+    def _lost_pull(self, request_id: str) -> cbserve_pb2.CorePullChunk:
+        return cbserve_pb2.CorePullChunk(request_id=request_id, end=True, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                         message=self._why)
+
+    def _lose_calls(self) -> None:
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            future.set_result(cbserve_pb2.CoreReply(code=grpc.StatusCode.UNAVAILABLE.value[0], message=self._why))
