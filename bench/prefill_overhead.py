@@ -9,7 +9,7 @@ the median time of steps that prefill a full chunk (`--max-num-batched-tokens` t
 have the same work in both, so the difference is what serving adds inside the step: the gRPC
 server's Python (handlers, KV chunks, grpc.aio) holding the GIL the engine thread needs, and CPU
 the server takes from the engine on a small machine. Also reported: the pod's CPU per request,
-in all and in its event-loop (main) thread.
+in all (its processes: the server and its engine core) and in the server's event-loop (main) thread.
 
     .venv/bin/python bench/prefill_overhead.py [--tree NAME=PATH ...] [--rounds 3]
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from pod_overhead import (BENCH_SECRET, add_workload_arguments, cpu_seconds, pod_and_offline,  # noqa: E402
-                          tree_env, wait_ready, workload)
+                          tree_cpu_seconds, tree_env, wait_ready, workload)
 
 
 def engine_flags(args) -> list[str]:
@@ -129,9 +129,9 @@ def measure_tree(path: Path, args) -> dict:
     async def scenario():
         await wait_ready(proc, address, log)
         await drive(address, workload(args, args.concurrency, seed=1), args, "warm")
-        cpu0, loop0 = cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
+        cpu0, loop0 = tree_cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
         result = await drive(address, workload(args), args, "run")
-        result["pod_cpu_ms_per_request"] = 1e3 * (cpu_seconds(proc.pid) - cpu0) / args.requests
+        result["pod_cpu_ms_per_request"] = 1e3 * (tree_cpu_seconds(proc.pid) - cpu0) / args.requests
         result["loop_cpu_ms_per_request"] = 1e3 * (cpu_seconds(proc.pid, proc.pid) - loop0) / args.requests
         return result
 

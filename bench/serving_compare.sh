@@ -5,6 +5,7 @@
 # 1P+1D from this tree (and from OLD_TREE), each with `vllm bench serve` at saturation and at
 # 8 req/s (256 in / 64 out, 200 prompts, greedy, EOS ignored). At saturation cbserve's SLOs are
 # relaxed so admission control queues rather than sheds, as vLLM does. Prints one line per run.
+# CONFIGS="colocated 1p1d" (default) picks cbserve's configurations; VLLM=0 skips vLLM.
 set -u
 MODEL=${MODEL:-$HOME/.cache/cbserve/models/tiny-v1}
 PEER=${PEER:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/vllm_cpu.sh}
@@ -24,13 +25,16 @@ cbserve() {  # name tree port flags...
     wait_up "$port" && bench "$name" "$port"
     pkill -INT -P "$pid" 2>/dev/null; kill -INT "$pid" 2>/dev/null; sleep 8; pkill -9 -P "$pid" 2>/dev/null
 }
-bash "$PEER" serve "$MODEL" 8100 > "$OUTD/vllm.server.log" 2>&1 &
-wait_up 8100 && bench vllm 8100
-pkill -f "vllm serve"; sleep 5
+CONFIGS=${CONFIGS:-colocated 1p1d}
+if [ "${VLLM:-1}" != 0 ]; then
+    bash "$PEER" serve "$MODEL" 8100 > "$OUTD/vllm.server.log" 2>&1 &
+    wait_up 8100 && bench vllm 8100
+    pkill -f "vllm serve"; sleep 5
+fi
 for tree in ${1:-} "$HERE"; do
     tag=$([ "$tree" = "$HERE" ] && echo new || echo old)
-    cbserve "$tag-colocated" "$tree" 8101 --colocated 1 --threads-per-pod 2
-    cbserve "$tag-1p1d" "$tree" 8102 --prefill 1 --decode 1
+    case " $CONFIGS " in *" colocated "*) cbserve "$tag-colocated" "$tree" 8101 --colocated 1 --threads-per-pod 2;; esac
+    case " $CONFIGS " in *" 1p1d "*) cbserve "$tag-1p1d" "$tree" 8102 --prefill 1 --decode 1;; esac
 done
 for log in "$OUTD"/*_inf.log "$OUTD"/*_r8.log; do
     printf '%-28s ' "$(basename "$log" .log)"

@@ -223,12 +223,16 @@ class EngineCore:
         """Command-reader thread: each command runs on the event loop, in order."""
         reader = self.sock.makefile("rb", buffering=1 << 16)
         while True:
-            header = reader.read(FRAME.size)
-            if len(header) < FRAME.size:
+            try:   # a server that died with our messages unread resets the connection: gone too
+                header = reader.read(FRAME.size)
+                (size,) = FRAME.unpack(header)
+                data = reader.read(size)
+                if len(data) < size:
+                    raise EOFError
+            except (OSError, struct.error, EOFError):
                 log.warning("the %s pod's server process is gone; the engine core exits", self.rt.role_label)
                 os._exit(1)
-            (size,) = FRAME.unpack(header)
-            command = cbserve_pb2.CoreCommand.FromString(reader.read(size))
+            command = cbserve_pb2.CoreCommand.FromString(data)
             loop.call_soon_threadsafe(self._command, command)
             if command.WhichOneof("kind") == "stop":
                 return

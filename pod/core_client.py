@@ -198,6 +198,8 @@ class EngineCoreClient(Subscribers):
         """Stop the engine core (after the drain) and wait for it to exit."""
         self._stopping = True
         self._send(cbserve_pb2.CoreCommand(stop=True))
+        if self.proc is None:   # a core in this process (`connect`): its `run()` returns
+            return
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

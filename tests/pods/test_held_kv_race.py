@@ -91,8 +91,7 @@ def test_a_pull_that_ends_before_the_hold_leaves_nothing_held(core_runtime, monk
                 return core.held.num_held, core.held.num_expired, rt
         finally:
             await server.stop(None)
-            rt.loop._stopping = True
-            rt.loop._send(pb.CoreCommand(stop=True))
+            rt.loop.stop()
             await asyncio.wait_for(core_done, 10)
 
     num_held, num_expired, rt = asyncio.run(scenario())

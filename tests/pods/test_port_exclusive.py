@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -55,6 +56,20 @@ def _pod_ids(address: str, connections: int = 16) -> set[str]:
     return ids
 
 
+def _engine_cores(pod_id: str) -> list[int]:
+    """Live engine-core processes of the pod with `pod_id` (zombies are dead)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"--engine-core-fd" in args and pod_id.encode() in args and state != "Z":
+            found.append(int(pid))
+    return found
+
+
 def test_a_second_pod_cannot_take_a_served_port(cpu_hog):
     first, decode = Pod("prefill", "--pod-id", "prefill-first"), Pod("decode")
     second = None
@@ -73,6 +88,11 @@ def test_a_second_pod_cannot_take_a_served_port(cpu_hog):
         # ... because the second one could not bind it, and said why.
         assert second.proc.wait(30) != 0
         assert "Address already in use" in second.log_tail(), second.log_tail()
+        # Its engine core, started before the bind failed, does not outlive it.
+        deadline = time.monotonic() + 15
+        while _engine_cores("prefill-second"):
+            assert time.monotonic() < deadline, f"orphaned engine cores: {_engine_cores('prefill-second')}"
+            time.sleep(0.2)
         # Disaggregated seeded requests: the decode pod's first token is its prefill pod's.
         for i in range(4):
             prompt = [1] + [(31 * i + 7 * k) % 250 + 4 for k in range(40)]
