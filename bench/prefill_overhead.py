@@ -8,8 +8,11 @@ queued at once, held KV released after every step, as a finished pull releases i
 the median time of steps that prefill a full chunk (`--max-num-batched-tokens` tokens), which
 have the same work in both, so the difference is what serving adds inside the step: the gRPC
 server's Python (handlers, KV chunks, grpc.aio) holding the GIL the engine thread needs, and CPU
-the server takes from the engine on a small machine. Also reported: the pod's CPU per request,
-in all (its processes: the server and its engine core) and in the server's event-loop (main) thread.
+the server takes from the engine on a small machine. Also reported, medians per request: the time
+to the first token (the `Prefill` call) and how long the KV's stream ran on after it (what a
+decode pod waits for beyond the first token: the transfer in the prefill→decode gap); and the
+pod's CPU per request, in all (its processes: the server and its engine core) and in the
+server's event-loop (main) thread.
 
     .venv/bin/python bench/prefill_overhead.py [--tree NAME=PATH ...] [--rounds 3]
 """
@@ -84,18 +87,23 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
         stub = pb_grpc.PrefillServiceStub(ch)
         model = (await stub.Handshake(pb.HandshakeRequest(), metadata=auth)).model
 
-        async def one(i: int, prompt: list[int]) -> int:
+        async def one(i: int, prompt: list[int]) -> tuple[int, float, float]:
+            """KV bytes; seconds from the call to the first token; from the first token to the KV's end."""
             async with gate:
                 req_id = f"{tag}-{i}"
-                prefill = stub.Prefill(pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt, sampling=sampling),
-                                       metadata=auth, timeout=600)
+                started = time.perf_counter()
+                prefill = asyncio.ensure_future(stub.Prefill(
+                    pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt, sampling=sampling),
+                    metadata=auth, timeout=600))
                 pull = pb.PullKVRequest(request_id=req_id, model=model, transport="grpc")
                 pull.kv_handle.CopyFrom(handles.issue(req_id, address, time.time() + 600))
-                size = 0
+                size, first_token_at = 0, []
+                prefill.add_done_callback(lambda _: first_token_at.append(time.perf_counter()))
                 async for chunk in stub.PullKV(pull, metadata=auth, timeout=600):
                     size += chunk.ByteSize()
+                pulled = time.perf_counter()
                 await prefill
-                return size
+                return size, first_token_at[0] - started, max(0.0, pulled - first_token_at[0])
 
         samples = []
 
@@ -107,11 +115,13 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
         await asyncio.sleep(0.1)
         samples.clear()
         t0 = time.perf_counter()
-        sizes = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        done = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - t0
         await asyncio.sleep(0.15)
         watcher.cancel()
-    return {"requests_per_s": len(prompts) / elapsed, "kv_mb": sum(sizes) / 1e6, **chunk_stats(samples, args)}
+    return {"requests_per_s": len(prompts) / elapsed, "kv_mb": sum(d[0] for d in done) / 1e6,
+            "first_token_ms": 1e3 * statistics.median(d[1] for d in done),
+            "kv_after_first_token_ms": 1e3 * statistics.median(d[2] for d in done), **chunk_stats(samples, args)}
 
 
 def measure_tree(path: Path, args) -> dict:
@@ -157,11 +167,13 @@ def main() -> None:
     def med(rows, side, key):
         return statistics.median(row[side][key] for row in rows)
 
-    print("| tree | requests/s | pod CPU ms/request | loop thread CPU ms/request | pod full-chunk step ms "
-          "| offline full-chunk step ms | pod / offline |\n|---|---|---|---|---|---|---|")
+    print("| tree | requests/s | first token ms | KV after first token ms | pod CPU ms/request "
+          "| loop thread CPU ms/request | pod full-chunk step ms | offline full-chunk step ms | pod / offline |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         pod, off = med(rows, "pod", "full_chunk_ms"), med(rows, "offline", "full_chunk_ms")
-        print(f"| {name} | {med(rows, 'pod', 'requests_per_s'):.1f} | {med(rows, 'pod', 'pod_cpu_ms_per_request'):.2f} "
+        print(f"| {name} | {med(rows, 'pod', 'requests_per_s'):.1f} | {med(rows, 'pod', 'first_token_ms'):.2f} "
+              f"| {med(rows, 'pod', 'kv_after_first_token_ms'):.2f} | {med(rows, 'pod', 'pod_cpu_ms_per_request'):.2f} "
               f"| {med(rows, 'pod', 'loop_cpu_ms_per_request'):.2f} | {pod:.2f} | {off:.2f} | {pod / off:.2f}x |")
 
 

@@ -50,6 +50,7 @@ from pod.runtime import PodRuntime, RequestFailed
 log = logging.getLogger(__name__)
 FRAME = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
+BIG_FRAME_BYTES = 256 << 10   # the server's read buffer; a larger frame is read into its own
 
 
 def frame(message) -> bytes:
@@ -57,13 +58,78 @@ def frame(message) -> bytes:
     return FRAME.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """The next frame's message bytes (the server's side); raises asyncio.IncompleteReadError at the
-    end of the stream."""
-    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"engine-core frame of {size} bytes")
-    return await reader.readexactly(size)
+def send_frame(sock: socket.socket, message) -> None:
+    """Write `message` as one frame on a blocking socket (a large one without a joined copy)."""
+    data = message.SerializeToString()
+    header = FRAME.pack(len(data))
+    if len(data) < BIG_FRAME_BYTES:
+        sock.sendall(header + data)
+        return
+    sent = sock.sendmsg([header, data])   # one write, no joined copy; the rest if it was cut short
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent - len(header) < len(data):
+        sock.sendall(memoryview(data)[sent - len(header):])
+
+
+class FrameReader(asyncio.BufferedProtocol):
+    """The server's end of an engine core's socket: calls `on_frame(message bytes)` for each frame
+    as it completes, then `on_closed()` once the connection is gone. Reads go into one buffer, many
+    small frames per read (a step's message is small); a frame larger than that buffer is read
+    straight into a buffer of its own size (a prefill pod's KV chunks), so its bytes are copied
+    once out of the kernel, not appended and sliced."""
+
+    def __init__(self, on_frame: Callable[[bytes | bytearray], None], on_closed: Callable[[], None],
+                 buffer_bytes: int = BIG_FRAME_BYTES) -> None:
+        self._on_frame, self._on_closed = on_frame, on_closed
+        self._buf = bytearray(buffer_bytes)
+        self._start = self._end = 0           # unread bytes: _buf[_start:_end]
+        self._big: bytearray | None = None    # a large frame being read, and how much of it is here
+        self._big_pos = 0
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._big is not None:
+            return memoryview(self._big)[self._big_pos:]
+        if self._end == len(self._buf):   # full: move what is unread to the front
+            unread = self._end - self._start
+            self._buf[:unread] = self._buf[self._start:self._end]
+            self._start, self._end = 0, unread
+        return memoryview(self._buf)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._big is not None:
+            self._big_pos += nbytes
+            if self._big_pos == len(self._big):
+                big, self._big = self._big, None
+                self._on_frame(big)
+            return
+        self._end += nbytes
+        buf = self._buf
+        while self._end - self._start >= FRAME.size:
+            (size,) = FRAME.unpack_from(buf, self._start)
+            if size > MAX_FRAME_BYTES:
+                raise ValueError(f"engine-core frame of {size} bytes")
+            body = self._start + FRAME.size
+            if self._end - body >= size:
+                self._start = body + size
+                self._on_frame(bytes(buf[body:body + size]))
+            elif size > len(buf) - FRAME.size:   # will not fit: read the rest into a buffer of its own
+                self._big = bytearray(size)
+                self._big_pos = self._end - body
+                self._big[:self._big_pos] = buf[body:self._end]
+                self._start = self._end = 0
+                return
+            else:
+                break
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def eof_received(self) -> bool:
+        return False   # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_closed()
 
 
 def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats, num_held: int = 0) -> None:
@@ -109,7 +175,7 @@ class Outbox:
             events = cbserve_pb2.CoreEvents()
             item(events)
             try:
-                self._sock.sendall(frame(events))
+                send_frame(self._sock, events)
             except OSError:   # the server is gone; the command reader sees it too and exits
                 return
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from wire import cbserve_pb2
-from pod.core import frame, read_frame
+from pod.core import FrameReader, frame
 from engine.loop import Subscribers
 from engine.outputs import EngineStats
 from pod.runtime import PodRuntime, RequestFailed
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 ROOT = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 10.0
+SOCKET_BUFFER_BYTES = 4 << 20
 
 
 class NewTokens:
@@ -124,6 +125,9 @@ class EngineCoreClient(Subscribers):
     async def start(self, argv: list[str]) -> None:
         """Start the engine-core process and wait until its engine is loaded and warm."""
         ours, theirs = socket.socketpair()
+        for sock in (ours, theirs):   # a prefill pod's KV chunks go through in one write (capped by the kernel)
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
@@ -134,14 +138,13 @@ class EngineCoreClient(Subscribers):
 
     async def connect(self, sock: socket.socket) -> None:
         """Talk to the engine core at the other end of `sock`; wait for its `ready`."""
-        self.reader, self.writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
+        self._ready = self.loop.create_future()
+        self.transport, _ = await self.loop.create_unix_connection(
+            lambda: FrameReader(self._on_frame, self._on_closed), sock=sock)
         try:
-            first = cbserve_pb2.CoreEvents.FromString(await read_frame(self.reader))
-        except (asyncio.IncompleteReadError, ConnectionError):
+            await self._ready
+        except ConnectionError:
             raise EngineCoreExited(await asyncio.to_thread(self.proc.wait) if self.proc else 1) from None
-        self.rt.apply_ready(first.ready)
-        self._apply(first)
-        self._reading = asyncio.create_task(self._read())
 
     # ------------------------------------------------------------------ what EngineLoop offers
     def add(self, request: cbserve_pb2.GenerateRequest, timeout: float) -> concurrent.futures.Future:
@@ -209,8 +212,21 @@ class EngineCoreClient(Subscribers):
 
     # ------------------------------------------------------------------ engine core's messages
     def _send(self, command: cbserve_pb2.CoreCommand) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(frame(command))
+        if not self.transport.is_closing():
+            self.transport.write(frame(command))
+
+    def _on_frame(self, data: bytes | bytearray) -> None:
+        events = cbserve_pb2.CoreEvents.FromString(data)
+        if not self._ready.done():   # the first message: the engine is loaded and warm
+            self.rt.apply_ready(events.ready)
+            self._ready.set_result(None)
+        self._apply(events)
+
+    def _on_closed(self) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(ConnectionError("the engine core closed its socket before it was ready"))
+        else:
+            self._closed = asyncio.ensure_future(self._core_closed())
 
     def _apply(self, events: cbserve_pb2.CoreEvents) -> None:
         rt = self.rt
@@ -248,17 +264,12 @@ class EngineCoreClient(Subscribers):
                 rt.metrics.rejected("invalid")
             self._deliver(error.request_id, RequestFailed(code, error.message))
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                self._apply(cbserve_pb2.CoreEvents.FromString(await read_frame(self.reader)))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+    async def _core_closed(self) -> None:
         if self._stopping:   # stopped after the drain: nothing is open, but answer any late call
             self._exited, self._why = True, f"{self.rt.role_label} pod {self.rt.pod_id} stopped"
             self._lose_calls()
             return
-        code = await asyncio.to_thread(self.proc.wait)
+        code = await asyncio.to_thread(self.proc.wait) if self.proc else 1
         log.error("the engine-core process exited with code %s: failing %d requests and %d KV pulls; the pod exits",
                   code, len(self._subscribers), len(self.pulls))
         self.rt.set_serving(False, self.service_name)

@@ -247,3 +247,29 @@ def test_steps_that_arrive_together_read_as_one_response():
         req.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_frames_arrive_whole_however_the_bytes_are_split(seed):
+    """`FrameReader` against reads cut anywhere: small frames many to a read, a header split across
+    reads, frames larger than its buffer read into their own (the server's end of the core's socket)."""
+    import random
+
+    from pod.core import FRAME, FrameReader
+
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, 3, 40, 200, 1000, 5000]) for _ in range(300)] + [rng.randrange(1, 3000) for _ in range(20)]
+    rng.shuffle(sizes)
+    frames = [bytes(rng.randrange(256) for _ in range(n)) for n in sizes]
+    stream = b"".join(FRAME.pack(len(f)) + f for f in frames)
+    got, closed = [], []
+    reader = FrameReader(lambda data: got.append(bytes(data)), lambda: closed.append(True), buffer_bytes=1024)
+    pos = 0
+    while pos < len(stream):
+        buf = reader.get_buffer(-1)
+        n = min(len(buf), rng.randrange(1, 4000), len(stream) - pos)
+        buf[:n] = stream[pos:pos + n]
+        reader.buffer_updated(n)
+        pos += n
+    reader.connection_lost(None)
+    assert got == frames and closed == [True]
