@@ -92,13 +92,17 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
             async with gate:
                 req_id = f"{tag}-{i}"
                 started = time.perf_counter()
-                prefill = asyncio.ensure_future(stub.Prefill(
-                    pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt, sampling=sampling),
-                    metadata=auth, timeout=600))
+                first_token_at = []
+
+                async def first_token():
+                    await stub.Prefill(pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt, sampling=sampling),
+                                       metadata=auth, timeout=600)
+                    first_token_at.append(time.perf_counter())
+
+                prefill = asyncio.ensure_future(first_token())
                 pull = pb.PullKVRequest(request_id=req_id, model=model, transport="grpc")
                 pull.kv_handle.CopyFrom(handles.issue(req_id, address, time.time() + 600))
-                size, first_token_at = 0, []
-                prefill.add_done_callback(lambda _: first_token_at.append(time.perf_counter()))
+                size = 0
                 async for chunk in stub.PullKV(pull, metadata=auth, timeout=600):
                     size += chunk.ByteSize()
                 pulled = time.perf_counter()
