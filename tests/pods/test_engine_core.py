@@ -60,7 +60,7 @@ def gone(pid: int, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def decode_pod(*args: str, role: str = "decode"):
+def pod_and_core(*args: str, role: str = "decode"):
     """A ready pod (decode unless `role` says) and the pid of its engine core; SIGKILLed at the end."""
     pod = Pod(role, *args)
     try:
@@ -78,7 +78,7 @@ def request(req_id: str, max_tokens: int) -> pb.GenerateRequest:
 
 @pytest.mark.slow
 def test_engine_core_is_a_child_that_never_outlives_its_server():
-    with decode_pod() as (pod, core):
+    with pod_and_core() as (pod, core):
 
         async def generate():
             async with pod_channel(pod.address) as channel:
@@ -92,7 +92,7 @@ def test_engine_core_is_a_child_that_never_outlives_its_server():
 
 @pytest.mark.slow
 def test_a_prefill_pods_engine_core_is_a_child_that_never_outlives_its_server():
-    with decode_pod(role="prefill") as (pod, core):
+    with pod_and_core(role="prefill") as (pod, core):
 
         async def prefill():
             async with pod_channel(pod.address) as channel:
@@ -115,33 +115,9 @@ def pull_request(req_id: str, model: pb.ModelInfo, address: str) -> pb.PullKVReq
 
 
 @pytest.mark.slow
-def test_a_dead_prefill_core_fails_open_pulls_and_the_pod_exits():
-    with decode_pod(role="prefill") as (pod, core):
-
-        async def scenario():
-            async with pod_channel(pod.address) as channel:
-                stub = pb_grpc.PrefillServiceStub(channel)
-                model = (await stub.Handshake(pb.HandshakeRequest(), timeout=20)).model
-                # A pull that waits for a Prefill that has not come yet: open in the core.
-                call = stub.PullKV(pull_request("waiting", model, pod.address), timeout=120)
-                await asyncio.sleep(1.0)
-                os.kill(core, signal.SIGKILL)
-                started = time.monotonic()
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in call:
-                        pass
-                return err.value, time.monotonic() - started
-
-        error, seconds = run(scenario())
-        assert error.code() == grpc.StatusCode.UNAVAILABLE and "engine process exited" in error.details()
-        assert seconds < 10
-        assert pod.proc.wait(30) != 0, "a pod whose engine died must exit (and be restarted)"
-
-
-@pytest.mark.slow
 def test_sigterm_waits_for_held_kv_to_be_pulled_then_stops_the_prefill_core():
     """The held count the drain waits on comes from the core's statistics."""
-    with decode_pod("--drain-seconds", "60", "--kv-ttl-seconds", "60", role="prefill") as (pod, core):
+    with pod_and_core("--drain-seconds", "60", "--kv-ttl-seconds", "60", role="prefill") as (pod, core):
 
         async def scenario():
             async with pod_channel(pod.address) as channel:
@@ -161,14 +137,30 @@ def test_sigterm_waits_for_held_kv_to_be_pulled_then_stops_the_prefill_core():
         assert gone(core, timeout=10)
 
 
+async def open_generate(channel, pod: Pod):
+    """A decode pod's request in the middle of its tokens."""
+    call = pb_grpc.DecodeServiceStub(channel).Generate(request("doomed", 2000), timeout=120)
+    await call.read()
+    return call
+
+
+async def open_pull(channel, pod: Pod):
+    """A prefill pod's KV pull waiting for a Prefill that has not come: open in the core."""
+    stub = pb_grpc.PrefillServiceStub(channel)
+    model = (await stub.Handshake(pb.HandshakeRequest(), timeout=20)).model
+    call = stub.PullKV(pull_request("waiting", model, pod.address), timeout=120)
+    await asyncio.sleep(1.0)
+    return call
+
+
 @pytest.mark.slow
-def test_a_dead_engine_core_fails_open_requests_and_the_pod_exits():
-    with decode_pod() as (pod, core):
+@pytest.mark.parametrize("role, open_call", [("decode", open_generate), ("prefill", open_pull)])
+def test_a_dead_engine_core_fails_open_calls_and_the_pod_exits(role, open_call):
+    with pod_and_core(role=role) as (pod, core):
 
         async def scenario():
             async with pod_channel(pod.address) as channel:
-                call = pb_grpc.DecodeServiceStub(channel).Generate(request("doomed", 2000), timeout=120)
-                await call.read()
+                call = await open_call(channel, pod)
                 os.kill(core, signal.SIGKILL)
                 started = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -184,7 +176,7 @@ def test_a_dead_engine_core_fails_open_requests_and_the_pod_exits():
 
 @pytest.mark.slow
 def test_sigterm_drains_open_requests_then_stops_the_engine_core():
-    with decode_pod("--drain-seconds", "60") as (pod, core):
+    with pod_and_core("--drain-seconds", "60") as (pod, core):
 
         async def scenario():
             async with pod_channel(pod.address) as channel:
