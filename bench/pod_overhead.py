@@ -80,6 +80,28 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+async def timed_with_samples(stub, auth, run):
+    """`await run()`, timed, with the pod's step samples (WatchLoad) from its start to its end:
+    (result, seconds, samples)."""
+    from wire import cbserve_pb2 as pb
+
+    samples = []
+
+    async def watch() -> None:
+        async for report in stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02), metadata=auth):
+            samples.extend(report.step_samples)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.1)
+    samples.clear()                 # what the pod did before this batch
+    t0 = time.perf_counter()
+    result = await run()
+    elapsed = time.perf_counter() - t0
+    await asyncio.sleep(0.15)       # the snapshot's last refresh (timer-based pods)
+    watcher.cancel()
+    return result, elapsed, samples
+
+
 # ---------------------------------------------------------------------- offline (subprocess)
 def offline(args) -> dict:
     """The pod's engine config in this process, the workload closed-loop at `--concurrency`."""
@@ -195,21 +217,9 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str
                 assert tokens == args.output_len, tokens
                 return messages, tokens
 
-        samples = []
-
-        async def watch() -> None:
-            async for report in stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02), metadata=auth):
-                samples.extend(report.step_samples)
-
-        watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0.1)
-        samples.clear()                 # what the pod did before this batch
-        t0 = time.perf_counter()
         messages0 = session.num_messages if session is not None else 0
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        elapsed = time.perf_counter() - t0
-        await asyncio.sleep(0.15)       # the snapshot's last refresh (timer-based pods)
-        watcher.cancel()
+        results, elapsed, samples = await timed_with_samples(
+            stub, auth, lambda: asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         if session is not None:
             session.close()
     messages, tokens = sum(m for m, _ in results), sum(t for _, t in results)

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from pod_overhead import (BENCH_SECRET, add_workload_arguments, cpu_seconds, pod_and_offline,  # noqa: E402
-                          tree_cpu_seconds, tree_env, wait_ready, workload)
+                          timed_with_samples, tree_cpu_seconds, tree_env, wait_ready, workload)
 
 
 def engine_flags(args) -> list[str]:
@@ -109,20 +109,8 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
                 await prefill
                 return size, first_token_at[0] - started, max(0.0, pulled - first_token_at[0])
 
-        samples = []
-
-        async def watch() -> None:
-            async for report in stub.WatchLoad(pb.WatchLoadRequest(interval_seconds=0.02), metadata=auth):
-                samples.extend(report.step_samples)
-
-        watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0.1)
-        samples.clear()
-        t0 = time.perf_counter()
-        done = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        elapsed = time.perf_counter() - t0
-        await asyncio.sleep(0.15)
-        watcher.cancel()
+        done, elapsed, samples = await timed_with_samples(
+            stub, auth, lambda: asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
     return {"requests_per_s": len(prompts) / elapsed, "kv_mb": sum(d[0] for d in done) / 1e6,
             "first_token_ms": 1e3 * statistics.median(d[1] for d in done),
             "kv_after_first_token_ms": 1e3 * statistics.median(d[2] for d in done), **chunk_stats(samples, args)}
