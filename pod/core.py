@@ -113,7 +113,7 @@ class FrameReader(asyncio.BufferedProtocol):
             body = self._start + FRAME.size
             if self._end - body >= size:
                 self._start = body + size
-                self._on_frame(bytes(buf[body:body + size]))
+                self._on_frame(bytes(memoryview(buf)[body:body + size]))
             elif size > len(buf) - FRAME.size:   # will not fit: read the rest into a buffer of its own
                 self._big = bytearray(size)
                 self._big_pos = self._end - body
