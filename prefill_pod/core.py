@@ -250,5 +250,8 @@ class PrefillCore(EngineCore):
             self.reply(call_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (KVTransferError, RuntimeError) as e:
             self.reply(call_id, grpc.StatusCode.UNAVAILABLE, f"process group setup failed: {e}")
+        except Exception as e:  # noqa: BLE001 - the server's call waits for a reply: it gets one
+            log.exception("process group setup failed")
+            self.reply(call_id, grpc.StatusCode.INTERNAL, f"process group setup failed: {e}")
         else:
             self.reply(call_id)
