@@ -1,10 +1,11 @@
 """Rank 0 of a tensor-parallel engine: spawns the other ranks, drives their steps, watches them.
 
-The pod (or `cbserve generate`) process is rank 0: it hosts the rendezvous store on the loopback
-address, starts ranks 1..N-1 as `python -m engine.tp_worker` subprocesses (their settings travel as
-JSON in an environment variable: no pickled closures), and joins the group with them. The store
-cannot authenticate its callers, so the group's keys live under a random namespace that only the
-ranks' environment carries (`group_store`): another local process can reach the port, not the group. It alone
+The pod (or `cbserve generate`) process is rank 0: it creates the rendezvous store, starts ranks
+1..N-1 as `python -m engine.tp_worker` subprocesses (their settings travel as JSON in an environment
+variable: no pickled closures), and joins the group with them. The store is a file (torch's
+`FileStore`) in a directory only this user can open (`tempfile.mkdtemp`, mode 0700), removed when
+the group closes: all ranks run on one machine, so the rendezvous needs no listener, and a store
+that nobody can connect to needs no authentication (a TCPStore accepts any local caller). It alone
 schedules; `TPDriver.step` sends each step's inputs to the others before rank 0's forward.
 
 Failure: a rank that dies must not leave the pod hanging in a collective. A watchdog thread polls
@@ -21,22 +22,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import os
-import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from engine.tp_comm import CMD_HEARTBEAT, CMD_STEP, CMD_STOP, TPComm
-from engine.tp_worker import SPEC_ENV, WorkerSpec, group_store
+from engine.tp_worker import SPEC_ENV, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class TPDriver:
     """Rank 0's handle on the group: `comm` for the model, `step` for the runner, `close`."""
 
-    def __init__(self, comm: TPComm, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, comm: TPComm, procs: list[subprocess.Popen], store_dir: str = "") -> None:
         self.comm = comm
         self.procs = procs
+        self.store_dir = store_dir   # the rendezvous store's directory, removed by `close`
         self.on_lost: list[Callable[[str], None]] = []
         self._lock = threading.Lock()          # one message at a time: a step, or a heartbeat
         self._last_sent = time.monotonic()
@@ -71,13 +72,11 @@ class TPDriver:
     def launch(cls, base: WorkerSpec, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_SECONDS) -> TPDriver:
         """Start ranks 1..N-1 from `base` (its rank fields are filled here) and join them."""
         size = base.size
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-        namespace = secrets.token_hex(16)
+        store_dir = tempfile.mkdtemp(prefix="cbserve-tp-")   # 0700: this user's processes only
+        store_path = os.path.join(store_dir, "store")
         procs = []
         for rank in range(1, size):
-            spec = dataclasses.replace(base.with_rank(rank, str(rank_device(device, rank)), store.port, timeout_s),
-                                       store_namespace=namespace)
+            spec = base.with_rank(rank, str(rank_device(device, rank)), store_path, timeout_s)
             env = dict(os.environ, **{SPEC_ENV: spec.to_json()})
             # stdout belongs to rank 0 (`cbserve generate` prints the text there): workers log to
             # stderr. Their own session: signals to the pod's process group (Ctrl-C, `kill -- -pgid`)
@@ -87,9 +86,12 @@ class TPDriver:
             log.info("tensor-parallel rank %d/%d started (pid %d)", rank, size, procs[-1].pid)
         watchdog = _Watchdog(procs)
         watchdog.start()                      # a rank that fails to load ends us, not a hang
-        comm = TPComm.init(0, size, device, group_store(store, namespace), timeout_s)
-        driver = cls(comm, procs)
-        driver._store = store                 # keep the store alive as long as the group
+        try:   # the group may use the store for as long as it lives (NCCL joins on first use)
+            comm = TPComm.init(0, size, device, dist.FileStore(store_path, size), timeout_s)
+        except BaseException:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            raise
+        driver = cls(comm, procs, store_dir)
         watchdog.driver = driver
         atexit.register(driver.close)
         return driver
@@ -171,6 +173,8 @@ class TPDriver:
         _kill(self.procs)
         log.info("tensor-parallel ranks stopped")
         self.comm.close()
+        if self.store_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 class _Watchdog(threading.Thread):

@@ -21,19 +21,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 SPEC_ENV = "CBSERVE_TP_SPEC"
 PARENT_POLL_SECONDS = 0.5
 log = logging.getLogger("engine.tp_worker")
-
-
-def group_store(store, namespace: str):
-    """The launch's own view of the rendezvous store: every key under its secret namespace."""
-    import torch.distributed as dist
-
-    return dist.PrefixStore(f"cbserve-tp/{namespace}/", store) if namespace else store
 
 
 @dataclass(frozen=True)
@@ -53,15 +45,12 @@ class WorkerSpec:
     headroom_bytes: int
     size: int
     rank: int = 0
-    store_port: int = 0
-    # Random per launch, given in the environment (never argv): the group's keys live under it, so
-    # another local process that reaches the loopback store cannot read or forge them.
-    store_namespace: str = ""
+    store_path: str = ""            # the rendezvous FileStore, in a 0700 directory of rank 0's (tp_launch)
     timeout_s: float = 300.0
     parent_pid: int = 0
 
-    def with_rank(self, rank: int, device: str, store_port: int, timeout_s: float) -> WorkerSpec:
-        return dataclasses.replace(self, rank=rank, device=device, store_port=store_port, timeout_s=timeout_s,
+    def with_rank(self, rank: int, device: str, store_path: str, timeout_s: float) -> WorkerSpec:
+        return dataclasses.replace(self, rank=rank, device=device, store_path=store_path, timeout_s=timeout_s,
                                    parent_pid=os.getpid())
 
     def to_json(self) -> str:
@@ -105,9 +94,7 @@ def run(spec: WorkerSpec) -> None:
         torch.cuda.set_device(device)
     cache = CacheConfig(**spec.cache)
     startup = measure_startup_memory(cache, device)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
-                          timeout=timedelta(seconds=spec.timeout_s))
-    comm = TPComm.init(spec.rank, spec.size, device, group_store(store, spec.store_namespace), spec.timeout_s)
+    comm = TPComm.init(spec.rank, spec.size, device, dist.FileStore(spec.store_path, spec.size), spec.timeout_s)
     cfg = ModelConfig.from_dir(spec.model_dir)
     model = load_model(Path(spec.model_dir), cfg, dtype, device, spec.max_position,
                        shard=TPShard(cfg, spec.rank, spec.size), comm=comm)

@@ -153,3 +153,20 @@ def test_generate_cli_at_tp2_prints_the_tp1_text_and_refuses_bad_sizes():
                          text=True, timeout=120)
     assert bad.returncode == 2
     assert "num_attention_heads (4) must be divisible by tensor_parallel_size (3)" in bad.stderr
+
+
+def test_the_ranks_meet_through_a_private_file_not_a_listener():
+    """The rendezvous store is a FileStore in a 0700 directory of rank 0's, gone once the group
+    closes: no TCPStore port that any local process could reach."""
+    import os
+    import stat
+
+    engine = Engine(EngineConfig(model="tiny", tensor_parallel_size=2, cache=CacheConfig(num_blocks=64),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    store_dir = engine.tp.store_dir
+    try:
+        assert stat.S_IMODE(os.stat(store_dir).st_mode) == 0o700
+        assert os.stat(store_dir).st_uid == os.getuid()
+    finally:
+        engine.close()
+    assert not os.path.exists(store_dir)
