@@ -58,7 +58,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class TPDriver:
     """Rank 0's handle on the group: `comm` for the model, `step` for the runner, `close`."""
 
-    def __init__(self, comm: TPComm, procs: list[subprocess.Popen], store_dir: str = "") -> None:
+    def __init__(self, comm: TPComm, procs: list[subprocess.Popen], store_dir: str) -> None:
         self.comm = comm
         self.procs = procs
         self.store_dir = store_dir   # the rendezvous store's directory, removed by `close`
@@ -84,7 +84,7 @@ class TPDriver:
             procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp_worker"], env=env,
                                           stdout=sys.stderr.fileno(), start_new_session=True))
             log.info("tensor-parallel rank %d/%d started (pid %d)", rank, size, procs[-1].pid)
-        watchdog = _Watchdog(procs)
+        watchdog = _Watchdog(procs, store_dir)
         watchdog.start()                      # a rank that fails to load ends us, not a hang
         try:   # the group may use the store for as long as it lives (NCCL joins on first use)
             comm = TPComm.init(0, size, device, dist.FileStore(store_path, size), timeout_s)
@@ -151,6 +151,7 @@ class TPDriver:
             with contextlib.suppress(Exception):
                 hook(message)
         _kill(self.procs)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
         os._exit(EXIT_RANK_LOST)
 
     def close(self) -> None:
@@ -173,16 +174,16 @@ class TPDriver:
         _kill(self.procs)
         log.info("tensor-parallel ranks stopped")
         self.comm.close()
-        if self.store_dir:
-            shutil.rmtree(self.store_dir, ignore_errors=True)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 class _Watchdog(threading.Thread):
     """Polls the rank subprocesses; the first unexpected exit ends rank 0 (`TPDriver.lost`)."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], store_dir: str) -> None:
         super().__init__(name="tp-watchdog", daemon=True)
         self.procs = procs
+        self.store_dir = store_dir
         self.driver: TPDriver | None = None
 
     def run(self) -> None:
@@ -198,6 +199,7 @@ class _Watchdog(threading.Thread):
                     log.critical("%s while starting; exiting", message)
                     print(f"error: {message} while starting", file=sys.stderr, flush=True)
                     _kill(self.procs)
+                    shutil.rmtree(self.store_dir, ignore_errors=True)
                     os._exit(EXIT_RANK_LOST)
             time.sleep(WATCHDOG_POLL_SECONDS)
 
