@@ -14,6 +14,10 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.grammar.spec import StructuredSpec, StructuredSpecError
+from engine.grammar.spec import from_proto as structured_from_proto
+from engine.grammar.spec import to_proto as structured_to_proto
+
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -55,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None          # number of top logprobs per token (0: the sampled one only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredSpec | None = None   # constrained decoding (engine/grammar/spec.py)
 
     def __post_init__(self) -> None:
         # Lists (from JSON) become tuples so the value stays hashable and immutable; a lone
@@ -108,6 +113,8 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._validate_stops()
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise SamplingParamsError("structured", "must be a StructuredSpec")
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop_token_ids, tuple):
@@ -182,6 +189,10 @@ def to_proto(params: SamplingParams, msg: Any = None) -> Any:
     msg.stop_token_ids.extend(params.stop_token_ids)
     del msg.stop[:]
     msg.stop.extend(params.stop)
+    if params.structured is not None:
+        structured_to_proto(params.structured, msg.structured)
+    else:
+        msg.ClearField("structured")
     return msg
 
 
@@ -194,8 +205,13 @@ def from_proto(msg: Any) -> SamplingParams:
     values["logprobs"] = msg.logprobs if msg.HasField("logprobs") else None
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["stop"] = tuple(msg.stop)
+    if msg.HasField("structured"):
+        try:
+            values["structured"] = structured_from_proto(msg.structured)
+        except StructuredSpecError as e:
+            raise SamplingParamsError("structured", str(e)) from None
     return SamplingParams(**values)
 
 
 assert {f.name for f in fields(SamplingParams)} == set(_PLAIN_FIELDS) | {
-    "seed", "logprobs", "stop_token_ids", "stop"}, "to_proto/from_proto must cover every field"
+    "seed", "logprobs", "stop_token_ids", "stop", "structured"}, "to_proto/from_proto must cover every field"
