@@ -38,6 +38,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
+from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
 from engine.tp_launch import TPDriver
@@ -156,11 +157,8 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self._step_ewma = 0.0
-        self._prefill_rate = 0.0
-        self.num_steps = 0
+        self.step_stats = StepStats()
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
-        self.step_samples: collections.deque[StepSample] = collections.deque(maxlen=256)
         log.info("engine ready: role=%s model=%s dtype=%s quantization=%s kv_cache_dtype=%s "
                  "tensor_parallel_size=%d blocks=%d x %d", self.role, config.model, dtype_name,
                  self.quantization or "none", str(self.kv_dtype).removeprefix("torch."),
@@ -374,21 +372,20 @@ class Engine:
             first_scheduled_time=req.first_scheduled_time, stop_reason=req.stop_reason)
 
     def _record_step(self, out, seconds: float) -> None:
-        num_prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)
-        context = sum(s.start_position + len(s.token_ids) for s in out.scheduled)
-        self.step_samples.append(StepSample(len(out.scheduled), context, num_prefill, seconds))
-        alpha = 0.1
-        self._step_ewma = seconds if self.num_steps == 0 else (1 - alpha) * self._step_ewma + alpha * seconds
-        if num_prefill:
-            rate = out.num_batched_tokens / seconds
-            self._prefill_rate = rate if self._prefill_rate == 0 else (1 - alpha) * self._prefill_rate + alpha * rate
-        self.num_steps += 1
+        self.step_stats.record(out, seconds)
+
+    @property
+    def step_samples(self) -> collections.deque[StepSample]:
+        """The latest steps' samples (the router's step-time model reads them in load reports)."""
+        return self.step_stats.samples
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_stats.num_steps
 
     def reset_step_stats(self) -> None:
         """Forget step timings (after a warm-up whose first step includes one-off costs)."""
-        self._step_ewma = self._prefill_rate = 0.0
-        self.num_steps = 0
-        self.step_samples.clear()
+        self.step_stats.reset()
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: Iterable[str | Sequence[int]],
@@ -414,11 +411,4 @@ class Engine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        pool = s.kv_manager.block_pool
-        return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, prefill_queue_tokens=s.prefill_queue_tokens,
-            num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_usable_blocks,
-            kv_cache_usage=pool.usage, prefix_cache_hit_ratio=s.kv_manager.hit_ratio,
-            num_preemptions=s.num_preemptions, step_seconds_ewma=self._step_ewma,
-            prefill_tokens_per_second=self._prefill_rate, num_steps=self.num_steps)
+        return self.step_stats.snapshot(self.scheduler)

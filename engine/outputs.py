@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.sampler import TokenLogprobs
+if TYPE_CHECKING:   # torch-free at run time: the capacity planner builds these without torch
+    from engine.sampler import TokenLogprobs
 
 
 @dataclass

@@ -39,13 +39,14 @@ class AdmissionController:
     """Decides, per request, between routing now, waiting, and refusing."""
 
     def __init__(self, mode: str, max_queue_seconds: float, max_queue_size: int,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if mode not in ("queue", "reject"):
             raise ValueError(f"admission mode must be 'queue' or 'reject', got {mode!r}")
         self.mode = mode
         self.max_queue_seconds = max_queue_seconds
         self.max_queue_size = max_queue_size
         self.metrics = metrics
+        self.clock = clock        # the event loop's clock (the capacity planner's is virtual)
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._pass_scheduled = False
@@ -95,7 +96,7 @@ class AdmissionController:
         if self.num_waiting >= self.max_queue_size:
             raise self._refuse("queue_full", first)
 
-        now = time.monotonic()
+        now = self.clock()
         queue_deadline = now + self.max_queue_seconds
         if slo_wait_seconds is not None and first.reason != "no_pods":
             queue_deadline = min(queue_deadline, now + slo_wait_seconds)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -90,7 +91,8 @@ class Dispatcher:
 
     def __init__(self, tracker: LoadTracker, policy: Policy, admission: AdmissionController,
                  prefix_index: PrefixIndex, metrics: RouterMetrics, max_retries: int = 2,
-                 kv_transport: str = "") -> None:
+                 kv_transport: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock    # monotonic seconds; the capacity planner's is virtual (`cbserve.planner`)
         self.tracker = tracker
         self.policy = policy
         self.admission = admission
@@ -122,17 +124,23 @@ class Dispatcher:
         self.metrics.running.dec()
         self.admission.wake()
 
+    async def admit(self, spec: SequenceSpec, trace: SequenceTrace) -> RoutingDecision:
+        """The sequence's pods, reserved, once admission lets it through (it may wait in the
+        router's queue, on the TTFT budget it has left); raises APIError (429 / 503) if refused."""
+        start = self.clock()
+        decision = await self.admission.admit(
+            lambda: self._try_route(with_ttft_budget_left(spec.routing, self.clock() - start)),
+            spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
+        trace.router_queue_seconds = self.clock() - start
+        self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
+        return decision
+
     async def start(self, spec: SequenceSpec, trace: SequenceTrace) -> SequenceStream:
         """The sequence's pod calls once its first tokens arrived (in `first_message`).
 
         Raises APIError if it cannot be served: refused by admission, no pod, or every try failed.
         """
-        start = time.monotonic()
-        decision = await self.admission.admit(
-            lambda: self._try_route(with_ttft_budget_left(spec.routing, time.monotonic() - start)),
-            spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
-        trace.router_queue_seconds = time.monotonic() - start
-        self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
+        decision = await self.admit(spec, trace)
         routing = spec.routing
         attempt = 0
         while True:

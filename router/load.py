@@ -59,6 +59,8 @@ class PodState:
     ttft_calibration: LatencyCalibration = field(default_factory=ttft_calibration)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
     poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
+    # Monotonic seconds; the capacity planner passes its virtual clock (`cbserve.planner`).
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     @property
     def address(self) -> str:
@@ -75,7 +77,7 @@ class PodState:
     @property
     def silent(self) -> bool:
         """No load report for `LOAD_SILENCE_SECONDS`: routed to only when no other pod can be."""
-        return time.monotonic() - self.report_time >= LOAD_SILENCE_SECONDS
+        return self.clock() - self.report_time >= LOAD_SILENCE_SECONDS
 
     def apply_report(self, report: pb.LoadReport, now: float) -> None:
         # GetLoad (and the first message of WatchLoad) repeat the pod's recent samples; a sample seen
@@ -96,7 +98,7 @@ class PodState:
 
     def on_dispatch(self, num_prompt_tokens: int) -> None:
         self.num_inflight += 1
-        self.unreported.append((time.monotonic(), num_prompt_tokens))
+        self.unreported.append((self.clock(), num_prompt_tokens))
 
     def on_finish(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)
