@@ -30,12 +30,12 @@ from pathlib import Path
 if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import prom
-from bench.loadgen import run_open_loop
-from bench.plots import plot_mix
-from bench.report import format_table, goodput_ratios, print_ratios
-from bench.stats import Slo, summarize
-from bench.workloads import MIXES, Mix, build_requests, warmup_requests
+from cbserve.goodput import prom
+from cbserve.goodput.loadgen import run_open_loop
+from cbserve.goodput.plots import plot_mix
+from cbserve.goodput.report import format_table, goodput_ratios, print_ratios
+from cbserve.goodput.stats import Slo, summarize
+from cbserve.goodput.workloads import MIXES, Mix, build_requests, warmup_requests
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 from engine.config import QUANTIZATIONS
