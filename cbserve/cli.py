@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cbserve.up import add_up_command  # `cbserve up`: cbserve/up.py
     add_up_command(sub)
+    from cbserve.planner.cli import add_planner_commands  # `cbserve profile|plan`: cbserve/planner/
+    add_planner_commands(sub, _add_engine_flags)
     return parser
 
 

@@ -13,6 +13,7 @@ from engine.outputs import EngineStats, StepSample
 from wire import cbserve_pb2
 
 MAX_SAMPLES_PER_REPORT = 32   # newest step samples a report carries
+REFRESH_SECONDS = 0.05        # snapshot age bound while busy; WatchLoad's default interval
 
 
 def build_load_report(pod_id: str, role: str, stats: EngineStats, samples: Sequence[StepSample], *,

@@ -39,12 +39,11 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, from_pro
 from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
-from pod.load_report import build_load_report
+from pod.load_report import REFRESH_SECONDS, build_load_report
 from pod.security import ClusterSecurity, advertise_address
 from pod.stall import DEFAULT_STALL_SECONDS, stall_threshold, watch_engine
 
 log = logging.getLogger(__name__)
-REFRESH_SECONDS = 0.05     # snapshot age bound while busy; WatchLoad's default interval
 NUM_SNAPSHOT_SAMPLES = 64  # step samples kept for load reports (each report sends up to 32 new ones)
 
 

@@ -26,11 +26,12 @@ import grpc
 from wire import cbserve_pb2 as pb
 from engine.sampling_params import SamplingParams
 from router.admission import AdmissionController
+from router.config import RouterConfig
 from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.metrics import RouterMetrics
 from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
-from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
+from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest, build_policy
 
 log = logging.getLogger(__name__)
 
@@ -219,4 +220,22 @@ class Dispatcher:
             bool(pods["prefill"]) or self.policy.local_prefill_fallback)
 
 
-__all__ = ["Dispatcher", "PodLost", "SequenceSpec", "SequenceStream", "SequenceTrace"]
+def build_dispatcher(config: RouterConfig, metrics: RouterMetrics,
+                     clock: Callable[[], float] = time.monotonic) -> Dispatcher:
+    """The router's routing core for `config`, wired as the app runs it: load tracker, prefix index,
+    admission (re-run on every load report) and policy. The capacity planner builds the same one on
+    its virtual clock (`cbserve.planner`)."""
+    tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds,
+                          close_grace_seconds=config.request_timeout_seconds,
+                          pod_inactivity_seconds=config.pod_inactivity_seconds, security=config.security)
+    prefix_index = PrefixIndex(config.prefix_affinity_entries)
+    admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics,
+                                    clock=clock)
+    tracker.add_listener(admission.wake)
+    policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second,
+                          config.local_prefill_fallback)
+    return Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries, config.kv_transport,
+                      clock=clock)
+
+
+__all__ = ["Dispatcher", "PodLost", "SequenceSpec", "SequenceStream", "SequenceTrace", "build_dispatcher"]

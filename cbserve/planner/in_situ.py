@@ -1,0 +1,238 @@
+"""`cbserve profile`, stage B: what serving adds to the engine's steps, from a short real run.
+
+A real cluster (`LocalCluster`, one prefill and one decode pod with the profiled engine flags and
+thread count, the router with SLOs so loose that it admits everything: this measures the machine,
+not the policy) takes two kinds of traffic, and the simulator replays the same requests on the
+stage-A cost model to see what the engine alone would take:
+1. probes, one request at a time: prompts of three lengths, 2 and 24 tokens out. TTFT minus the
+   simulated prefill is the request path's overhead (HTTP, router, RPCs, first-token path); a
+   2-token answer's TPOT is the P->D hand-over, whose growth with the prompt gives the KV
+   bandwidth and whose intercept the per-pull latency; a 24-token answer's TPOT gives each decode
+   step's wall time, of which what the step model does not explain is the pod's loop gap;
+2. a load run on the calibration mix at about half of the decode pod's capacity: each pod's mean
+   step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of the
+   same run is that role's contention factor: two pods, the router and the client sharing the
+   machine's cores (and, on a shared machine, the neighbours).
+The probes are refitted with the contention factors, and the load run simulated once more with
+everything: its TTFT / TPOT medians against the measured ones are the calibration's own residual
+(reported; the workloads a plan is judged on are other ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+from cbserve.cluster_spec import ClusterSpec
+from cbserve.goodput import prom
+from cbserve.goodput.loadgen import run_open_loop
+from cbserve.goodput.stats import RequestResult
+from cbserve.goodput.workloads import MIXES, RequestSpec, random_text
+from cbserve.local_cluster import LocalCluster
+from cbserve.planner.profile import Profile, ServingProfile, with_serving
+from cbserve.planner.sim_cluster import SimCluster
+from cbserve.planner.simulate import sim_model
+from cbserve.planner.step_shape import StepShape
+from cbserve.planner.virtual_loop import run_virtual
+
+LOOSE_SLO_MS = 600_000.0        # the router admits everything: the run measures the machine
+PROBE_OUTPUTS = (2, 24)
+
+
+@dataclass(frozen=True)
+class InSituSettings:
+    seconds: float = 20.0           # the load run's arrivals
+    probe_repeats: int = 3
+    mix: str = "chat"               # the calibration workload
+    seed: int = 0
+    target_busy: float = 0.6        # the load run's rate: this share of the busiest pod's time
+
+
+def probe_requests(profile: Profile, repeats: int, seed: int) -> list[RequestSpec]:
+    """One request at a time: arrival gaps of a generous multiple of each one's predicted time."""
+    engine, model = profile.engine, profile.cost_model
+    longest = min(engine["max_num_batched_tokens"], engine["max_model_len"] - 64) - 16
+    lengths = sorted({32, max(33, longest // 2), max(34, longest)})
+    rng = random.Random(f"{seed}:probes")
+    shapes = [(n, m) for _ in range(repeats) for n in lengths for m in PROBE_OUTPUTS]
+    rng.shuffle(shapes)
+    out, t = [], 0.0
+    for i, (n, m) in enumerate(shapes):
+        out.append(RequestSpec(i, t, random_text(rng, n - 1), m))
+        prefill = model.seconds(StepShape(0, 0, prefill_chunks=((n, 0),), num_sampled=1))
+        decode = model.seconds(StepShape(1, n, n, n, num_sampled=1))
+        t += 4 * (prefill + m * decode) + 0.3
+    return out
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope); a flat line when x does not vary."""
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return my, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return my - slope * mx, slope
+
+
+def _simulate(profile: Profile, requests: list[RequestSpec], mix_caching: bool = False):
+    """The requests on a simulated 1P+1D cluster: (results, {role: (busy seconds, steps)})."""
+    model = sim_model(profile)
+
+    async def play():
+        cluster = SimCluster({"num_prefill": 1, "num_decode": 1, "policy": "goodput"}, model.shape,
+                             model.pod_costs, model.serving, LOOSE_SLO_MS / 1000, LOOSE_SLO_MS / 1000, mix_caching)
+        try:
+            await asyncio.sleep(0.2)
+            results, _ = await cluster.run(requests, model.encode(requests))
+            steps = {p.role: (p.busy_seconds, p.stats.num_steps) for p in cluster.pods.values()}
+            return results, steps
+        finally:
+            cluster.close()
+    return run_virtual(play())
+
+
+def _fit_probes(profile: Profile, probes: list[RequestSpec], measured: list[RequestResult]) -> dict:
+    """From requests alone on the cluster: the request path's overhead and the P->D hand-over.
+
+    TTFT = overhead + c_p x (the simulated prefill) over three prompt lengths gives both (c_p: the
+    prefill pod's contention when alone); a 24-token answer's steps give the decode pod's (c_d);
+    a 2-token answer's TPOT (the hand-over) minus c_d x its simulated first decode step is the KV
+    transfer, linear in the prompt's tokens: a per-pull latency and bytes per second."""
+    simulated, _ = _simulate(with_serving(profile, ServingProfile()), probes)
+    ok = [(p, m, s) for p, m, s in zip(probes, measured, simulated)
+          if m.outcome == "ok" and s.outcome == "ok" and m.ttft_s is not None and m.tpot_s is not None]
+    if len(ok) < len(probes) // 2:
+        raise RuntimeError(f"only {len(ok)} of {len(probes)} probe requests finished; see the cluster's logs")
+    overhead, prefill_contention = _fit_line([s.ttft_s for _, _, s in ok], [m.ttft_s for _, m, _ in ok])
+    long = [(p, m, s) for p, m, s in ok if p.max_tokens > 2]
+    # 23 gaps of a 24-token answer: the hand-over and 22 steps; the steps' share is what matters here.
+    decode_contention = statistics.median(m.tpot_s / s.tpot_s for _, m, s in long) if long else 1.0
+    handover = [(len(p.prompt) + 1, m.tpot_s - decode_contention * s.tpot_s) for p, m, s in ok if p.max_tokens == 2]
+    intercept, slope = _fit_line([float(n) for n, _ in handover], [g for _, g in handover])
+    return {"probes": len(ok), "ttft_overhead_s": max(0.0, overhead), "prefill_contention_alone": prefill_contention,
+            "decode_contention_alone": decode_contention, "handover_intercept_s": intercept,
+            "handover_s_per_token": slope}
+
+
+def _serving_from_probes(fit: dict, kv_bytes_per_token: int) -> ServingProfile:
+    """The request path split in four (to the router, to the pod, back to the client: half and
+    half each way) and the KV pull's latency and bandwidth."""
+    overhead = fit["ttft_overhead_s"]
+    slope = fit["handover_s_per_token"]
+    rpc = overhead / 4
+    return ServingProfile(http_in_s=overhead / 4, rpc_s=rpc, token_out_s=overhead / 2,
+                          kv_message_s=max(0.0, fit["handover_intercept_s"] - 2 * rpc),
+                          kv_bytes_per_s=kv_bytes_per_token / slope if slope > 0 else float("inf"))
+
+
+def _medians(results: list[RequestResult]) -> dict[str, float]:
+    out = {}
+    for name in ("ttft_s", "tpot_s"):
+        values = [getattr(r, name) for r in results if r.outcome == "ok" and getattr(r, name) is not None]
+        if values:
+            out[name] = statistics.median(values)
+    return out
+
+
+def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, float]]:
+    """role -> (sum, count) of its pods' cbserve_step_seconds over the run."""
+    out: dict[str, tuple[float, float]] = {}
+    for role, samples in pod_samples.items():
+        out[role] = (prom.total(samples, "cbserve_step_seconds_sum"), prom.total(samples, "cbserve_step_seconds_count"))
+    return out
+
+
+def _load_rate(profile: Profile, settings: InSituSettings) -> float:
+    """A rate at which the simulated busiest pod is busy about `target_busy` of the time."""
+    mix = MIXES[settings.mix]
+    rate = 0.125
+    chosen = rate
+    for _ in range(10):
+        requests = mix.requests(rate, min(settings.seconds, 20.0), settings.seed)
+        results, steps = _simulate(profile, requests)
+        elapsed = max((r.done_s or 0.0) for r in results)
+        busy = max(b for b, _ in steps.values()) / max(elapsed, 1e-9)
+        if busy > settings.target_busy:
+            break
+        chosen = rate
+        rate *= 1.5
+    return chosen
+
+
+def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profile:
+    """The profile with its `serving` section measured on a real 1P+1D cluster (see the module)."""
+    started = time.monotonic()
+    e = profile.engine
+    spec = ClusterSpec(model=args.model, port=0, num_prefill=1, num_decode=1, policy="goodput",
+                       slo_ttft_ms=LOOSE_SLO_MS, slo_tpot_ms=LOOSE_SLO_MS, device=args.device, dtype=args.dtype,
+                       quantization=args.quantization, max_num_batched_tokens=e["max_num_batched_tokens"],
+                       max_num_seqs=e["max_num_seqs"], num_blocks=e["num_blocks"], prefix_caching=False,
+                       threads_per_pod=profile.data["device"]["threads"], drain_seconds=2)
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    rate = _load_rate(with_serving(profile, ServingProfile()), settings)
+    mix = MIXES[settings.mix]
+    load = mix.requests(rate, settings.seconds, settings.seed)
+    log_dir = tempfile.mkdtemp(prefix="cbserve-profile-")
+    log(f"# profile: in situ on a 1P+1D cluster (logs in {log_dir}): {len(probes)} probes, then {settings.mix} "
+        f"at {rate:g} req/s for {settings.seconds:g} s")
+    with LocalCluster(spec, log_dir=log_dir) as cluster:
+        model_id = args.model
+        asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
+        probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
+        before = {p.role: prom.scrape(p.metrics_url) for p in cluster.pods}
+        load_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, load, timeout_s=120, desc="load"))
+        after = {p.role: prom.scrape(p.metrics_url) for p in cluster.pods}
+    raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
+           "load_rate": rate, "step_seconds": _step_means({role: prom.delta(after[role], before[role]) for role in after}),
+           "seconds": time.monotonic() - started}
+    profile.data["in_situ_raw"] = raw
+    return fit_in_situ(profile, raw, settings)
+
+
+def _result_json(r: RequestResult) -> dict:
+    return {k: getattr(r, k) for k in ("index", "scheduled_s", "sent_s", "outcome", "first_token_s", "last_token_s",
+                                       "done_s", "num_chunks", "num_output_tokens")}
+
+
+def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profile:
+    """The serving section from an in-situ run's measurements (`raw`, as `run_in_situ` stores them):
+    probes first, then the load run's contention, loop gap and request path."""
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    load = MIXES[settings.mix].requests(raw["load_rate"], settings.seconds, settings.seed)
+    probe_results = [RequestResult(**r) for r in raw["probes"]]
+    load_results = [RequestResult(**r) for r in raw["load"]]
+    measured_steps = {role: tuple(v) for role, v in raw["step_seconds"].items()}
+    measured = _medians(load_results)
+
+    probe_fit = _fit_probes(profile, probes, probe_results)
+    serving = _serving_from_probes(probe_fit, profile.engine["kv_bytes_per_token"])
+    # Contention under load: each role's measured mean step over the simulated mean step cost.
+    _, simulated_steps = _simulate(with_serving(profile, serving), load)
+    contention = {}
+    for role, (total, count) in measured_steps.items():
+        busy, steps = simulated_steps.get(role, (0.0, 0))
+        contention[role] = (total / count) / (busy / steps) if count and steps and busy else 1.0
+    serving = replace(serving, contention=contention.get("decode", 1.0), prefill_contention=contention.get("prefill", 1.0))
+    # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path (TTFT).
+    simulated, _ = _simulate(with_serving(profile, serving), load)
+    if "tpot_s" in measured:
+        serving = replace(serving, step_gap_s=max(0.0, measured["tpot_s"] - _medians(simulated).get("tpot_s", 0.0)))
+        simulated, _ = _simulate(with_serving(profile, serving), load)
+    extra = measured.get("ttft_s", 0.0) - _medians(simulated).get("ttft_s", 0.0)
+    if extra > 0:
+        serving = replace(serving, http_in_s=serving.http_in_s + extra / 2, token_out_s=serving.token_out_s + extra / 2)
+        simulated, _ = _simulate(with_serving(profile, serving), load)
+    final = _medians(simulated)
+    residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
+    residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
+    in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
+               "load_seconds": settings.seconds,
+               "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
+                                                                 measured_steps.items()},
+               "load_residual": residual, "seconds": raw.get("seconds")}
+    return with_serving(profile, replace(serving, in_situ=in_situ))

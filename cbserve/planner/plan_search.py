@@ -1,0 +1,130 @@
+"""`cbserve plan --search`'s run: capacities, uncertainty bands, the recommendation, the values file.
+
+Each configuration's capacity is searched (`search.find_capacity`) on fresh simulated clusters, the
+first from 1 req/s per pod, the others from the per-pod capacity found so far; the best colocated
+and the best disaggregated one are searched again with steps `1 ± u` times as long for their bands
+(u: the profile's held-out error plus the in-situ calibration's residual); `search.recommend`
+decides; the recommended configuration runs once more at `--headroom` x its capacity, and its pods'
+mean load there sets the values file's HPA targets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from cbserve.goodput.configs import is_disaggregated, num_pods, parse_config
+from cbserve.planner.helm_values import render, values
+from cbserve.planner.search import Capacity, Criterion, Probe, find_capacity, recommend
+from cbserve.planner.simulate import at_rate, sim_model
+
+_TABLE = ("config", "pods", "capacity", "per-pod", "band per pod", "ttft p95", "tpot p95", "attain", "probes")
+
+
+def uncertainty(profile) -> float:
+    """The relative error of a step's predicted time: held-out step error + the calibration residual."""
+    u = profile.held_out_error
+    serving = profile.serving
+    if serving is not None:
+        r = serving.in_situ.get("load_residual", {})
+        for name in ("ttft", "tpot"):
+            m, s = r.get(f"p50_{name}_measured_s"), r.get(f"p50_{name}_simulated_s")
+            if m and s:
+                u = max(u, profile.held_out_error + abs(s - m) / m)
+    return u
+
+
+def _evaluator(args, model, config, workload, slo, caching, criterion):
+    def evaluate(rate: float) -> Probe:
+        run = at_rate(model, config, workload, rate, args.duration, args.seed, slo, warmup=args.warmup,
+                      prefix_caching=caching)
+        return Probe(rate, run.row, criterion.sustained(run.row, run.results), run.load)
+    return evaluate
+
+
+def _table(capacities: list[Capacity]) -> str:
+    lines = ["  ".join(f"{h:>12}" if i else f"{h:<16}" for i, h in enumerate(_TABLE))]
+    for c in capacities:
+        probe = c.at_capacity
+        low, high = c.band
+        cells = [c.config, str(c.pods), f"{c.capacity_rps:.2f}", f"{c.per_pod:.2f}",
+                 f"{low / c.pods:.2f}-{high / c.pods:.2f}" if c.low_rps is not None else "-",
+                 _ms(probe.row["p95_ttft_s"]) if probe else "-", _ms(probe.row["p95_tpot_s"]) if probe else "-",
+                 f"{probe.row['slo_attainment']:.0%}" if probe else "-", str(len(c.probes))]
+        lines.append("  ".join(f"{v:>12}" if i else f"{v:<16}" for i, v in enumerate(cells)))
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def run_search(args, profile, model, workload, slo, caching, log) -> dict:
+    from cbserve.planner.plan_command import SEARCH_CONFIGS
+
+    criterion = Criterion(slo, args.attainment, args.percentile)
+    configs = args.configs or list(SEARCH_CONFIGS)
+    capacities: list[Capacity] = []
+    per_pod_guess = 1.0
+    for config in configs:
+        fields = parse_config(config)
+        pods = num_pods(fields)
+        capacity, probes = find_capacity(_evaluator(args, model, config, workload, slo, caching, criterion),
+                                         start=per_pod_guess * pods, tolerance=args.tolerance)
+        capacities.append(Capacity(config, pods, is_disaggregated(fields), capacity, probes))
+        if capacity > 0:
+            per_pod_guess = capacity / pods
+        log(f"# plan: {config}: {capacity:.2f} req/s ({len(probes)} probes)")
+    u = uncertainty(profile)
+    finalists = [c for c in (max((c for c in capacities if not c.disaggregated), key=lambda c: c.per_pod, default=None),
+                             max((c for c in capacities if c.disaggregated), key=lambda c: c.per_pod, default=None))
+                 if c is not None and c.capacity_rps > 0]
+    for c in finalists:
+        for scale, attr in ((1 + u, "low_rps"), (1 - u, "high_rps")):
+            scaled = sim_model(profile, model.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_num_seqs=args.max_num_seqs, step_scale=scale, request_timeout_s=args.request_timeout)
+            band, probes = find_capacity(_evaluator(args, scaled, c.config, workload, slo, caching, criterion),
+                                         start=c.capacity_rps, tolerance=args.tolerance)
+            setattr(c, attr, band)
+        log(f"# plan: {c.config}: band {c.low_rps:.2f}-{c.high_rps:.2f} req/s (steps x{1 + u:.3f} / x{1 - u:.3f})")
+    decision = recommend(capacities, args.target_rate)
+    chosen = next(c for c in capacities if c.config == decision.config)
+    print(_table(capacities))
+    print(f"recommendation: {decision.config}: {decision.reason}")
+    output: dict = {"search": {"uncertainty": u, "criterion": {"attainment": args.attainment,
+                                                               "percentile": args.percentile},
+                               "capacities": [_capacity_json(c) for c in capacities],
+                               "recommendation": asdict(decision)}}
+    if chosen.capacity_rps > 0:
+        rate = chosen.capacity_rps * args.headroom
+        run = at_rate(model, chosen.config, workload, rate, args.duration, args.seed, slo, warmup=args.warmup,
+                      prefix_caching=caching)
+        fields = parse_config(chosen.config)
+        helm = values(fields=fields, profile=profile, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                      load=run.load, max_scale=args.max_scale, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_seqs=args.max_num_seqs)
+        output["search"]["operating_point"] = {"rate": rate, "row": run.row, "load": run.load}
+        if args.values_out:
+            header = [f"cbserve plan: {chosen.config} for {workload.name}, SLO TTFT <= {args.slo_ttft_ms:g} ms and "
+                      f"TPOT <= {args.slo_tpot_ms:g} ms at {args.attainment:.0%} attainment",
+                      f"predicted capacity {chosen.capacity_rps:.2f} req/s; HPA targets at {rate:.2f} req/s "
+                      f"({args.headroom:.0%}); profile {args.profile or args.profile_out} "
+                      f"(held-out step error {profile.held_out_error:.1%})",
+                      f"why: {decision.reason}", "helm upgrade --install cbserve ./helm -f <this file>"]
+            Path(args.values_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.values_out).write_text(render(helm, header))
+            log(f"# plan: values {args.values_out}")
+        output["search"]["values"] = helm
+    rows = [p.row for c in capacities for p in sorted(c.probes, key=lambda p: p.rate)]
+    output["rows"] = rows
+    return output
+
+
+def _capacity_json(c: Capacity) -> dict:
+    low, high = c.band
+    return {"config": c.config, "pods": c.pods, "disaggregated": c.disaggregated, "capacity_rps": c.capacity_rps,
+            "per_pod_rps": c.per_pod, "band_rps": [low, high] if c.low_rps is not None else None,
+            "probes": [{"rate": p.rate, "sustained": p.sustained, "goodput_rps": p.row["goodput_rps"],
+                        "slo_attainment": p.row["slo_attainment"]} for p in c.probes],
+            "finite": math.isfinite(c.capacity_rps)}
