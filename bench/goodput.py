@@ -124,7 +124,10 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, 
     summary = summarize(results, rate=rate, duration_s=args.duration, elapsed_s=elapsed,
                         slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                         p95_router_queue_s=queue_p95 if router_after else None, preemptions=preemptions)
-    row = summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3]}
+    row = summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3],
+                               # each role's mean engine step in the run (what the planner's contention scales)
+                               "mean_step_s": prom.mean_by_label(prom.delta(pods_after, pods_before),
+                                                                 "cbserve_step_seconds")}
     if args.save_requests:
         row["requests"] = [asdict(r) for r in results]
     return row
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                 "configs": {c: parse_config(c) for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
                 "quantization": args.quantization, "device": args.device, "num_blocks": args.num_blocks,
-                "cpus": args.cpus, "prefix_caching": args.prefix_caching, "git_commit": git_commit(),
+                "cpus": args.cpus, "prefix_caching": args.prefix_caching, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "git_commit": git_commit(),
                 "cpu_count": os.cpu_count(), "machine": platform.platform()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=1) + "\n")

@@ -55,6 +55,7 @@ def add_plan_command(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     p.add_argument("--headroom", type=float, default=0.8, help="--search: HPA targets at this share of capacity")
     p.add_argument("--max-scale", type=float, default=2.0, help="--search: HPA maxReplicas = this x the planned pool")
     p.add_argument("--values-out", default=None, help="--search: write the Helm values file here")
+    p.add_argument("--jobs", type=int, default=2, help="--search: configurations searched at once (processes)")
     p.add_argument("--json", default=None, help="write rows (and the search) here")
     p.add_argument("--plot", default=None, help="write a PNG of goodput and attainment against the offered rate")
     p.set_defaults(func=cmd_plan)

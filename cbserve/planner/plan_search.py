@@ -1,7 +1,8 @@
 """`cbserve plan --search`'s run: capacities, uncertainty bands, the recommendation, the values file.
 
 Each configuration's capacity is searched (`search.find_capacity`) on fresh simulated clusters, the
-first from 1 req/s per pod, the others from the per-pod capacity found so far; the best colocated
+first from 1 req/s per pod, the others (in `--jobs` processes) from the first one's capacity per
+pod; every rate replays one draw of the workload, compressed (`simulate.NestedWorkload`); the best colocated
 and the best disaggregated one are searched again with steps `1 ± u` times as long for their bands
 (u: the profile's held-out error plus the in-situ calibration's residual); `search.recommend`
 decides; the recommended configuration runs once more at `--headroom` x its capacity, and its pods'
@@ -17,7 +18,7 @@ from pathlib import Path
 from cbserve.goodput.configs import is_disaggregated, num_pods, parse_config
 from cbserve.planner.helm_values import render, values
 from cbserve.planner.search import Capacity, Criterion, Probe, find_capacity, recommend
-from cbserve.planner.simulate import at_rate, sim_model
+from cbserve.planner.simulate import NestedWorkload, at_rate, sim_model
 
 _TABLE = ("config", "pods", "capacity", "per-pod", "band per pod", "ttft p95", "tpot p95", "attain", "probes")
 
@@ -60,33 +61,64 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
+# What the forked search workers read (set before the pool forks, so nothing is pickled but names).
+_JOB: dict = {}
+
+
+def _search_config(config: str) -> Capacity:
+    job = _JOB
+    fields = parse_config(config)
+    pods = num_pods(fields)
+    capacity, probes = find_capacity(
+        _evaluator(job["args"], job["model"], config, job["workload"], job["slo"], job["caching"], job["criterion"]),
+        start=job["per_pod_guess"] * pods, tolerance=job["args"].tolerance)
+    return Capacity(config, pods, is_disaggregated(fields), capacity, probes)
+
+
+def _search_band(task: tuple[str, float, float]) -> float:
+    config, capacity, scale = task
+    job, args = _JOB, _JOB["args"]
+    scaled = sim_model(job["profile"], job["model"].tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, step_scale=scale, request_timeout_s=args.request_timeout)
+    band, _ = find_capacity(_evaluator(args, scaled, config, job["workload"], job["slo"], job["caching"],
+                                       job["criterion"]), start=capacity, tolerance=args.tolerance)
+    return band
+
+
+def _map(function, items: list, jobs: int) -> list:
+    """`function` over `items`, in `jobs` forked processes (in order)."""
+    if jobs <= 1 or len(items) <= 1:
+        return [function(item) for item in items]
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(items))) as pool:
+        return pool.map(function, items, chunksize=1)
+
+
 def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     from cbserve.planner.plan_command import SEARCH_CONFIGS
 
     criterion = Criterion(slo, args.attainment, args.percentile)
     configs = args.configs or list(SEARCH_CONFIGS)
-    capacities: list[Capacity] = []
-    per_pod_guess = 1.0
-    for config in configs:
-        fields = parse_config(config)
-        pods = num_pods(fields)
-        capacity, probes = find_capacity(_evaluator(args, model, config, workload, slo, caching, criterion),
-                                         start=per_pod_guess * pods, tolerance=args.tolerance)
-        capacities.append(Capacity(config, pods, is_disaggregated(fields), capacity, probes))
-        if capacity > 0:
-            per_pod_guess = capacity / pods
-        log(f"# plan: {config}: {capacity:.2f} req/s ({len(probes)} probes)")
+    workload = NestedWorkload(workload)
+    _JOB.update(args=args, profile=profile, model=model, workload=workload, slo=slo, caching=caching,
+                criterion=criterion, per_pod_guess=1.0)
+    # The first configuration alone: its capacity per pod is every other search's starting guess.
+    first = _search_config(configs[0])
+    if first.capacity_rps > 0:
+        _JOB["per_pod_guess"] = first.per_pod
+    capacities = [first] + _map(_search_config, configs[1:], args.jobs)
+    for c in capacities:
+        log(f"# plan: {c.config}: {c.capacity_rps:.2f} req/s ({len(c.probes)} probes)")
     u = uncertainty(profile)
     finalists = [c for c in (max((c for c in capacities if not c.disaggregated), key=lambda c: c.per_pod, default=None),
                              max((c for c in capacities if c.disaggregated), key=lambda c: c.per_pod, default=None))
                  if c is not None and c.capacity_rps > 0]
-    for c in finalists:
-        for scale, attr in ((1 + u, "low_rps"), (1 - u, "high_rps")):
-            scaled = sim_model(profile, model.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_num_seqs=args.max_num_seqs, step_scale=scale, request_timeout_s=args.request_timeout)
-            band, probes = find_capacity(_evaluator(args, scaled, c.config, workload, slo, caching, criterion),
-                                         start=c.capacity_rps, tolerance=args.tolerance)
-            setattr(c, attr, band)
+    tasks = [(c.config, c.capacity_rps, scale) for c in finalists for scale in (1 + u, 1 - u)]
+    bands = _map(_search_band, tasks, args.jobs)
+    for i, c in enumerate(finalists):
+        c.low_rps, c.high_rps = bands[2 * i], max(bands[2 * i + 1], c.capacity_rps)
+        c.low_rps = min(c.low_rps, c.capacity_rps)
         log(f"# plan: {c.config}: band {c.low_rps:.2f}-{c.high_rps:.2f} req/s (steps x{1 + u:.3f} / x{1 - u:.3f})")
     decision = recommend(capacities, args.target_rate)
     chosen = next(c for c in capacities if c.config == decision.config)

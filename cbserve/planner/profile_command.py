@@ -52,13 +52,19 @@ def _log(message: str) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    import dataclasses
-    import os
-
-    os.environ["CBSERVE_NUM_THREADS"] = str(args.threads_per_pod)
     import torch
 
-    torch.set_num_threads(args.threads_per_pod)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads_per_pod)   # the pods' torch threads (the in-situ pods get them too)
+    try:
+        return _profile(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from cbserve.cli import engine_config_from_args
     from cbserve.goodput.workloads import MIXES
     from cbserve.planner.in_situ import InSituSettings, run_in_situ

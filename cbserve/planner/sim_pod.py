@@ -72,6 +72,8 @@ class SimPod:
         self._refreshed_at = float("-inf")
         self._samples: list[tuple[int, object]] = []
         self._last_reported = -1
+        self._report: cbserve_pb2.LoadReport | None = None
+        self._reported_snapshot = None
 
     # ------------------------------------------------------------------ commands
     def submit(self, command: Callable[[], object]) -> None:
@@ -139,10 +141,14 @@ class SimPod:
 
     def load_report(self) -> cbserve_pb2.LoadReport:
         """The next `WatchLoad` message: the snapshot and the step samples not reported yet."""
+        if self._report is not None and self._reported_snapshot is self.snapshot:
+            return self._report     # nothing new since the last one (an idle pod): the same message
         samples = [x for n, x in self._samples if n > self._last_reported]
         if self._samples:
             self._last_reported = self._samples[-1][0]
         config = self.scheduler.config
-        return build_load_report(self.name, self.role, self.snapshot, samples, draining=False,
-                                 block_size=self.scheduler.block_size, max_num_seqs=config.max_num_seqs,
-                                 num_held_kv=self.num_held, timestamp=self.clock())
+        self._report = build_load_report(self.name, self.role, self.snapshot, samples, draining=False,
+                                         block_size=self.scheduler.block_size, max_num_seqs=config.max_num_seqs,
+                                         num_held_kv=self.num_held, timestamp=self.clock())
+        self._reported_snapshot = self.snapshot
+        return self._report

@@ -12,7 +12,7 @@ predicted row has exactly a measured row's fields.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from cbserve.goodput import prom
 from cbserve.goodput.configs import parse_config
@@ -45,23 +45,45 @@ class SimModel:
     shape: PodShape
     tokenizer: object
     request_timeout_s: float = 60.0
+    _encoded: dict = field(default_factory=dict, repr=False, compare=False)   # prompt -> ids
 
     def encode(self, requests: list[RequestSpec]) -> list[list[int]]:
-        return [self.tokenizer.encode(r.prompt) for r in requests]
+        cache, encode = self._encoded, self.tokenizer.encode
+        out = []
+        for r in requests:
+            ids = cache.get(r.prompt)
+            if ids is None:
+                ids = cache[r.prompt] = encode(r.prompt)
+            out.append(ids)
+        return out
 
 
 def _row(cluster: SimCluster, results, elapsed: float, rate: float, duration_s: float, slo: Slo,
-         before: prom.Samples, preemptions_before: int) -> dict:
+         before: prom.Samples, preemptions_before: int, steps_before: dict[str, tuple[float, int]]) -> dict:
     after = prom.parse(cluster.metrics.render().decode())
     queue_p95 = prom.histogram_quantile(0.95, prom.delta(after, before), "cbserve_request_phase_seconds",
                                         phase="router_queue")
     summary = summarize(results, rate=rate, duration_s=duration_s, elapsed_s=elapsed, slo=slo,
                         p95_router_queue_s=queue_p95, preemptions=cluster.num_preemptions - preemptions_before)
-    return summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3]}
+    steps = _step_totals(cluster)
+    mean_step = {role: (busy - steps_before[role][0]) / (n - steps_before[role][1])
+                 for role, (busy, n) in steps.items() if n > steps_before[role][1]}
+    return summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3],
+                                "mean_step_s": mean_step}
+
+
+def _step_totals(cluster: SimCluster) -> dict[str, tuple[float, int]]:
+    """role -> (seconds in steps, steps) over its pods, as the pods' step histograms sum them."""
+    out: dict[str, tuple[float, int]] = {}
+    for pod in cluster.pods.values():
+        busy, n = out.get(pod.role, (0.0, 0))
+        out[pod.role] = (busy + pod.busy_seconds, n + pod.stats.num_steps)
+    return out
 
 
 async def _play(model: SimModel, config: str, workload, rates: list[float], duration_s: float, seed: int,
-                slo: Slo, warmup: int, stop_below_attainment: float, prefix_caching: bool | None) -> list[dict]:
+                slo: Slo, warmup: int, stop_below_attainment: float, prefix_caching: bool | None,
+                contention: dict[float, dict[str, float]] | None = None) -> list[Run]:
     caching = workload.prefix_caching if prefix_caching is None else prefix_caching
     cluster = SimCluster(parse_config(config), model.shape, model.pod_costs, model.serving, slo.ttft_s, slo.tpot_s,
                          caching, request_timeout_s=model.request_timeout_s)
@@ -72,12 +94,17 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
             await cluster.run(requests, model.encode(requests))
         runs = []
         for rate in rates:
+            for pod in cluster.pods.values():     # a run's own contention (`sweep`)
+                factor = (contention or {}).get(rate, {}).get(pod.role)
+                if factor is not None:
+                    pod.costs = replace(pod.costs, contention=factor)
             requests = workload.requests(rate, duration_s, seed)
             before, preemptions = prom.parse(cluster.metrics.render().decode()), cluster.num_preemptions
+            steps = _step_totals(cluster)
             cluster.reset_load()
             results, elapsed = await cluster.run(requests, model.encode(requests))
             row = {"mix": workload.name, "config": config,
-                   **_row(cluster, results, elapsed, rate, duration_s, slo, before, preemptions)}
+                   **_row(cluster, results, elapsed, rate, duration_s, slo, before, preemptions, steps)}
             load = {role: cluster.mean_load(role) for role in ("prefill", "decode", "colocated")}
             runs.append(Run(row, results, {role: v for role, v in load.items() if v}))
             if row["slo_attainment"] < stop_below_attainment:
@@ -90,10 +117,12 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
 
 def sweep(model: SimModel, config: str, workload, rates: list[float], duration_s: float, seed: int, slo: Slo,
           warmup: int = WARMUP_REQUESTS, stop_below_attainment: float = 0.05,
-          prefix_caching: bool | None = None) -> list[dict]:
-    """Rows for `config` at each of `rates` in turn on one cluster (the benchmark's procedure)."""
+          prefix_caching: bool | None = None, contention: dict[float, dict[str, float]] | None = None) -> list[dict]:
+    """Rows for `config` at each of `rates` in turn on one cluster (the benchmark's procedure).
+    `contention`: rate -> role -> factor, replacing the profile's for that rate's run (a check
+    against a measurement can give each run the contention its pods measured)."""
     return [run.row for run in run_virtual(_play(model, config, workload, sorted(rates), duration_s, seed, slo,
-                                                 warmup, stop_below_attainment, prefix_caching))]
+                                                 warmup, stop_below_attainment, prefix_caching, contention))]
 
 
 def at_rate(model: SimModel, config: str, workload, rate: float, duration_s: float, seed: int, slo: Slo,
@@ -117,3 +146,32 @@ def sim_model(profile, tokenizer=None, *, max_num_batched_tokens: int | None = N
     return SimModel(profile.pod_costs(step_scale), profile.serving_costs(overhead_scale),
                     profile.shape(max_num_batched_tokens, max_num_seqs),
                     tokenizer or load_tokenizer(profile.model_name), request_timeout_s)
+
+
+class NestedWorkload:
+    """A workload whose every rate replays the first requests of one draw, arrivals compressed.
+
+    The capacity search compares rates: with a fresh draw per rate (the benchmark's way) the
+    attainment of neighbouring rates differs by the draws as much as by the rate, and a bisection
+    on it wanders. Here the requests at rate r over D seconds are the first round(r x D) of one
+    draw at 1 req/s, arrival times divided by r: still a Poisson process (with the mix's bursts and
+    cancellations), and a higher rate offers the same requests closer together."""
+
+    def __init__(self, workload) -> None:
+        self.workload = workload
+        self.name = workload.name
+        self.prefix_caching = workload.prefix_caching
+        self._base: list[RequestSpec] = []
+        self._seed: int | None = None
+
+    def warmup(self, seed: int, count: int) -> list[RequestSpec]:
+        return self.workload.warmup(seed, count)
+
+    def requests(self, rate: float, duration_s: float, seed: int) -> list[RequestSpec]:
+        count = max(1, round(rate * duration_s))
+        if self._seed != seed or len(self._base) < count:
+            length = 64.0
+            while length < count * 1.05 + 16:
+                length *= 2
+            self._base, self._seed = self.workload.requests(1.0, length, seed), seed
+        return [replace(r, arrival_s=r.arrival_s / rate) for r in self._base[:count]]

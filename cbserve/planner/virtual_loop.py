@@ -100,9 +100,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(main: Coroutine[Any, Any, T]) -> T:
-    """Run `main` to completion on a fresh virtual-time loop and close it."""
+    """Run `main` to completion on a fresh virtual-time loop, then cancel what it left running (as
+    `asyncio.run` does) and close the loop."""
     loop = VirtualTimeLoop()
     try:
         return loop.run_until_complete(main)
     finally:
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         loop.close()
