@@ -13,9 +13,11 @@ stage-A cost model to see what the engine alone would take:
    step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of the
    same run is that role's contention factor: two pods, the router and the client sharing the
    machine's cores (and, on a shared machine, the neighbours).
-The probes are refitted with the contention factors, and the load run simulated once more with
-everything: its TTFT / TPOT medians against the measured ones are the calibration's own residual
-(reported; the workloads a plan is judged on are other ones).
+Then the load run is simulated with the contention factors: what its measured TPOT median has
+beyond the simulated one is each decode step's loop gap, what its TTFT median has beyond, a longer
+request path under load; a last simulation with everything gives the calibration's own residual
+(reported, and part of a plan's uncertainty; the workloads a plan is judged on are other ones).
+The raw measurements stay in the profile (`in_situ_raw`), so `fit_in_situ` can refit them.
 """
 
 from __future__ import annotations
@@ -110,23 +112,36 @@ def _fit_probes(profile: Profile, probes: list[RequestSpec], measured: list[Requ
         raise RuntimeError(f"only {len(ok)} of {len(probes)} probe requests finished; see the cluster's logs")
     overhead, prefill_contention = _fit_line([s.ttft_s for _, _, s in ok], [m.ttft_s for _, m, _ in ok])
     long = [(p, m, s) for p, m, s in ok if p.max_tokens > 2]
-    # 23 gaps of a 24-token answer: the hand-over and 22 steps; the steps' share is what matters here.
-    decode_contention = statistics.median(m.tpot_s / s.tpot_s for _, m, s in long) if long else 1.0
-    handover = [(len(p.prompt) + 1, m.tpot_s - decode_contention * s.tpot_s) for p, m, s in ok if p.max_tokens == 2]
-    intercept, slope = _fit_line([float(n) for n, _ in handover], [g for _, g in handover])
+    short = [(p, m, s) for p, m, s in ok if p.max_tokens == 2]
+    # A 24-token answer's 23 gaps are the hand-over and 22 steps; the hand-over is the 2-token
+    # answers' (fitted at the decode contention), the steps' share gives the decode contention:
+    # a fixed point, reached in a few rounds. (The simulated answer alone: one step per gap.)
+    decode_contention, intercept, slope = 1.0, 0.0, 0.0
+    for _ in range(4):
+        handover = [(len(p.prompt) + 1, m.tpot_s - decode_contention * s.tpot_s) for p, m, s in short]
+        if handover:
+            intercept, slope = _fit_line([float(n) for n, _ in handover], [g for _, g in handover])
+        ratios = []
+        for p, m, s in long:
+            gaps = p.max_tokens - 1
+            handover_s = intercept + slope * (len(p.prompt) + 1) + decode_contention * s.tpot_s
+            ratios.append((gaps * m.tpot_s - handover_s) / (gaps - 1) / s.tpot_s)
+        if ratios:
+            decode_contention = statistics.median(ratios)
     return {"probes": len(ok), "ttft_overhead_s": max(0.0, overhead), "prefill_contention_alone": prefill_contention,
             "decode_contention_alone": decode_contention, "handover_intercept_s": intercept,
             "handover_s_per_token": slope}
 
 
 def _serving_from_probes(fit: dict, kv_bytes_per_token: int) -> ServingProfile:
-    """The request path split in four (to the router, to the pod, back to the client: half and
-    half each way) and the KV pull's latency and bandwidth."""
+    """The request path split in four (a quarter to the router, a quarter on to the pod, half back
+    to the client) and the KV pull's per-message latency and bandwidth. The pull opens long before
+    P is done (D reserves as the request arrives) and both first tokens take the same way back,
+    so what the hand-over adds beyond D's step is the transfer alone."""
     overhead = fit["ttft_overhead_s"]
     slope = fit["handover_s_per_token"]
-    rpc = overhead / 4
-    return ServingProfile(http_in_s=overhead / 4, rpc_s=rpc, token_out_s=overhead / 2,
-                          kv_message_s=max(0.0, fit["handover_intercept_s"] - 2 * rpc),
+    return ServingProfile(http_in_s=overhead / 4, rpc_s=overhead / 4, token_out_s=overhead / 2,
+                          kv_message_s=max(0.0, fit["handover_intercept_s"]),
                           kv_bytes_per_s=kv_bytes_per_token / slope if slope > 0 else float("inf"))
 
 
