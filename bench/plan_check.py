@@ -78,10 +78,7 @@ def check(profile_path: str, measured_path: str, rounds: int = 2) -> list[dict]:
 
 
 def _profile_contention(profile, role: str) -> float:
-    s = profile.serving
-    if s is None:
-        return 1.0
-    return {"decode": s.contention, "prefill": s.prefill_contention}.get(role, (s.contention + s.prefill_contention) / 2)
+    return 1.0 if profile.serving is None else profile.serving.contention_of(role)
 
 
 def _figures(row: dict) -> dict:

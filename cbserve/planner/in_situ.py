@@ -9,10 +9,11 @@ stage-A cost model to see what the engine alone would take:
    2-token answer's TPOT is the P->D hand-over, whose growth with the prompt gives the KV
    bandwidth and whose intercept the per-pull latency; a 24-token answer's TPOT gives each decode
    step's wall time, of which what the step model does not explain is the pod's loop gap;
-2. a load run on the calibration mix at about half of the decode pod's capacity: each pod's mean
-   step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of the
-   same run is that role's contention factor: two pods, the router and the client sharing the
-   machine's cores (and, on a shared machine, the neighbours).
+2. a load run on the calibration mix with the busiest pod busy about 60% of the time: each pod's
+   mean step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of
+   the same run is that role's contention factor: two pods, the router and the client sharing the
+   machine's cores (and, on a shared machine, the neighbours); a colocated-2 cluster takes the
+   same kind of run for the colocated pods' factor.
 Then the load run is simulated with the contention factors: what its measured TPOT median has
 beyond the simulated one is each decode step's loop gap, what its TTFT median has beyond, a longer
 request path under load; a last simulation with everything gives the calibration's own residual
@@ -23,6 +24,7 @@ The raw measurements stay in the profile (`in_situ_raw`), so `fit_in_situ` can r
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import tempfile
@@ -32,11 +34,12 @@ from dataclasses import dataclass, replace
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.goodput import prom
 from cbserve.goodput.loadgen import run_open_loop
-from cbserve.goodput.stats import RequestResult
+from cbserve.goodput.stats import RequestResult, percentile
 from cbserve.goodput.workloads import MIXES, RequestSpec, random_text
 from cbserve.local_cluster import LocalCluster
 from cbserve.planner.profile import Profile, ServingProfile, with_serving
 from cbserve.planner.sim_cluster import SimCluster
+from cbserve.planner.sim_pod import Jitter
 from cbserve.planner.simulate import sim_model
 from cbserve.planner.step_shape import StepShape
 from cbserve.planner.virtual_loop import run_virtual
@@ -81,17 +84,25 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _simulate(profile: Profile, requests: list[RequestSpec], mix_caching: bool = False):
-    """The requests on a simulated 1P+1D cluster: (results, {role: (busy seconds, steps)})."""
+PD = {"num_prefill": 1, "num_decode": 1, "policy": "goodput"}
+COLOCATED = {"num_colocated": 2, "policy": "goodput"}
+
+
+def _simulate(profile: Profile, requests: list[RequestSpec], fields: dict = PD):
+    """The requests on a simulated cluster (1P+1D by default): (results, {role: (busy seconds, steps)})."""
     model = sim_model(profile)
 
     async def play():
-        cluster = SimCluster({"num_prefill": 1, "num_decode": 1, "policy": "goodput"}, model.shape,
-                             model.pod_costs, model.serving, LOOSE_SLO_MS / 1000, LOOSE_SLO_MS / 1000, mix_caching)
+        jitter = Jitter(model.jitter_sigma, model.jitter_period_s) if model.jitter_sigma else None
+        cluster = SimCluster(fields, model.shape, model.pod_costs, model.serving, LOOSE_SLO_MS / 1000,
+                             LOOSE_SLO_MS / 1000, False, jitter=jitter)
         try:
             await asyncio.sleep(0.2)
             results, _ = await cluster.run(requests, model.encode(requests))
-            steps = {p.role: (p.busy_seconds, p.stats.num_steps) for p in cluster.pods.values()}
+            steps: dict[str, tuple[float, int]] = {}
+            for p in cluster.pods.values():
+                busy, n = steps.get(p.role, (0.0, 0))
+                steps[p.role] = (busy + p.busy_seconds, n + p.stats.num_steps)
             return results, steps
         finally:
             cluster.close()
@@ -145,6 +156,44 @@ def _serving_from_probes(fit: dict, kv_bytes_per_token: int) -> ServingProfile:
                           kv_bytes_per_s=kv_bytes_per_token / slope if slope > 0 else float("inf"))
 
 
+def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],
+                 serving: ServingProfile) -> ServingProfile:
+    """The loop gap that brings the simulated TPOT median to the measured one, then the longer
+    request path that does the same for TTFT."""
+    simulated, _ = _simulate(with_serving(profile, replace(serving, step_gap_s=0.0)), load)
+    gap = max(0.0, measured.get("tpot_s", 0.0) - _medians(simulated).get("tpot_s", 0.0))
+    serving = replace(serving, step_gap_s=gap)
+    simulated, _ = _simulate(with_serving(profile, serving), load)
+    extra = measured.get("ttft_s", 0.0) - _medians(simulated).get("ttft_s", 0.0)
+    if extra > 0:
+        serving = replace(serving, http_in_s=serving.http_in_s + extra / 2, token_out_s=serving.token_out_s + extra / 2)
+    return serving
+
+
+JITTER_SIGMAS = tuple(i / 10 for i in range(9))
+
+
+def _tpot_tail(results: list[RequestResult]) -> float:
+    """log(p90 / p50) of TPOT: how wide its spread across requests is, whatever its level (a
+    request's TPOT averages its steps, so only stretches of seconds widen it)."""
+    values = [r.tpot_s for r in results if r.outcome == "ok" and r.tpot_s]
+    p50, p90 = percentile(values, 50), percentile(values, 90)
+    return math.log(p90 / p50) if p50 and p90 else 0.0
+
+
+def _fit_jitter(profile: Profile, load: list[RequestSpec], measured: list[RequestResult],
+                serving: ServingProfile) -> ServingProfile:
+    """The jitter spread whose simulated TPOT tail is closest to the measured one."""
+    target = _tpot_tail(measured)
+    best, best_error = 0.0, math.inf
+    for sigma in JITTER_SIGMAS:
+        simulated, _ = _simulate(with_serving(profile, replace(serving, jitter_sigma=sigma)), load)
+        error = abs(_tpot_tail(simulated) - target)
+        if error < best_error:
+            best, best_error = sigma, error
+    return replace(serving, jitter_sigma=best)
+
+
 def _medians(results: list[RequestResult]) -> dict[str, float]:
     out = {}
     for name in ("ttft_s", "tpot_s"):
@@ -162,16 +211,17 @@ def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, 
     return out
 
 
-def _load_rate(profile: Profile, settings: InSituSettings) -> float:
+def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD) -> float:
     """A rate at which the simulated busiest pod is busy about `target_busy` of the time."""
     mix = MIXES[settings.mix]
     rate = 0.125
     chosen = rate
+    pods = fields.get("num_colocated") or 1
     for _ in range(10):
         requests = mix.requests(rate, min(settings.seconds, 20.0), settings.seed)
-        results, steps = _simulate(profile, requests)
+        results, steps = _simulate(profile, requests, fields)
         elapsed = max((r.done_s or 0.0) for r in results)
-        busy = max(b for b, _ in steps.values()) / max(elapsed, 1e-9)
+        busy = max(b for b, _ in steps.values()) / pods / max(elapsed, 1e-9)
         if busy > settings.target_busy:
             break
         chosen = rate
@@ -199,14 +249,34 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         model_id = args.model
         asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
         probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
-        before = {p.role: prom.scrape(p.metrics_url) for p in cluster.pods}
-        load_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, load, timeout_s=120, desc="load"))
-        after = {p.role: prom.scrape(p.metrics_url) for p in cluster.pods}
+        load_results, step_seconds = _load_run(cluster, load, model_id)
+    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run.
+    colocated_rate = _load_rate(with_serving(profile, ServingProfile()), settings, COLOCATED)
+    colocated_load = mix.requests(colocated_rate, settings.seconds, settings.seed)
+    log(f"# profile: in situ on a colocated-2 cluster: {settings.mix} at {colocated_rate:g} req/s")
+    with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=2), log_dir=log_dir) as cluster:
+        asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
+        colocated_results, colocated_steps = _load_run(cluster, colocated_load, args.model)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
-           "load_rate": rate, "step_seconds": _step_means({role: prom.delta(after[role], before[role]) for role in after}),
+           "load_rate": rate, "step_seconds": step_seconds,
+           "colocated": {"load_rate": colocated_rate, "load": [_result_json(r) for r in colocated_results],
+                         "step_seconds": colocated_steps},
            "seconds": time.monotonic() - started}
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
+
+
+def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str):
+    """The client's results and each role's (sum, count) of step seconds over the run."""
+    before = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
+    results, _ = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=120, desc="load"))
+    after = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
+    by_role: dict[str, prom.Samples] = {}
+    for p in cluster.pods:
+        for key, value in prom.delta(after[p.name], before[p.name]).items():
+            by_role.setdefault(p.role, {})
+            by_role[p.role][key] = by_role[p.role].get(key, 0.0) + value
+    return results, _step_means(by_role)
 
 
 def _result_json(r: RequestResult) -> dict:
@@ -233,20 +303,28 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
         busy, steps = simulated_steps.get(role, (0.0, 0))
         contention[role] = (total / count) / (busy / steps) if count and steps and busy else 1.0
     serving = replace(serving, contention=contention.get("decode", 1.0), prefill_contention=contention.get("prefill", 1.0))
-    # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path (TTFT).
+    # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path
+    # (TTFT); then the machine's slow stretches (the tails: TTFT's and TPOT's p90 over p50), and
+    # the medians once more under them.
+    path = (serving.http_in_s, serving.token_out_s)
+    serving = _fit_medians(profile, load, measured, serving)
+    serving = _fit_jitter(profile, load, load_results, serving)
+    serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
-    if "tpot_s" in measured:
-        serving = replace(serving, step_gap_s=max(0.0, measured["tpot_s"] - _medians(simulated).get("tpot_s", 0.0)))
-        simulated, _ = _simulate(with_serving(profile, serving), load)
-    extra = measured.get("ttft_s", 0.0) - _medians(simulated).get("ttft_s", 0.0)
-    if extra > 0:
-        serving = replace(serving, http_in_s=serving.http_in_s + extra / 2, token_out_s=serving.token_out_s + extra / 2)
-        simulated, _ = _simulate(with_serving(profile, serving), load)
+    colocated = raw.get("colocated")
+    if colocated:
+        requests = MIXES[settings.mix].requests(colocated["load_rate"], settings.seconds, settings.seed)
+        total, count = colocated["step_seconds"].get("colocated", (0.0, 0))
+        _, steps = _simulate(with_serving(profile, replace(serving, colocated_contention=1.0)), requests, COLOCATED)
+        busy, n = steps.get("colocated", (0.0, 0))
+        if count and n and busy:
+            serving = replace(serving, colocated_contention=(total / count) / (busy / n))
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
     in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
                "load_seconds": settings.seconds,
+               "colocated_load_rate": colocated["load_rate"] if colocated else None,
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

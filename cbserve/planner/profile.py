@@ -40,31 +40,45 @@ class ServingProfile:
     """What serving adds to the engine's steps, measured in situ (`in_situ.py`)."""
 
     contention: float = 1.0           # serving's wall seconds per profiled step second: decode pods
-    prefill_contention: float = 1.0   # ... prefill pods (colocated pods: the mean of the two)
+    prefill_contention: float = 1.0   # ... prefill pods
+    colocated_contention: float | None = None   # ... colocated pods (None: the mean of the two)
     step_gap_s: float = 0.0
     http_in_s: float = 0.0
     rpc_s: float = 0.0
     token_out_s: float = 0.0
     kv_message_s: float = 0.0
     kv_bytes_per_s: float = float("inf")
+    jitter_sigma: float = 0.0         # the machine's slow stretches (`sim_pod.Jitter`)
+    jitter_period_s: float = 1.0
     in_situ: dict = field(default_factory=dict)     # the measurements behind these numbers
+
+    def contention_of(self, role: str) -> float:
+        if role == "decode":
+            return self.contention
+        if role == "prefill":
+            return self.prefill_contention
+        return (self.contention + self.prefill_contention) / 2 if self.colocated_contention is None \
+            else self.colocated_contention
 
     def costs(self) -> ServingCosts:
         return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s)
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "step_gap_s", "http_in_s", "rpc_s",
-                                             "token_out_s", "kv_message_s")}
+        out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention", "step_gap_s",
+                                             "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
-        return out | {"in_situ": self.in_situ}
+        return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
+                      "in_situ": self.in_situ}
 
     @classmethod
     def from_json(cls, value: dict) -> ServingProfile:
         rate = value.get("kv_bytes_per_s")
-        return cls(float(value["contention"]), float(value["prefill_contention"]), float(value["step_gap_s"]),
-                   float(value["http_in_s"]),
+        colocated = value.get("colocated_contention")
+        return cls(float(value["contention"]), float(value["prefill_contention"]),
+                   None if colocated is None else float(colocated), float(value["step_gap_s"]), float(value["http_in_s"]),
                    float(value["rpc_s"]), float(value["token_out_s"]), float(value["kv_message_s"]),
-                   float("inf") if rate is None else float(rate), dict(value.get("in_situ", {})))
+                   float("inf") if rate is None else float(rate), float(value.get("jitter_sigma", 0.0)),
+                   float(value.get("jitter_period_s", 1.0)), dict(value.get("in_situ", {})))
 
 
 @dataclass(frozen=True)
@@ -97,9 +111,8 @@ class Profile:
     def pod_costs(self, step_scale: float = 1.0) -> dict[str, PodCosts]:
         """Each role's step costs, with the step time scaled by `step_scale` (sensitivity runs)."""
         s = self.serving or ServingProfile()
-        by_role = {"decode": s.contention, "prefill": s.prefill_contention,
-                   "colocated": (s.contention + s.prefill_contention) / 2}
-        return {role: PodCosts(self.cost_model, c * step_scale, s.step_gap_s) for role, c in by_role.items()}
+        return {role: PodCosts(self.cost_model, s.contention_of(role) * step_scale, s.step_gap_s)
+                for role in ("prefill", "decode", "colocated")}
 
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
         c = (self.serving or ServingProfile()).costs()

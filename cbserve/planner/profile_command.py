@@ -70,6 +70,7 @@ def _profile(args: argparse.Namespace) -> int:
     from cbserve.planner.in_situ import InSituSettings, run_in_situ
     from cbserve.planner.profile import build_profile
     from cbserve.planner.profiler import GridSettings, describe, fit_model, grid_json, measure
+    from cbserve.planner.step_grid import TIMERS, timer_name
     from engine.engine import Engine
 
     if args.calibration_mix not in MIXES:
@@ -84,8 +85,8 @@ def _profile(args: argparse.Namespace) -> int:
         settings = GridSettings(quick=args.grid == "quick", passes=args.passes, repeats=args.repeats,
                                 held_out_points=args.held_out_points, max_batch=args.max_batch,
                                 max_context=args.max_context, seed=args.seed)
-        timer = "thread_time" if engine.device.type == "cpu" else "wall"
-        fit, held = measure(engine, settings, log=_log)
+        timer = timer_name(engine.device.type, args.threads_per_pod)
+        fit, held = measure(engine, settings, log=_log, timer=TIMERS[timer])
         identity = describe(engine, args, args.threads_per_pod, timer)
     finally:
         engine.close()
@@ -111,7 +112,8 @@ def _profile(args: argparse.Namespace) -> int:
                                                             seed=args.seed), _log)
         profile.data["seconds"]["in_situ"] = time.monotonic() - stage_b
         s = profile.serving
-        _log(f"# profile: serving: contention decode {s.contention:.2f} prefill {s.prefill_contention:.2f}, "
+        _log(f"# profile: serving: contention decode {s.contention:.2f} prefill {s.prefill_contention:.2f} "
+             f"colocated {s.contention_of('colocated'):.2f}, "
              f"loop gap {s.step_gap_s * 1e3:.1f} ms, request path {(s.http_in_s + s.rpc_s + s.token_out_s) * 1e3:.1f} ms, "
              f"KV {s.kv_message_s * 1e3:.1f} ms + {_rate(s.kv_bytes_per_s)}; "
              f"{profile.data['seconds']['in_situ']:.0f} s")

@@ -45,7 +45,7 @@ def _error_stats(model: StepCostModel, measurements: list[Measurement]) -> dict:
             "by_kind": {k: statistics.mean(v) for k, v in by_kind.items()}}
 
 
-def measure(engine, settings: GridSettings, log=print) -> tuple[list[Measurement], list[Measurement]]:
+def measure(engine, settings: GridSettings, log=print, timer=None) -> tuple[list[Measurement], list[Measurement]]:
     """(grid, held-out) measurements on `engine`."""
     sched = engine.scheduler_config
     limits = GridLimits(max_batch=min(sched.max_num_seqs, settings.max_batch or 64),
@@ -53,7 +53,7 @@ def measure(engine, settings: GridSettings, log=print) -> tuple[list[Measurement
                         max_chunk=sched.max_num_batched_tokens, block_size=engine.cache_config.block_size)
     points = [(p, False) for p in grid(limits, settings.quick)]
     points += [(p, True) for p in held_out(limits, settings.held_out_points, settings.seed + 1)]
-    stepper = StepGrid(engine, settings.repeats, limits.max_context + 64, seed=settings.seed)
+    stepper = StepGrid(engine, settings.repeats, limits.max_context + 64, seed=settings.seed, timer=timer)
     merged: dict[int, Measurement] = {}
     for round_ in range(settings.passes):
         order = list(range(len(points)))

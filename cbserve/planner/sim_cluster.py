@@ -4,8 +4,8 @@ What runs is production code: every pod's `Scheduler` and `KVCacheManager` (`sim
 the router's `Dispatcher` built by `router.dispatch.build_dispatcher` (load tracker, `PodState`s
 fed the pods' `LoadReport`s every `load_interval_seconds`, the policy with its step-time model and
 latency calibrations, prefix index, admission with its deadline-ordered queue). What is modelled:
-step durations (`PodCosts`), the serving path's latencies (`ServingCosts`), and KV transfer time
-(a message latency plus bytes / bandwidth, per message). A request's life, as the router runs it:
+step durations (`PodCosts`, times one machine-wide `Jitter`), the serving path's latencies
+(`ServingCosts`), and KV transfer time (a message latency plus bytes / bandwidth, per message). A request's life, as the router runs it:
 
 1. the client sends it at its arrival instant; the router has it `http_in_s` later and admits it
    (`Dispatcher.admit`: route now, wait in the queue on the TTFT budget left, or 429/503);
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.goodput.stats import RequestResult
 from cbserve.goodput.workloads import RequestSpec
-from cbserve.planner.sim_pod import SAMPLED_TOKEN_ID, PodCosts, SimPod
+from cbserve.planner.sim_pod import SAMPLED_TOKEN_ID, Jitter, PodCosts, SimPod
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -106,7 +106,8 @@ class SimCluster:
 
     def __init__(self, fields: dict, shape: PodShape, pod_costs: PodCosts | dict[str, PodCosts], serving: ServingCosts,
                  slo_ttft_s: float, slo_tpot_s: float, prefix_caching: bool,
-                 request_timeout_s: float = 60.0, router: RouterConfig | None = None) -> None:
+                 request_timeout_s: float = 60.0, router: RouterConfig | None = None,
+                 jitter: Jitter | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.clock = loop.time
         self.serving = serving
@@ -122,7 +123,8 @@ class SimCluster:
         self._tasks: list[asyncio.Task] = []
         for name, role in spec.pod_roles():
             costs = pod_costs[role] if isinstance(pod_costs, dict) else pod_costs
-            pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching), costs, self._on_step, self.clock)
+            pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching), costs, self._on_step, self.clock,
+                         jitter)
             state = PodState(PodEndpoint(name, role, name), client=None, healthy=True, clock=self.clock)
             self.pods[name] = pod
             self.dispatcher.tracker.pods[name] = state

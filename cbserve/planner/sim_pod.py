@@ -10,7 +10,7 @@ irrelevant to scheduling: requests set `ignore_eos` and `max_tokens`, so every s
 same placeholder id and lengths alone decide when a request ends.
 
 The step costs `PodCosts.step_seconds(out)`: the profiled cost model on the step's shape times the
-in-situ contention factor. The pod's load report is built by the pods' own `build_load_report`
+in-situ contention factor, times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
 from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 `REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
 """
@@ -18,6 +18,8 @@ from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,13 +52,34 @@ class PodCosts:
 StepHook = Callable[["SimPod", SchedulerOutput, list[Request]], None]
 
 
+class Jitter:
+    """A shared machine's slow and fast stretches: a factor on every pod's steps, redrawn every
+    `period_s` seconds, lognormal with mean 1 and log-spread `sigma` (seeded: a run is
+    reproducible). Per-step noise would average out over a request's steps; what spreads TPOT
+    and TTFT across requests is whole seconds of a busier machine, which every pod feels at once."""
+
+    def __init__(self, sigma: float, period_s: float = 1.0, seed: int = 0) -> None:
+        self.sigma, self.period_s = sigma, period_s
+        self._rng = random.Random(f"jitter:{seed}")
+        self._factors: list[float] = []
+
+    def factor(self, t: float) -> float:
+        if self.sigma <= 0:
+            return 1.0
+        i = max(0, int(t // self.period_s))
+        while len(self._factors) <= i:
+            self._factors.append(math.exp(self._rng.gauss(-self.sigma ** 2 / 2, self.sigma)))
+        return self._factors[i]
+
+
 class SimPod:
     """One pod: `submit` commands, `run()` as a task, `load_report()` for the router."""
 
     def __init__(self, name: str, role: str, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 costs: PodCosts, on_step: StepHook, clock: Callable[[], float]) -> None:
+                 costs: PodCosts, on_step: StepHook, clock: Callable[[], float], jitter: Jitter | None = None) -> None:
         self.name, self.role = name, role
         self.costs = costs
+        self.jitter = jitter
         self.clock = clock
         self.on_step = on_step
         self.scheduler = Scheduler(scheduler_config, cache_config, role="prefill" if role == "prefill" else "decode",
@@ -90,8 +113,9 @@ class SimPod:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
-        scheduler, costs = self.scheduler, self.costs
+        scheduler = self.scheduler
         while True:
+            costs = self.costs          # (a run may change them between steps: `simulate.sweep`)
             ran = self._run_commands()
             last = self.last_schedule
             if not scheduler.has_unfinished_requests():
@@ -108,6 +132,8 @@ class SimPod:
             seconds = 0.0
             if out.scheduled:
                 seconds = costs.step_seconds(out)
+                if self.jitter is not None:
+                    seconds *= self.jitter.factor(self.clock())
                 await asyncio.sleep(seconds)
                 sampled = {seq.request_id: SAMPLED_TOKEN_ID for seq in out.scheduled if seq.sample}
             updated = scheduler.update(out, sampled)

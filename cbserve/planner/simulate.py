@@ -19,7 +19,7 @@ from cbserve.goodput.configs import parse_config
 from cbserve.goodput.stats import RequestResult, Slo, summarize
 from cbserve.goodput.workloads import RequestSpec
 from cbserve.planner.sim_cluster import PodShape, ServingCosts, SimCluster
-from cbserve.planner.sim_pod import PodCosts
+from cbserve.planner.sim_pod import Jitter, PodCosts
 from cbserve.planner.virtual_loop import run_virtual
 
 WARMUP_REQUESTS = 4        # bench/goodput.py's --warmup default
@@ -45,6 +45,8 @@ class SimModel:
     shape: PodShape
     tokenizer: object
     request_timeout_s: float = 60.0
+    jitter_sigma: float = 0.0          # the machine's slow stretches (`sim_pod.Jitter`)
+    jitter_period_s: float = 1.0
     _encoded: dict = field(default_factory=dict, repr=False, compare=False)   # prompt -> ids
 
     def encode(self, requests: list[RequestSpec]) -> list[list[int]]:
@@ -86,7 +88,8 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
                 contention: dict[float, dict[str, float]] | None = None) -> list[Run]:
     caching = workload.prefix_caching if prefix_caching is None else prefix_caching
     cluster = SimCluster(parse_config(config), model.shape, model.pod_costs, model.serving, slo.ttft_s, slo.tpot_s,
-                         caching, request_timeout_s=model.request_timeout_s)
+                         caching, request_timeout_s=model.request_timeout_s,
+                         jitter=Jitter(model.jitter_sigma, model.jitter_period_s, seed) if model.jitter_sigma else None)
     try:
         await asyncio.sleep(0.2)           # the router's first load reports, as a cluster that just started
         if warmup:
@@ -143,9 +146,11 @@ def sim_model(profile, tokenizer=None, *, max_num_batched_tokens: int | None = N
               max_num_seqs: int | None = None, step_scale: float = 1.0, overhead_scale: float = 1.0,
               request_timeout_s: float = 60.0) -> SimModel:
     """The simulator's view of a `Profile` (knobs and sensitivity scales optional)."""
+    serving = profile.serving
     return SimModel(profile.pod_costs(step_scale), profile.serving_costs(overhead_scale),
                     profile.shape(max_num_batched_tokens, max_num_seqs),
-                    tokenizer or load_tokenizer(profile.model_name), request_timeout_s)
+                    tokenizer or load_tokenizer(profile.model_name), request_timeout_s,
+                    serving.jitter_sigma if serving else 0.0, serving.jitter_period_s if serving else 1.0)
 
 
 class NestedWorkload:

@@ -10,11 +10,11 @@ requests built to give the shape, and timed as the engine times its steps (`Engi
 Each point is measured `repeats` times and keeps the median; the model is fitted on the grid and
 judged on held-out points drawn at random inside the same ranges.
 
-On CPU a step is timed in CPU seconds of the engine thread (`time.thread_time`; pods run one torch
-thread in it): on a machine shared with other work, wall time is mostly the time the thread was
+On CPU with one torch thread (as `bench/goodput.py`'s pods run) a step is timed in CPU seconds of
+the engine thread (`time.thread_time`): on a machine shared with other work, wall time is mostly the time the thread was
 not running, which changes from minute to minute; what serving adds on top (two pods on two cores,
-the router, the neighbours) is measured in situ (`in_situ.py`) as a contention factor. On CUDA a
-step is timed in wall seconds (the device works while the host thread waits).
+the router, the neighbours) is measured in situ (`in_situ.py`) as a contention factor. On CUDA, or with several torch threads, a step is timed in wall
+seconds (the device works while the host thread waits; other threads share the work).
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ from dataclasses import dataclass
 from cbserve.planner.step_shape import StepShape
 
 KINDS = ("decode", "prefill", "mixed")
+TIMERS = {"thread_time": time.thread_time, "wall": time.perf_counter}
+
+
+def timer_name(device_type: str, threads: int) -> str:
+    """CPU seconds of the engine thread where it does all the work (CPU, one torch thread); wall
+    seconds elsewhere (a device works while the host waits; several threads share a step)."""
+    return "thread_time" if device_type == "cpu" and threads == 1 else "wall"
+
+
+def step_timer(device_type: str, threads: int) -> Callable[[], float]:
+    return TIMERS[timer_name(device_type, threads)]
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,7 @@ class StepGrid:
         from engine.sampling_params import SamplingParams
 
         self.engine = engine
-        self.timer = timer or (time.thread_time if engine.device.type == "cpu" else time.perf_counter)
+        self.timer = timer or step_timer(engine.device.type, 1)
         self.repeats = repeats
         self.rng = random.Random(seed)
         self.vocab = engine.model_config.vocab_size
