@@ -51,6 +51,8 @@ def add_plan_command(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     p.add_argument("--prefix-caching", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--search", action="store_true", help="find each configuration's capacity and recommend one")
     p.add_argument("--target-rate", type=float, default=None, help="--search: the fewest pods that sustain this rate")
+    p.add_argument("--search-duration", type=float, default=20.0,
+                   help="--search: seconds of arrivals per probe (its draws are nested, so 20 s suffice)")
     p.add_argument("--tolerance", type=float, default=0.05, help="--search: capacity to within this fraction")
     p.add_argument("--headroom", type=float, default=0.8, help="--search: HPA targets at this share of capacity")
     p.add_argument("--max-scale", type=float, default=2.0, help="--search: HPA maxReplicas = this x the planned pool")
@@ -137,7 +139,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "device": profile.data["device"], "held_out_error": profile.held_out_error,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "percentile": args.percentile,
             "attainment": args.attainment, "mixes": [w.name for w in workloads], "trace": args.trace,
-            "duration_s": args.duration, "seed": args.seed}
+            "duration_s": args.search_duration if args.search else args.duration, "seed": args.seed}
     if args.search:
         from cbserve.planner.plan_search import run_search
 

@@ -38,7 +38,7 @@ def uncertainty(profile) -> float:
 
 def _evaluator(args, model, config, workload, slo, caching, criterion):
     def evaluate(rate: float) -> Probe:
-        run = at_rate(model, config, workload, rate, args.duration, args.seed, slo, warmup=args.warmup,
+        run = at_rate(model, config, workload, rate, args.search_duration, args.seed, slo, warmup=args.warmup,
                       prefix_caching=caching)
         return Probe(rate, run.row, criterion.sustained(run.row, run.results), run.load)
     return evaluate
@@ -130,7 +130,7 @@ def run_search(args, profile, model, workload, slo, caching, log) -> dict:
                                "recommendation": asdict(decision)}}
     if chosen.capacity_rps > 0:
         rate = chosen.capacity_rps * args.headroom
-        run = at_rate(model, chosen.config, workload, rate, args.duration, args.seed, slo, warmup=args.warmup,
+        run = at_rate(model, chosen.config, workload, rate, args.search_duration, args.seed, slo, warmup=args.warmup,
                       prefix_caching=caching)
         fields = parse_config(chosen.config)
         helm = values(fields=fields, profile=profile, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,

@@ -39,7 +39,7 @@ def test_search_recommends_and_writes_values_plot_and_json(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"prompt_tokens": 60 + 40 * i, "output_tokens": 20 + 5 * i})
                                for i in range(6)) + "\n")
-    assert main(["plan", "--profile", str(profile_file), "--trace", str(trace), "--search", "--duration", "6",
+    assert main(["plan", "--profile", str(profile_file), "--trace", str(trace), "--search", "--search-duration", "6",
                  "--configs", "colocated-1", "1P1D", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100",
                  "--jobs", "1", "--tolerance", "0.2", "--values-out", str(values), "--plot", str(plot), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
