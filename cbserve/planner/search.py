@@ -157,5 +157,8 @@ def recommend(candidates: list[Capacity], target_rate: float | None = None) -> R
         return Recommendation(colocated.config,
                               f"colocated: {disaggregated.config} is {gain:+.0%} per pod, inside the prediction's "
                               f"uncertainty ({d_low:.2f}-{d_high:.2f} vs {c_low:.2f}-{c_high:.2f} req/s per pod)")
+    if gain > -0.005:
+        return Recommendation(colocated.config, f"colocated: {colocated.config} holds as much per pod as "
+                                                f"{disaggregated.config}")
     return Recommendation(colocated.config, f"colocated: {colocated.config} holds {-gain:.0%} more per pod than "
                                             f"{disaggregated.config}")

@@ -60,6 +60,8 @@ def _c(name: str, pods: int, capacity: float, band: float | None = None) -> Capa
     ([_c("colocated-2", 2, 5.0, 0.1), _c("1P1D", 2, 3.0, 0.1)], None, "colocated-2", "more per pod"),
     # Per pod, not in total: 2P2D's 7 req/s on 4 pods is less than colocated-2's 4 on 2.
     ([_c("colocated-2", 2, 4.0, 0.05), _c("2P2D", 4, 7.0, 0.05)], None, "colocated-2", "more per pod"),
+    # Equal per pod: colocated, and the reason says so.
+    ([_c("colocated-2", 2, 4.0, 0.1), _c("1P1D", 2, 4.0, 0.1)], None, "colocated-2", "as much per pod as"),
     # Among colocated: the best per pod; a tie goes to fewer pods.
     ([_c("colocated-1", 1, 2.0), _c("colocated-3", 3, 6.0), _c("1P1D", 2, 1.0)], None, "colocated-1", "more per pod"),
     # Nothing disaggregated sustains the SLO / nothing disaggregated given / nothing colocated works.
