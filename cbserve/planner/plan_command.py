@@ -53,6 +53,8 @@ def add_plan_command(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     p.add_argument("--target-rate", type=float, default=None, help="--search: the fewest pods that sustain this rate")
     p.add_argument("--search-duration", type=float, default=20.0,
                    help="--search: seconds of arrivals per probe (its draws are nested, so 20 s suffice)")
+    p.add_argument("--search-requests", type=int, default=40,
+                   help="--search: at least this many requests per probe (longer probes at low rates)")
     p.add_argument("--tolerance", type=float, default=0.05, help="--search: capacity to within this fraction")
     p.add_argument("--headroom", type=float, default=0.8, help="--search: HPA targets at this share of capacity")
     p.add_argument("--max-scale", type=float, default=2.0, help="--search: HPA maxReplicas = this x the planned pool")

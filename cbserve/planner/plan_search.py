@@ -1,8 +1,8 @@
 """`cbserve plan --search`'s run: capacities, uncertainty bands, the recommendation, the values file.
 
-Each configuration's capacity is searched (`search.find_capacity`) on fresh simulated clusters, the
-first from 1 req/s per pod, the others (in `--jobs` processes) from the first one's capacity per
-pod; every rate replays one draw of the workload, compressed (`simulate.NestedWorkload`); the best colocated
+Each configuration's capacity is searched (`search.find_capacity`) on fresh simulated clusters, in
+`--jobs` processes, from a guess per pod that only the profile and the workload decide
+(`per_pod_guess`); every rate replays one draw of the workload, compressed (`simulate.NestedWorkload`); the best colocated
 and the best disaggregated one are searched again with steps `1 ± u` times as long for their bands
 (u: the profile's held-out error plus the in-situ calibration's residual); `search.recommend`
 decides; the recommended configuration runs once more at `--headroom` x its capacity, and its pods'
@@ -19,6 +19,7 @@ from cbserve.goodput.configs import is_disaggregated, num_pods, parse_config
 from cbserve.planner.helm_values import render, values
 from cbserve.planner.search import Capacity, Criterion, Probe, find_capacity, recommend
 from cbserve.planner.simulate import NestedWorkload, at_rate, sim_model
+from cbserve.planner.step_shape import StepShape
 
 _TABLE = ("config", "pods", "capacity", "per-pod", "band per pod", "ttft p95", "tpot p95", "attain", "probes")
 
@@ -36,9 +37,15 @@ def uncertainty(profile) -> float:
     return u
 
 
+def probe_seconds(args, rate: float) -> float:
+    """A probe's arrivals: `--search-duration`, longer at low rates so that it has at least
+    `--search-requests` requests (attainment over a handful of requests is a coin toss)."""
+    return max(args.search_duration, args.search_requests / rate)
+
+
 def _evaluator(args, model, config, workload, slo, caching, criterion):
     def evaluate(rate: float) -> Probe:
-        run = at_rate(model, config, workload, rate, args.search_duration, args.seed, slo, warmup=args.warmup,
+        run = at_rate(model, config, workload, rate, probe_seconds(args, rate), args.seed, slo, warmup=args.warmup,
                       prefix_caching=caching)
         return Probe(rate, run.row, criterion.sustained(run.row, run.results), run.load)
     return evaluate
@@ -80,8 +87,9 @@ def _search_band(task: tuple[str, float, float]) -> float:
     job, args = _JOB, _JOB["args"]
     scaled = sim_model(job["profile"], job["model"].tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, step_scale=scale, request_timeout_s=args.request_timeout)
+    # Slower steps, less capacity, about in proportion: start there.
     band, _ = find_capacity(_evaluator(args, scaled, config, job["workload"], job["slo"], job["caching"],
-                                       job["criterion"]), start=capacity, tolerance=args.tolerance)
+                                       job["criterion"]), start=capacity / scale, tolerance=args.tolerance)
     return band
 
 
@@ -95,6 +103,21 @@ def _map(function, items: list, jobs: int) -> list:
         return pool.map(function, items, chunksize=1)
 
 
+def per_pod_guess(model, workload, seed: int) -> float:
+    """Where a search starts, per pod: a request's work alone (its prefill, then its decodes at
+    batch 1) shared four ways by batching. Only the profile and the workload decide it, so a
+    configuration's capacity never depends on which others are searched with it."""
+    costs = model.pod_costs["decode"] if isinstance(model.pod_costs, dict) else model.pod_costs
+    sample = workload.requests(1.0, 50.0, seed)
+    work = 0.0
+    for request, ids in zip(sample, model.encode(sample)):
+        n = len(ids)
+        work += costs.model.seconds(StepShape(0, 0, prefill_chunks=((n, 0),), num_sampled=1))
+        work += request.max_tokens * costs.model.seconds(StepShape(1, n, n, n, num_sampled=1))
+    work = work / len(sample) * costs.contention
+    return 4.0 / work if work > 0 else 1.0
+
+
 def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     from cbserve.planner.plan_command import SEARCH_CONFIGS
 
@@ -102,12 +125,8 @@ def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     configs = args.configs or list(SEARCH_CONFIGS)
     workload = NestedWorkload(workload)
     _JOB.update(args=args, profile=profile, model=model, workload=workload, slo=slo, caching=caching,
-                criterion=criterion, per_pod_guess=1.0)
-    # The first configuration alone: its capacity per pod is every other search's starting guess.
-    first = _search_config(configs[0])
-    if first.capacity_rps > 0:
-        _JOB["per_pod_guess"] = first.per_pod
-    capacities = [first] + _map(_search_config, configs[1:], args.jobs)
+                criterion=criterion, per_pod_guess=per_pod_guess(model, workload, args.seed))
+    capacities = _map(_search_config, configs, args.jobs)
     for c in capacities:
         log(f"# plan: {c.config}: {c.capacity_rps:.2f} req/s ({len(c.probes)} probes)")
     u = uncertainty(profile)
@@ -130,7 +149,7 @@ def run_search(args, profile, model, workload, slo, caching, log) -> dict:
                                "recommendation": asdict(decision)}}
     if chosen.capacity_rps > 0:
         rate = chosen.capacity_rps * args.headroom
-        run = at_rate(model, chosen.config, workload, rate, args.search_duration, args.seed, slo, warmup=args.warmup,
+        run = at_rate(model, chosen.config, workload, rate, probe_seconds(args, rate), args.seed, slo, warmup=args.warmup,
                       prefix_caching=caching)
         fields = parse_config(chosen.config)
         helm = values(fields=fields, profile=profile, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
