@@ -13,6 +13,9 @@ with the goodput error. Two predictions:
 
     python -m bench.plan_check --profile profiles/tiny.json --measured docs/goodput_tiny_heldout.json \\
         --json docs/plan_check_tiny.json
+
+`--refit` fits the profile's serving section again from the in-situ measurements it stores, with
+this tree's `planner.in_situ` (a profile made before a change to that fit).
 """
 
 from __future__ import annotations
@@ -36,10 +39,23 @@ def _error(predicted: float, measured: float) -> float | None:
     return None if measured <= 0 else (predicted - measured) / measured
 
 
-def check(profile_path: str, measured_path: str, rounds: int = 2) -> list[dict]:
+def refit(profile):
+    """The profile with its serving section fitted again from its stored in-situ measurements."""
+    from cbserve.planner.in_situ import InSituSettings, fit_in_situ
+
+    raw, serving = profile.data.get("in_situ_raw"), profile.serving
+    if not raw or serving is None or not serving.in_situ:
+        raise SystemExit("the profile has no in-situ measurements to refit")
+    info = serving.in_situ
+    return fit_in_situ(profile, raw, InSituSettings(seconds=info["load_seconds"], mix=info["calibration_mix"]))
+
+
+def check(profile_path: str, measured_path: str, rounds: int = 2, refitted: bool = False) -> list[dict]:
     measured = json.loads(Path(measured_path).read_text())
     meta = measured["meta"]
     profile = load_profile(profile_path)
+    if refitted:
+        profile = refit(profile)
     if Path(meta["model"]).name != Path(profile.model_name).name:
         raise SystemExit(f"the run measured {meta['model']}, the profile is of {profile.model_name}")
     model = sim_model(profile, max_num_batched_tokens=meta.get("max_num_batched_tokens"),
@@ -109,16 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", required=True)
     p.add_argument("--measured", required=True, nargs="+", help="bench/goodput.py --json files")
     p.add_argument("--json", default=None)
+    p.add_argument("--refit", action="store_true", help="refit the profile's in-situ section with this tree's code")
     args = p.parse_args(argv)
     rows = []
     for path in args.measured:
-        mine = check(args.profile, path)
+        mine = check(args.profile, path, refitted=args.refit)
         for r in mine:
             r["measured_file"] = path
         rows += mine
     print_table(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"profile": args.profile, "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"profile": args.profile, "refit": args.refit, "rows": rows}, indent=1) + "\n")
     return 0
 
 
