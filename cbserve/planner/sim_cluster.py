@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -107,7 +108,7 @@ class SimCluster:
     def __init__(self, fields: dict, shape: PodShape, pod_costs: PodCosts | dict[str, PodCosts], serving: ServingCosts,
                  slo_ttft_s: float, slo_tpot_s: float, prefix_caching: bool,
                  request_timeout_s: float = 60.0, router: RouterConfig | None = None,
-                 jitter: Jitter | None = None) -> None:
+                 jitter: Jitter | None = None, seed: int = 0) -> None:
         loop = asyncio.get_running_loop()
         self.clock = loop.time
         self.serving = serving
@@ -118,6 +119,11 @@ class SimCluster:
                                      slo_ttft_ms=slo_ttft_s * 1000, slo_tpot_ms=slo_tpot_s * 1000)
         self.metrics = RouterMetrics()
         self.dispatcher = build_dispatcher(self.router_config, self.metrics, clock=self.clock)
+        # The policy breaks ties between equal pods at random (`MaxScorePicker`): seeded here, so a
+        # prediction repeats exactly.
+        for n, profile in enumerate(self.dispatcher.policy.profiles.values()):
+            if isinstance(getattr(profile.picker, "rng", None), random.Random):
+                profile.picker.rng = random.Random(f"picker:{seed}:{n}")
         spec = ClusterSpec(model="sim", port=0, **fields)
         self.pods: dict[str, SimPod] = {}
         self._tasks: list[asyncio.Task] = []

@@ -89,7 +89,8 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
     caching = workload.prefix_caching if prefix_caching is None else prefix_caching
     cluster = SimCluster(parse_config(config), model.shape, model.pod_costs, model.serving, slo.ttft_s, slo.tpot_s,
                          caching, request_timeout_s=model.request_timeout_s,
-                         jitter=Jitter(model.jitter_sigma, model.jitter_period_s, seed) if model.jitter_sigma else None)
+                         jitter=Jitter(model.jitter_sigma, model.jitter_period_s, seed) if model.jitter_sigma else None,
+                         seed=seed)
     try:
         await asyncio.sleep(0.2)           # the router's first load reports, as a cluster that just started
         if warmup:

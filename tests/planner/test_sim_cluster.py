@@ -88,4 +88,6 @@ def test_rows_have_the_benchmarks_fields_and_are_reproducible(model):
     assert rows == sweep(model, "pd-goodput", MIXES["chat"], [1.0, 2.0], 10.0, 0, Slo(0.5, 0.05))
     run = at_rate(model, "colocated-2", MIXES["shared-prefix"], 2.0, 10.0, 0, Slo(0.5, 0.05))
     assert run.row["num_requests"] == 20 and set(run.load) == {"colocated"}
+    # Equal pods tie and the policy picks at random: seeded, the run repeats.
+    assert run.row == at_rate(model, "colocated-2", MIXES["shared-prefix"], 2.0, 10.0, 0, Slo(0.5, 0.05)).row
     assert run.load["colocated"]["running_requests"] > 0
