@@ -15,12 +15,20 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # family -> (module, class) implementing it
 FAMILIES = {
     "llama": ("engine.models.llama", "LlamaForCausalLM"),
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
+    "qwen3": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
