@@ -165,3 +165,36 @@ def test_packed_experts_run_the_same_as_plain_ones(saved):
 def test_every_family_is_tested_against_transformers():
     # Guard: each family of the registry has a checkpoint in the equivalence suite.
     assert {ARCHITECTURES[model_cls] for _, model_cls, *_ in CONFIGS.values()} == set(FAMILIES)
+
+
+def test_padded_moe_decode_step_equals_the_unpadded_one(saved):
+    """The CUDA-graph path's logic on CPU: padding rows of a bucketed decode batch route to
+    experts too, and must change nothing for the real rows."""
+    from engine.kv_cache import allocate_kv_cache
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledSeq
+
+    path = saved["mixtral"][0]
+    cfg = ModelConfig.from_dir(path)
+    runners = [ModelRunner(load_model(path, cfg, torch.float32, CPU), allocate_kv_cache(cfg, 40, 4, torch.float32, CPU),
+                           4, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=eager) for eager in (True, False)]
+    for runner in runners:
+        runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(1)))
+    batch = [ScheduledSeq(f"r{i}", (3 + 7 * i,), start, tuple(range(1 + 3 * i, 2 + 3 * i + start // 4)), True)
+             for i, start in enumerate([0, 5, 9, 2, 11])]
+    eager, padded = runners
+    assert padded.decode_buckets.bucket(batch) is not None
+    torch.testing.assert_close(padded.run(batch), eager.run(batch), atol=1e-5, rtol=1e-5)
+    assert torch.equal(padded.kv_cache, eager.kv_cache)
+
+
+def test_fp8_checkpoints_of_moe_models_are_refused_by_name(saved, tmp_path):
+    from engine.engine import Engine, EngineConfig
+
+    d = tmp_path / "m"
+    shutil.copytree(saved["mixtral"][0], d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"FP8 checkpoints of mixture-of-experts models \(mixtral\)"):
+        Engine(EngineConfig(model=str(d)))
