@@ -16,7 +16,6 @@ from typing import Any
 
 from engine.models.registry import ARCHITECTURES, family_of
 
-SUPPORTED_ARCHITECTURES = ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -122,7 +121,7 @@ class ModelConfig:
         if family is None:
             raise ModelConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; cbserve serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+                f"{sorted(ARCHITECTURES)}")
         try:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
