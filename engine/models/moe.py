@@ -61,7 +61,8 @@ class Experts(nn.Module):
 
     def pack(self) -> bool:
         """CPU: reorder every expert's two matrices into oneDNN's layout, in place of the 3-D
-        parameters (memory-neutral); False where they cannot be packed (see `linear.pack_weight`)."""
+        parameters (freed once all are packed: the peak holds both copies once); False where
+        they cannot be packed (see `linear.pack_weight`; fp8 experts stay as they are)."""
         if self.packed is not None:
             return True
         first = None if self.gate_up_scale is not None else pack_weight(self.gate_up_proj[0])
