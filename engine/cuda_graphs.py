@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.progress import progress
@@ -68,8 +69,11 @@ class DecodeBuckets:
     writes logits `[bs, vocab]` into `out` (the runner supplies it)."""
 
     def __init__(self, forward, vocab_size: int, dtype: torch.dtype, block_size: int, device: torch.device,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, lora: bool = False) -> None:
+        """`lora`: every step stages its tokens' LoRA slots (engine/lora/), so graphs include the
+        LoRA kernels (rows without an adapter skip them on the device)."""
         self.forward = forward
+        self._no_lora = np.empty(0, np.int32) if lora else None
         self.device = device
         self.batch_sizes = batch_size_buckets(max_num_seqs)
         self.widths = width_buckets(max_model_len, block_size)
@@ -93,11 +97,11 @@ class DecodeBuckets:
         width = smallest_at_least(self.widths, max_blocks)
         return None if width is None else (bs, width)
 
-    def run(self, scheduled, bucket: tuple[int, int], prev=None) -> torch.Tensor:
+    def run(self, scheduled, bucket: tuple[int, int], prev=None, lora_slots=None) -> torch.Tensor:
         """Logits `[len(scheduled), vocab]` of a decode-only batch, padded to `bucket`."""
         bs, width = bucket
         t = self.inputs.prepare(scheduled, pad_to=bs, width=width,
-                                prev_rows=None if prev is None else prev.rows)
+                                prev_rows=None if prev is None else prev.rows, lora_slots=lora_slots)
         if t.fill_dst.numel():
             t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
         graph = self.graphs.get(bucket)
@@ -119,7 +123,7 @@ class DecodeBuckets:
                        unit="graph")
         for width in sorted(self.widths, reverse=True):
             for bs in sorted(self.batch_sizes, reverse=True):
-                t = self.inputs.prepare([], pad_to=bs, width=width)   # all padding: harmless
+                t = self.inputs.prepare([], pad_to=bs, width=width, lora_slots=self._no_lora)   # all padding
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(2):   # compile and specialise every kernel for this shape

@@ -38,19 +38,21 @@ def _aligned(n: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill)."""
+    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill, lora)."""
 
     num_tokens: int
     num_seqs: int
     width: int
     num_sampled: int
     num_fill: int
+    lora: int = 0      # 1: the step carries each token's LoRA adapter slot (engine/lora/)
 
     @property
     def fields(self) -> tuple[tuple[str, np.dtype, tuple[int, ...]], ...]:
         t, s, w = self.num_tokens, self.num_seqs, self.width
         return (("input_ids", np.int64, (t,)), ("positions", np.int64, (t,)),
-                ("slot_mapping", np.int64, (t,)), ("query_start_loc", np.int32, (s + 1,)),
+                ("slot_mapping", np.int64, (t,)), ("lora_slots", np.int32, (t if self.lora else 0,)),
+                ("query_start_loc", np.int32, (s + 1,)),
                 ("seq_lens", np.int32, (s,)), ("block_tables", np.int32, (s, w)),
                 ("logits_indices", np.int64, (self.num_sampled,)),
                 ("fill_dst", np.int64, (self.num_fill,)), ("fill_src", np.int64, (self.num_fill,)))
@@ -71,7 +73,7 @@ class Layout:
 
 
 def max_layout_bytes(max_num_tokens: int, max_num_seqs: int, max_width: int) -> int:
-    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs).nbytes + 64
+    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs, 1).nbytes + 64
 
 
 @dataclass
@@ -123,12 +125,13 @@ class StepInputs:
                 for name, dtype, shape, off, size in layout.offsets()}
 
     def prepare(self, scheduled, pad_to: int | None = None, width: int | None = None,
-                prev_rows: dict[str, int] | None = None) -> StepTensors:
+                prev_rows: dict[str, int] | None = None, lora_slots: np.ndarray | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's device tensors.
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
         (default: the widest table of the batch). `prev_rows` maps the request id of every seq
         whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids.
+        `lora_slots` ([num seqs] int32): each seq's LoRA adapter slot (-1: none); None: no adapter.
 
         Host-side planning is numpy: `np.fromiter` reads Python ints ~3x faster than
         `torch.tensor(list)`, and numpy's per-op overhead is a fraction of torch's on small arrays."""
@@ -146,7 +149,7 @@ class StepInputs:
                           np.int64, num_real_tokens)                                            # [T]
         fill_dst = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         num_sampled = int(sample.sum()) if pad_to is None else num_seqs
-        layout = Layout(num_tokens, num_seqs, width, num_sampled, len(fill_dst))
+        layout = Layout(num_tokens, num_seqs, width, num_sampled, len(fill_dst), int(lora_slots is not None))
         self._wait_for_last_copy()
         if layout.nbytes > self.capacity:
             if not self.growable:
@@ -185,6 +188,9 @@ class StepInputs:
             h["logits_indices"][:] = qsl[1:][sample] - 1  # the last token of each sampling sequence
         else:
             h["logits_indices"][:] = np.arange(num_seqs)
+        if lora_slots is not None:   # each token takes its sequence's adapter slot
+            h["lora_slots"][:num_real_tokens] = lora_slots if num_tokens == num_seqs else lora_slots[seq_index]
+            h["lora_slots"][num_real_tokens:] = -1
         if num_seqs > num_real:   # padding rows: harmless decodes of the null block
             input_ids[num_real_tokens:] = 0
             positions[num_real_tokens:] = 0
@@ -209,7 +215,8 @@ class StepInputs:
         dev = self.views(layout)
         num_real = layout.num_seqs if num_seqs is None else num_seqs
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
-                                 seq_lens=dev["seq_lens"], block_tables=dev["block_tables"])
+                                 seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
+                                 lora_slots=dev["lora_slots"] if layout.lora else None)
         return StepTensors(dev["input_ids"], dev["positions"], meta, dev["logits_indices"],
                            dev["fill_dst"], dev["fill_src"], num_real, layout)
 

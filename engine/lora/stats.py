@@ -1,0 +1,25 @@
+"""Adapter state as the pods report it (load reports, metrics); torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRAAdapterStats:
+    """One adapter this engine knows: registered, or still serving requests after an unload."""
+
+    name: str
+    identity: str            # content hash of the adapter's files (engine/lora/adapter.py)
+    registered: bool         # requests may name it (False: unloaded, its last requests still run)
+    resident: bool           # in a device slot now (a request for it needs no copy)
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+def requests_info_labels(adapters: tuple[LoRAAdapterStats, ...], max_loras: int) -> dict[str, str]:
+    """The labels of vLLM's `vllm:lora_requests_info` gauge (which the Gateway API inference
+    extension's LoRA affinity reads): comma-joined names with running / waiting requests."""
+    return {"running_lora_adapters": ",".join(sorted(a.name for a in adapters if a.num_running)),
+            "waiting_lora_adapters": ",".join(sorted(a.name for a in adapters if a.num_waiting)),
+            "max_lora": str(max_loras)}
