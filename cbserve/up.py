@@ -75,6 +75,8 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--drain-seconds", type=float, default=10.0)
     p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
+    from cbserve.lora_flags import add_lora_flags
+    add_lora_flags(p)   # passed to every pod; the router gets --enable-lora (and runtime updating)
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
     p.add_argument("--demo", action="store_true",
@@ -90,6 +92,9 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    from cbserve.lora_flags import lora_cluster_args
+
+    lora_pod_args, lora_router_args = lora_cluster_args(args)
     return ClusterSpec(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
         host=args.host, port=args.port, policy=args.policy, slo_ttft_ms=args.slo_ttft_ms,
@@ -100,7 +105,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
-        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args))
+        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args), pod_args=tuple(lora_pod_args),
+        router_args=tuple(lora_router_args))
 
 
 def describe(cluster: LocalCluster) -> str:

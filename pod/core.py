@@ -45,6 +45,8 @@ from wire import cbserve_pb2
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
+from engine.lora.stats import stats_to_pb as lora_stats_to_pb
+from pod.lora import LORA_COMMANDS, lora_command
 from pod.runtime import PodRuntime, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,8 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats, num_held: 
     message.step_seconds_ewma = stats.step_seconds_ewma
     message.prefill_tokens_per_second = stats.prefill_tokens_per_second
     message.num_held_kv = num_held
+    message.max_loras = stats.max_loras
+    lora_stats_to_pb(stats.lora_adapters, message.lora_adapters)
     message.first_sample_step = samples[0][0] if samples else 0
     for _, s in samples:
         message.samples.add(num_seqs=s.num_seqs, num_context_tokens=s.num_context_tokens,
@@ -309,6 +313,8 @@ class EngineCore:
             self.abort(command.abort_request_id, command.call_id)
         elif kind == "stop":
             self._stopped.set()
+        elif kind in LORA_COMMANDS:
+            lora_command(self, kind, command)
         else:
             self.command(kind, command)
 

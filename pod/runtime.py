@@ -32,6 +32,7 @@ from prometheus_client import start_http_server
 from wire import cbserve_pb2
 from engine.engine import Engine, EngineConfig, EngineRequestError
 from engine.loop import EngineLoop
+from engine.lora.stats import stats_to_pb as lora_stats_to_pb
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats
 from engine.sampler import TokenLogprobs
@@ -302,10 +303,11 @@ class PodRuntime:
             num_total_blocks=s.num_total_blocks, step_seconds_ewma=s.step_seconds_ewma,
             prefill_tokens_per_second=s.prefill_tokens_per_second, timestamp=time.time(),
             draining=self.draining, block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held,
+            max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held, max_loras=s.max_loras,
             step_samples=[cbserve_pb2.StepSample(num_seqs=x.num_seqs, num_context_tokens=x.num_context_tokens,
                                                  num_prefill_tokens=x.num_prefill_tokens, seconds=x.seconds)
                           for x in samples[-32:]])
+        lora_stats_to_pb(s.lora_adapters, report.lora_adapters)
         return report, last
 
     async def get_load(self, request, context) -> cbserve_pb2.LoadReport:
@@ -433,6 +435,14 @@ class CommonRPCs:
 
     async def Abort(self, request, context):
         return await self.rt.abort(request, context)
+
+    async def LoadLoRAAdapter(self, request, context):
+        from pod.lora import lora_rpc   # pod.lora builds on this module
+        return await lora_rpc(self.rt, "load_lora_adapter", request, context)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        from pod.lora import lora_rpc
+        return await lora_rpc(self.rt, "unload_lora_adapter", request, context)
 
 
 class _Inflight:

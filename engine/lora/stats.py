@@ -23,3 +23,15 @@ def requests_info_labels(adapters: tuple[LoRAAdapterStats, ...], max_loras: int)
     return {"running_lora_adapters": ",".join(sorted(a.name for a in adapters if a.num_running)),
             "waiting_lora_adapters": ",".join(sorted(a.name for a in adapters if a.num_waiting)),
             "max_lora": str(max_loras)}
+
+
+def stats_to_pb(adapters: tuple[LoRAAdapterStats, ...], field) -> None:
+    """Into a repeated `LoRAAdapterState` field (load reports, the engine core's statistics)."""
+    for a in adapters:
+        field.add(name=a.name, identity=a.identity, registered=a.registered, resident=a.resident,
+                  num_running=a.num_running, num_waiting=a.num_waiting)
+
+
+def stats_from_pb(field) -> tuple[LoRAAdapterStats, ...]:
+    return tuple(LoRAAdapterStats(a.name, a.identity, a.registered, a.resident, a.num_running, a.num_waiting)
+                 for a in field)
