@@ -33,6 +33,7 @@ from router.discovery import Discovery, build_discovery
 from router.dispatch import Dispatcher
 from router.errors import APIError, unauthorized
 from router.load import LoadTracker
+from router.lora.admin import LoRAAdmin, add_lora_routes, model_cards
 from router.metrics import RouterMetrics
 from router.policy import PrefixIndex, build_policy
 from router.chat import create_chat_completion
@@ -95,6 +96,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         encoder = PromptEncoder(tokenizer)
         app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN,
                                          encoder)
+        app.state.lora_admin = LoRAAdmin(tracker)
+        app.state.lora_admin.start()
         discovery.subscribe(tracker.set_endpoints)
         await discovery.start()
         log.info("router serving %r with policy %s, admission %s", config.model_name, config.policy, config.admission)
@@ -102,6 +105,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
             yield
         finally:
             await discovery.stop()
+            await app.state.lora_admin.stop()
             await tracker.close()
             encoder.close()
 
@@ -169,7 +173,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         state = serving(request)
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "cbserve",
-            "max_model_len": state.max_model_len()}]}
+            "max_model_len": state.max_model_len()}, *model_cards(state, int(time.time()))]}
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)], openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -180,6 +184,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(serving(request), request)
 
+    add_lora_routes(app, serving, check_api_key)
     return app
 
 

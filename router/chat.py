@@ -21,7 +21,7 @@ from router.serving import (ServingState, StreamFormat, build_specs, check_commo
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
     arrival = time.monotonic()
     request = await parse_body(http, ChatCompletionRequest, state.config.max_request_body_bytes)
-    check_common(state, request)
+    lora = check_common(state, request)
     if request.tools:
         raise bad_request("tools are not supported", param="tools")
     if request.top_logprobs is not None and not request.logprobs:
@@ -34,8 +34,8 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), max_len,
                                       "messages", max_tokens_param)
     params = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), rename)
-    request_id, created, model = new_request_id("chatcmpl"), int(time.time()), state.config.model_name
-    specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority)
+    request_id, created, model = new_request_id("chatcmpl"), int(time.time()), lora or state.config.model_name
+    specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority, lora)
     tokenizer = state.tokenizer
 
     def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:

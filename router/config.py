@@ -79,6 +79,10 @@ class RouterConfig:
     pod_inactivity_seconds: float = 10.0
     default_prefill_tokens_per_second: float = 20000.0   # until a pod reports its measured rate
     prefix_affinity_entries: int = 200_000   # block hashes remembered for prefix affinity
+    # LoRA: requests may name an adapter the pods serve (`model`); runtime loading through
+    # /v1/load_lora_adapter, fanned out to every pod (which must allow it too).
+    enable_lora: bool = False
+    allow_runtime_lora_updating: bool = False
     # Trust: the deployment secret every pod call carries, KV handles, TLS (pod/security.py).
     security: ClusterSecurity = ClusterSecurity()
 

@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from router.admission import AdmissionController
 from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
+from router.lora.state import serves
 from router.metrics import RouterMetrics
 from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
 from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
@@ -49,6 +50,7 @@ class SequenceSpec:
     arrival_time: float          # unix seconds at the router
     deadline: float              # monotonic seconds; every RPC's timeout counts down to it
     priority: int = 0
+    lora_name: str = ""          # LoRA adapter ("" = the base model)
 
 
 @dataclass
@@ -100,12 +102,15 @@ class Dispatcher:
         self.kv_transport = kv_transport
         self._background: set[asyncio.Task] = set()
 
-    def pods_by_role(self) -> dict[str, list[PodState]]:
-        return {role: self.tracker.routable(role) for role in ("prefill", "decode", "colocated")}
+    def pods_by_role(self, lora_name: str = "") -> dict[str, list[PodState]]:
+        """Routable pods by role; with `lora_name`, only those serving that adapter (no prefill
+        pod has it: the decode pod prefills locally, as when none is routable)."""
+        pods = {role: self.tracker.routable(role) for role in ("prefill", "decode", "colocated")}
+        return {role: [p for p in ps if serves(p, lora_name)] for role, ps in pods.items()} if lora_name else pods
 
     def _try_route(self, routing: RoutingRequest) -> RoutingDecision | NoRoute:
         """Route and, on success, reserve the pods at once (in-flight accounting, prefix index)."""
-        decision = self.policy.route(routing, self.pods_by_role())
+        decision = self.policy.route(routing, self.pods_by_role(routing.lora_name))
         if isinstance(decision, RoutingDecision):
             first = decision.prefill or decision.decode
             first.on_dispatch(routing.num_prompt_tokens)

@@ -57,6 +57,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pod-inactivity-seconds", type=float, default=d.pod_inactivity_seconds,
                    help="a decode pod silent this long (no tokens, no heartbeat) while it has requests is "
                         "taken as frozen: its requests fail over")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accept requests whose `model` is a LoRA adapter the pods serve (listed in /v1/models)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, fanned out to every pod "
+                        "(the pods need --allow-runtime-lora-updating and --lora-root too)")
     add_security_flags(p, pod=False)
 
 
@@ -77,6 +82,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
         drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds,
-        security=security_from_args(args))
+        enable_lora=args.enable_lora or args.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, security=security_from_args(args))
     config.resolved_api_key()    # an unreadable or empty --api-key-file fails here, with its message
     return config

@@ -64,13 +64,14 @@ class SequenceStream:
         self._gen_call = self.decode_pod.client.generate(pb.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
             priority=spec.priority, prefill_from=self.prefill_pod.address if pd else "",
-            kv_transport=dispatcher.kv_transport if pd else "", arrival_time=spec.arrival_time), timeout=timeout)
+            kv_transport=dispatcher.kv_transport if pd else "", arrival_time=spec.arrival_time,
+            lora_name=spec.lora_name), timeout=timeout)
         self._prefill_call = None
         self._prefill: asyncio.Future | None = None     # P's answer, until first() has looked at it
         if pd:
             self._prefill_call = self.prefill_pod.client.prefill(pb.PrefillRequest(
                 request_id=self.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
-                priority=spec.priority, arrival_time=spec.arrival_time), timeout=timeout)
+                priority=spec.priority, arrival_time=spec.arrival_time, lora_name=spec.lora_name), timeout=timeout)
             self._prefill = asyncio.ensure_future(self._prefill_call)
         self._read: asyncio.Future | None = None        # a read of D's stream started while racing P
         self._prefill_failure: grpc.aio.AioRpcError | None = None

@@ -27,6 +27,7 @@ class RoutingRequest:
     block_hashes: tuple[int, ...] = ()       # chain hashes of the prompt's full blocks
     block_size: int = 16
     exclude: frozenset[str] = frozenset()    # addresses already tried (retries go elsewhere)
+    lora_name: str = ""                      # LoRA adapter; "" = the base model
 
 
 class Filter(Protocol):

@@ -14,10 +14,11 @@ from router.load import PodState
 from router.policy.base import RoutingRequest
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Chain hash of every full block: hash i covers tokens [0, (i + 1) * block_size)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, root: int = 0) -> tuple[int, ...]:
+    """Chain hash of every full block: hash i covers tokens [0, (i + 1) * block_size); `root`
+    starts the chain (a LoRA adapter's own: `router.lora.state.prefix_root`)."""
     hashes = []
-    parent = 0
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)
