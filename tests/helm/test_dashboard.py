@@ -117,6 +117,7 @@ def test_label_values_are_ones_cbserve_emits():
                                            "cbserve_kv_cache_usage_ratio", "by (deployment)"]),
     ("preemptions", ["cbserve_preemptions_total"]),
     ("KV transfer bytes and time", ["cbserve_kv_transfer_bytes_total", "cbserve_kv_transfer_seconds_bucket"]),
+    ("LoRA adapters per pod", ["cbserve_lora_requests_info", "running_lora_adapters", "cbserve_lora_adapters"]),
     ("replicas against HPA targets", ["kube_horizontalpodautoscaler_status_current_replicas",
                                       "kube_horizontalpodautoscaler_spec_max_replicas",
                                       "kube_horizontalpodautoscaler_spec_target_metric"]),

@@ -17,12 +17,13 @@ POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quant
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
               "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id",
               "tensor-parallel-size", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
-              "tls-server-name", "health-port"}
+              "tls-server-name", "health-port", "enable-lora", "max-loras", "max-cpu-loras", "max-lora-rank",
+              "lora-modules", "allow-runtime-lora-updating", "lora-root"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
                 "api-key-env", "drain-seconds", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
-                "tls-server-name", "max-request-body-bytes"}
+                "tls-server-name", "max-request-body-bytes", "enable-lora", "allow-runtime-lora-updating"}
 GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 
