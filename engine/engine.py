@@ -21,8 +21,9 @@ from typing import Iterable, Sequence
 import torch
 
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
-from engine.cuda_graphs import graph_memory_estimate
+from engine.cuda_graphs import graph_memory_estimate, wants_decode_graphs
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtypes import DTYPES
 from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quantization
 from engine.kv_cache import allocate_kv_cache
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
@@ -45,7 +46,6 @@ from engine.tp_shard import TensorParallelError, TPShard, check_divisible
 from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,10 @@ class Engine:
         self.model_dir: Path = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # streams, events, graph pools: this device's
+        self.decode_graphs = wants_decode_graphs(self.device, self.role, config.enforce_eager,
+                                                 config.tensor_parallel_size)
         dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else self.model_config.torch_dtype)
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
@@ -145,8 +149,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-                                  max_model_len=max_len, enforce_eager=True if config.enforce_eager else None,
+                                  max_model_len=max_len, enforce_eager=None if self.decode_graphs else True,
                                   tp=self.tp)
+        self.runner.warm_up()               # every kernel variant compiled now, not while serving
         self.runner.capture_cuda_graphs()
         # The prefill role ends a request at its first token: there is no next step to overlap.
         self.async_scheduling = self.role != "prefill" and (
@@ -167,8 +172,8 @@ class Engine:
                  config.tensor_parallel_size, cache_cfg.num_blocks, cache_cfg.block_size)
 
     def _graph_memory_estimate(self, config: EngineConfig, sched_cfg: SchedulerConfig) -> int:
-        """What the decode CUDA graphs will take after the KV cache is sized (0 when eager)."""
-        if self.device.type != "cuda" or config.enforce_eager or config.tensor_parallel_size > 1:
+        """What the decode CUDA graphs will take after the KV cache is sized (0 without graphs)."""
+        if not self.decode_graphs:
             return 0
         cfg = self.model_config
         return graph_memory_estimate(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,

@@ -23,6 +23,7 @@ import torch
 
 from engine.cuda_graphs import DecodeBuckets
 from engine.model import LlamaForCausalLM
+from engine.runner.warmup import warm_up
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class ModelRunner:
             keep_freed_memory()
             model.pack_weights()
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         max_width = -(-max_model_len // block_size)
         self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width),
                                  block_size, device)
@@ -92,6 +95,11 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> float:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
         return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
+
+    def warm_up(self) -> float:
+        """Compile every kernel variant an eager step can need now, not while serving (CUDA; a no-op
+        elsewhere: `engine.runner.warmup`). Call after the KV cache exists."""
+        return warm_up(self) if self.device.type == "cuda" else 0.0
 
     def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""

@@ -37,7 +37,9 @@ def use_split_k(num_seqs: int, num_kv_heads: int, max_context: int) -> bool:
     return num_seqs * num_kv_heads < _MIN_PROGRAMS and max_context >= 2 * PARTITION
 
 
-@triton.jit
+# Integers that change with the batch (the block-table width and the partitions it spans) stay out
+# of Triton's specialisation key, as in the unified kernel.
+@triton.jit(do_not_specialize=["num_parts", "stride_bt"])
 def _split_k_partial_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_parts, HEAD_PAD] fp32
     part_max_ptr,  # [num_seqs, num_heads, num_parts] fp32, log2 units
@@ -88,7 +90,7 @@ def _split_k_partial_kernel(
     tl.store(part_out_ptr + ml_off[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _split_k_reduce_kernel(
     out_ptr,  # [num_tokens == num_seqs, num_heads, head_dim]
     part_out_ptr,  # [num_seqs, num_heads, num_parts, HEAD_PAD] fp32

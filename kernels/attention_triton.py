@@ -147,7 +147,9 @@ def _decode_row(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit
+# Integers that change with the batch stay out of Triton's specialisation key (which would compile
+# a variant for every value that is 1 or a multiple of 16: seconds each, in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
