@@ -53,7 +53,7 @@ def warm_up_batches(block_size: int, max_num_batched_tokens: int, max_num_seqs: 
                                                 if shortest <= 1 << k <= max_model_len}
         batches += [[_decode(f"warm-up-{c}", c, block_size)] for c in sorted(contexts)]
         full = min(max_num_seqs, max_num_batched_tokens)
-        batches.append([_decode(f"warm-up-{c}-{i}", shortest, block_size) for i in range(full)])
+        batches.append([_decode(f"warm-up-batch-{i}", shortest, block_size) for i in range(full)])
     return batches
 
 
