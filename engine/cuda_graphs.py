@@ -75,8 +75,12 @@ def check_graph_backend(device: torch.device) -> None:
 
     chosen = backend.select_backend(torch.empty(0, device=device))
     if chosen != backend.TRITON:
-        why = (f"{backend.ENV_VAR}={backend.forced_backend()}" if backend.forced_backend() is not None
-               else "triton cannot be imported")
+        if backend.forced_backend() is not None:
+            why = f"{backend.ENV_VAR}={backend.forced_backend()}"
+        elif not backend.triton_available():
+            why = "triton cannot be imported"
+        else:
+            why = f"the torch kernels serve {device.type} tensors"
         raise RuntimeError(f"CUDA graphs need the Triton kernels, but the kernel backend on {device} is "
                            f"{chosen} ({why}): install triton, set {backend.ENV_VAR}=triton, or pass "
                            f"--enforce-eager to run without CUDA graphs")

@@ -30,8 +30,8 @@ def _dns_lists(kernel) -> tuple[list, list]:
 
 
 class _Stub:
-    def __init__(self, name: str, kernel, keys: list, raw_keys: list) -> None:
-        self.name, self.keys, self.raw_keys = name, keys, raw_keys
+    def __init__(self, name: str, kernel, keys: list, raw_keys: list, launches: list) -> None:
+        self.name, self.keys, self.raw_keys, self.launches = name, keys, raw_keys, launches
         fn = kernel.fn
         dns, dns_align = _dns_lists(kernel)
         self._bind = _binder(fn, dns, dns_align)
@@ -39,8 +39,10 @@ class _Stub:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.keys.append((self.name, self._bind(*args, **kwargs)))
+            key = self._bind(*args, **kwargs)
+            self.keys.append((self.name, key))
             self.raw_keys.append((self.name, self._bind_raw(*args, **kwargs)))
+            self.launches.append((self.name, tuple(grid), key))
         return launch
 
 
@@ -90,17 +92,20 @@ def _rules_binder(fn, dns: list, dns_align: list):
 
 class KeyRecorder:
     """Replaces every `*_kernel` of `kernels/*_triton.py` (through `monkeypatch`) with a stub that
-    records each launch's key in `keys` (and, ignoring `do_not_specialize`, in `raw_keys`)."""
+    records each launch's key in `keys` (and, ignoring `do_not_specialize`, in `raw_keys`), and
+    each launch's grid beside it in `launches`."""
 
     def __init__(self, monkeypatch) -> None:
         self.keys: list[tuple[str, tuple]] = []
         self.raw_keys: list[tuple[str, tuple]] = []
+        self.launches: list[tuple[str, tuple, tuple]] = []     # (kernel, grid, key) in launch order
         self.kernels: list[str] = []
         for path in sorted(KERNELS.glob("*_triton.py")):
             module = importlib.import_module(f"kernels.{path.stem}")
             for name, obj in list(vars(module).items()):
                 if name.endswith("_kernel") and hasattr(obj, "fn"):
-                    monkeypatch.setattr(module, name, _Stub(f"{path.stem}.{name}", obj, self.keys, self.raw_keys))
+                    monkeypatch.setattr(module, name, _Stub(f"{path.stem}.{name}", obj, self.keys, self.raw_keys,
+                                                             self.launches))
                     self.kernels.append(f"{path.stem}.{name}")
 
     def take(self) -> tuple[set, set]:
