@@ -208,6 +208,11 @@ mv -f "$TAR.tmp" "$TAR"
 CACHE_TAR=$DEST/triton_cache.tar.gz
 rm -f "$CACHE_TAR" "$CACHE_TAR".part*
 tar czf "$CACHE_TAR" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+if [ "$(stat -c %s "$CACHE_TAR" 2>/dev/null || echo 0)" -gt 45000000 ]; then   # $OUT takes 64 MB in all
+    # Without the intermediate IRs: a cache hit reads the binary and the metadata.
+    tar czf "$CACHE_TAR" -C "$TRITON_CACHE_DIR" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
+        --exclude='*.source' . 2>/dev/null
+fi
 if [ "$(stat -c %s "$CACHE_TAR" 2>/dev/null || echo 0)" -gt 15000000 ]; then
     split -b 15000000 -d -a 2 "$CACHE_TAR" "$CACHE_TAR.part" && rm -f "$CACHE_TAR"
 fi
