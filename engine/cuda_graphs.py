@@ -30,6 +30,7 @@ token, so it never runs the decode steps graphs are for. On CPU the same padded 
 from __future__ import annotations
 
 import logging
+import operator
 import time
 
 import torch
@@ -40,6 +41,7 @@ from engine.step_inputs import StepInputs, max_layout_bytes
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_CONTEXT = 8192     # tokens; longer decodes are weight-read-bound enough to run eagerly
+_TOKENS, _BLOCKS = operator.itemgetter(1), operator.itemgetter(3)     # ScheduledSeq fields
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:
@@ -110,18 +112,18 @@ class DecodeBuckets:
         bs = smallest_at_least(self.batch_sizes, len(scheduled))
         if bs is None:
             return None
-        width = self.width
-        for seq in scheduled:
-            if len(seq[1]) != 1 or len(seq[3]) > width:    # a prefill chunk, or a context too long
-                return None
+        # C-level passes: every seq has one new token, and no table is wider than the graphs'.
+        if sum(map(len, map(_TOKENS, scheduled))) != len(scheduled) or \
+                max(map(len, map(_BLOCKS, scheduled)), default=0) > self.width:
+            return None
         return bs
 
     def run(self, scheduled, bucket: int, prev=None) -> torch.Tensor:
         """Logits `[len(scheduled), vocab]` of a decode-only batch, padded to `bucket` sequences."""
         t = self.inputs.prepare(scheduled, pad_to=bucket, width=self.width,
                                 prev_rows=None if prev is None else prev.rows)
-        if t.fill_dst.numel():
-            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        if prev is not None:
+            t.fill_from(prev.token_ids)
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph.replay()

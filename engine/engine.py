@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
+from engine.scheduler_output import sampled_requests
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
 from engine.tp_launch import TPDriver
@@ -46,6 +48,8 @@ from engine.tp_shard import TensorParallelError, TPShard, check_divisible
 from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
+_PARAMS = operator.attrgetter("sampling_params")
+_START = operator.itemgetter(2)      # ScheduledSeq.start_position
 
 
 @dataclass(frozen=True)
@@ -293,16 +297,15 @@ class Engine:
         if out.scheduled:
             scheduled = self.scheduler.scheduled_requests
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
-            to_sample = [i for i, seq in enumerate(out.scheduled) if seq.sample]
-            requests = [scheduled[i] for i in to_sample]
-            if prev is not None and any(has_penalty(r.sampling_params) for r in requests):
+            requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
+            if prev is not None and any(map(has_penalty, map(_PARAMS, requests))):
                 outputs, prev = self._resolve(prev), None
             sample = self.sampler.sample_on_device(logits, requests) if requests else None
             if prev is not None:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
             if sample is not None:
-                rows = {out.scheduled[i].request_id: row for row, i in enumerate(to_sample)}
+                rows = dict(zip(sampled_ids, range(len(sampled_ids))))
                 self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, rows))
             self._record_step(out, time.perf_counter() - t0)
         elif prev is not None:
@@ -312,12 +315,19 @@ class Engine:
     def _resolve(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Read a launched step's sampled ids back, write them into its requests, emit."""
         result = in_flight.sample.resolve()
-        rows = in_flight.device.rows
-        row_of = [rows[r.request_id] for r in in_flight.requests]
-        tokens = [result.token_ids[i] for i in row_of]
-        resolved = self.scheduler.resolve_placeholders(in_flight.requests, tokens)
-        logprobs = {in_flight.requests[j].request_id: result.logprobs[i] for j, i in enumerate(row_of)}
-        return [self._emit(req, [req.output_token_ids[-1]], [logprobs[req.request_id]]) for req in resolved]
+        requests = in_flight.requests
+        if len(requests) == len(result.token_ids):   # nobody left the batch: rows in order
+            tokens, logprobs = result.token_ids, result.logprobs
+        else:
+            rows = in_flight.device.rows
+            row_of = [rows[r.request_id] for r in requests]
+            tokens, logprobs = [result.token_ids[i] for i in row_of], [result.logprobs[i] for i in row_of]
+        resolved = self.scheduler.resolve_placeholders(requests, tokens)
+        if len(resolved) != len(requests):           # aborted meanwhile: not emitted
+            kept = {id(r) for r in resolved}
+            logprobs = [lp for r, lp in zip(requests, logprobs) if id(r) in kept]
+        emit = self._emit
+        return [emit(req, [req.output_token_ids[-1]], [lp]) for req, lp in zip(resolved, logprobs)]
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -359,6 +369,7 @@ class Engine:
         """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
         text_delta = ""
         detok = self._detok.get(req.request_id) if self._detok else None
+        status = req.status
         if detok is not None:
             # A stop token's own text is dropped (vLLM), even with skip_special_tokens=False.
             delta = detok.update(new_ids, stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
@@ -370,17 +381,19 @@ class Engine:
                 text_delta += detok.flush().text
             if req.is_finished:
                 del self._detok[req.request_id]
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
-            text_delta=text_delta, finished=req.is_finished, finish_reason=req.status.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            output_token_ids=req.output_token_ids, text=detok.output_text if detok else "",
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time, stop_reason=req.stop_reason)
+            status = req.status
+        # Positional (one per request per step: keywords cost twice as much; the field order is
+        # pinned by tests/engine/test_engine_outputs.py).
+        return RequestOutput(req.request_id, new_ids, new_logprobs, text_delta, status.is_finished,
+                             status.finish_reason, len(req.prompt_token_ids), req.num_cached_tokens,
+                             req.output_token_ids, detok.output_text if detok else "", req.first_token_time,
+                             req.arrival_time, req.first_scheduled_time, req.stop_reason)
 
     def _record_step(self, out, seconds: float) -> None:
-        num_prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)
-        context = sum(s.start_position + len(s.token_ids) for s in out.scheduled)
+        seqs = out.scheduled
+        num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
+            len(s.token_ids) for s in seqs if len(s.token_ids) > 1)        # decode-only steps: none
+        context = sum(map(_START, seqs)) + out.num_batched_tokens
         self.step_samples.append(StepSample(len(out.scheduled), context, num_prefill, seconds))
         alpha = 0.1
         self._step_ewma = seconds if self.num_steps == 0 else (1 - alpha) * self._step_ewma + alpha * seconds

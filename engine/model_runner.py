@@ -118,8 +118,8 @@ class ModelRunner:
             if bucket is not None:
                 return self.decode_buckets.run(scheduled, bucket, prev)
         t = self.prepare(scheduled, prev)
-        if t.fill_dst.numel():
-            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        if prev is not None:
+            t.fill_from(prev.token_ids)
         if self.tp is None:
             return self._forward(t)
         with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from engine.sampler import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """The tokens a request gained in one step (and everything so far, for offline use)."""
+    """The tokens a request gained in one step (and everything so far, for offline use). Slots:
+    one is built per request per step."""
 
     request_id: str
     new_token_ids: list[int]

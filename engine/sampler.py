@@ -22,6 +22,7 @@ already queued; `DeviceSample.resolve()` is the step's one device-to-host read. 
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -33,6 +34,8 @@ from engine.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, Tok
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_PARAMS = operator.attrgetter("sampling_params")
+_LOGPROBS, _TEMPERATURE, _MIN_TOKENS = (operator.attrgetter(name) for name in ("logprobs", "temperature", "min_tokens"))
 
 
 class SamplingRequest(Protocol):
@@ -77,14 +80,19 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_seqs={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [num_seqs, vocab]
-        params = [r.sampling_params for r in requests]
+        # Per-request screens are C-level passes (map/attrgetter), and the Python comprehensions
+        # below run only for the rows a screen says need them: this runs for every request every step.
+        params = list(map(_PARAMS, requests))
         logits = self._apply_penalties(raw_logits, requests)
-        logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_min_tokens(logits, requests, params)
 
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        wanted = list(map(_LOGPROBS, params))
+        logprob_rows = [] if wanted.count(None) == len(wanted) else [i for i, n in enumerate(wanted) if n is not None]
         # Logprobs of only some rows need those rows' indices on the device: they ride along.
         some_logprobs = logprob_rows if 0 < len(logprob_rows) < len(params) else []
-        random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE_EPS]
+        temperatures = list(map(_TEMPERATURE, params))
+        random_rows = [] if max(temperatures, default=0.0) < GREEDY_TEMPERATURE_EPS else [
+            i for i, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE_EPS]
         if random_rows:
             token_ids, device_logprob_rows = self._sample_random(
                 logits, requests, random_rows, some_logprobs, in_place=logits is not raw_logits)
@@ -106,9 +114,9 @@ class Sampler:
 
         Works on flat `row * vocab + token` keys of the tokens that occur, so the cost follows the
         number of tokens, not `rows x vocab`. The keys go up in one copy, the factors in another."""
-        rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling_params)]
-        if not rows:
+        if not any(map(has_penalty, map(_PARAMS, requests))):
             return logits
+        rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling_params)]
         device = logits.device
         vocab = logits.shape[1]
         params = [r.sampling_params for r in requests]
@@ -142,8 +150,11 @@ class Sampler:
             flat[counted] = flat[counted] - frequency[row_of] * counts.to(flat.dtype) - presence[row_of]
         return logits
 
-    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
+                          params: list[SamplingParams]) -> torch.Tensor:
         """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced."""
+        if not any(map(_MIN_TOKENS, params)):      # the usual batch: nobody asks for a minimum
+            return logits
         vocab = logits.shape[1]
         keys: list[int] = []    # row * vocab + token
         for i, r in enumerate(requests):

@@ -58,10 +58,11 @@ def test_a_reused_buffer_plans_what_a_fresh_one_plans():
         order = sorted(tables)
         if rng.random() < 0.1:
             rng.shuffle(order)
-        batch = [ScheduledSeq(rid, (PLACEHOLDER_TOKEN_ID if i % 2 else rng.randrange(100),), lengths[rid] - 1,
+        on_device = rng.choice([lambda i: True, lambda i: i % 2 == 1, lambda i: False])   # async: all, some, none
+        batch = [ScheduledSeq(rid, (PLACEHOLDER_TOKEN_ID if on_device(i) else rng.randrange(100),), lengths[rid] - 1,
                               tables[rid], True) for i, rid in enumerate(order)]
         prev = {rid: j for j, rid in enumerate(reversed(order))}
-        pad = 16 if rng.random() < 0.5 else len(batch) + rng.randrange(3)
+        pad = 16 if step % 7 else len(batch) + rng.randrange(3)          # mostly one bucket: steady steps
         got = _snapshot(staging.prepare(batch, pad_to=pad, width=8, prev_rows=prev))
         fresh = StepInputs(max_layout_bytes(16, 16, 8), BLOCK, CPU, growable=False)
         assert got == _snapshot(fresh.prepare(batch, pad_to=pad, width=8, prev_rows=prev)), step
@@ -73,3 +74,16 @@ def test_a_mixed_step_between_decodes_rewrites_the_table():
     first = _snapshot(staging.prepare(decodes, pad_to=4, width=4))
     staging.prepare([ScheduledSeq("c", tuple(range(9)), 0, (9, 10, 11), True)] + decodes)
     assert _snapshot(staging.prepare(decodes, pad_to=4, width=4)) == first
+
+
+@pytest.mark.parametrize("rows", [{"a": 0, "b": 1, "c": 2}, {"a": 2, "b": 0, "c": 1}])
+def test_tokens_on_the_device_fill_in_order_or_by_gather(rows):
+    """A steady batch (same requests, same order) copies the previous sample as it is; any other
+    order gathers it. Both put each request's token in its row."""
+    staging = StepInputs(max_layout_bytes(8, 8, 4), BLOCK, CPU, growable=False)
+    batch = [ScheduledSeq(rid, (PLACEHOLDER_TOKEN_ID,), 3, (1 + i,), True) for i, rid in enumerate("abc")]
+    t = staging.prepare(batch, pad_to=4, width=4, prev_rows=rows)
+    assert t.fill_in_order == (rows == {"a": 0, "b": 1, "c": 2})
+    prev = torch.tensor([70, 71, 72])
+    t.fill_from(prev)
+    assert t.input_ids.tolist() == [70 + rows[rid] for rid in "abc"] + [0]
