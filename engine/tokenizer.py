@@ -274,8 +274,10 @@ def build_byte_level_tokenizer(out_dir: str | Path, vocab_size: int | None = Non
     """Write a deterministic byte-level tokenizer directory that `AutoTokenizer` also loads.
 
     Ids: `<unk>`=0, `<s>`=1 (bos, added on encode), `</s>`=2 (eos), `<pad>`=3, byte `b` = 4 + b.
-    With `vocab_size` > 260 the rest are filler added tokens `<|extra_N|>` (not special, so a
-    dummy-weight model that emits them still produces visible text). The chat template is
+    With `vocab_size` > 260 the rest are filler tokens `<|extra_N|>`, entries of the BPE vocabulary
+    that no merge produces (so encoding never emits them) and that decode to their own name (so a
+    dummy-weight model that emits them still produces visible text). Vocabulary entries, not added
+    tokens: 128k added tokens take seconds to load, 128k vocabulary entries a fraction of one. The chat template is
     Zephyr-style: `<|role|>\\n{content}</s>\\n` per message, then `<|assistant|>\\n`.
     """
     from tokenizers import decoders, models, pre_tokenizers
@@ -285,13 +287,12 @@ def build_byte_level_tokenizer(out_dir: str | Path, vocab_size: int | None = Non
         raise TokenizerError(f"vocab_size must be >= {num_base} for a byte-level tokenizer, got {vocab_size}")
     vocab = {token: i for i, token in enumerate(BYTE_LEVEL_SPECIAL_TOKENS)}
     vocab.update({char: len(BYTE_LEVEL_SPECIAL_TOKENS) + b for b, char in sorted(_byte_to_unicode().items())})
+    # Printable ASCII is its own byte-level character: "<|extra_N|>" decodes to itself.
+    vocab.update({f"<|extra_{i}|>": num_base + i for i in range(max(0, (vocab_size or 0) - num_base))})
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_LEVEL_SPECIAL_TOKENS])
-    if vocab_size is not None and vocab_size > num_base:
-        backend.add_tokens([AddedToken(f"<|extra_{i}|>", special=False, normalized=False)
-                            for i in range(vocab_size - num_base)])
     backend.post_processor = processors.TemplateProcessing(
         single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 1)])
 

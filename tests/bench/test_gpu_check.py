@@ -14,6 +14,7 @@ import pytest
 
 from bench import gpu_check_table as table
 from bench import shapes
+from engine import presets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +140,7 @@ def test_shape_checkpoint_loads_in_cbserve_and_transformers(tmp_path, monkeypatc
                  num_key_value_heads=2, vocab_size=600, max_position_embeddings=256, seed=5)
     monkeypatch.setitem(PRESETS, "test-shape", shape)   # removed again after the test
     path = shapes.build_checkpoint("test-shape", shape)
-    assert path == tmp_path / "models" / "test-shape-v1"
+    assert path == tmp_path / "models" / f"test-shape-v{presets.FORMAT_VERSION}"
     assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert shapes.build_checkpoint("test-shape", shape) == path          # cached: not written again
     prompt = [5, 9, 200, 7]
