@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -288,7 +289,7 @@ class StepInputs:
         rows += [None] * (num_seqs - len(rows))          # padding rows
         last = self._table_rows if self._table_key == key else None
         self._table_key, self._table_rows = key, rows
-        changed = None if last is None else [i for i, (new, old) in enumerate(zip(rows, last)) if new is not old]
+        changed = None if last is None else list(itertools.compress(itertools.count(), map(operator.is_not, rows, last)))
         if changed is None or 4 * len(changed) > len(rows):
             table.fill(0)
             n_blocks = np.fromiter(map(len, block_lists), np.int64, len(block_lists))
