@@ -31,6 +31,7 @@ import functools
 import itertools
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,9 +47,10 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill)."""
+class Layout(NamedTuple):
+    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill).
+    A NamedTuple: hashed and compared in C, several times a step (the memoised offsets, the
+    cached views, the steady-batch check)."""
 
     num_tokens: int
     num_seqs: int
@@ -138,6 +140,7 @@ class StepInputs:
     def _allocate(self, capacity_bytes: int) -> None:
         self.host = torch.zeros(capacity_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.host_np = self.host.numpy()
+        self._capacity = capacity_bytes
         self.device_buf = self.host if self.on_cpu else torch.zeros(capacity_bytes, dtype=torch.uint8,
                                                                     device=self.device)
         # Views over the buffers just made (the old ones' views die with them), and no table rows.
@@ -149,7 +152,7 @@ class StepInputs:
 
     @property
     def capacity(self) -> int:
-        return self.host.numel()
+        return self._capacity
 
     def views(self, layout: Layout) -> dict[str, torch.Tensor]:
         """Device views of every field (the same addresses for the same layout; do not modify
