@@ -6,7 +6,8 @@ whose model is instant: its forward returns a prepared hidden state and its head
 (the decode buckets' shared logits buffer, filled once). What is left per step is the host work a
 GPU step has to hide: the figure to hold below the GPU's step time (about 1 ms for a 1B model at
 batch 1, 1.5-2 ms at batch 256 on an H200). Reported per batch size: the median and p90 wall
-time of one `Engine.step()`, and its thread CPU time.
+time of one `Engine.step()` (and its p10: on a shared machine the closest to the step's own
+cost), and its thread CPU time.
 
 `--tree NAME=PATH` measures another checkout side by side (PYTHONPATH=PATH; each measurement is
 a subprocess running this file from this checkout against that tree's engine), alternating,
@@ -98,8 +99,8 @@ def measure(args, batch: int) -> dict:
         wall.append(time.perf_counter() - w0)
     assert engine.scheduler.num_running == batch and all(len(s.token_ids) == 1 for s in engine.last_schedule.scheduled)
     wall.sort()
-    return {"batch": batch, "median_us": 1e6 * statistics.median(wall), "p90_us": 1e6 * wall[int(0.9 * len(wall))],
-            "cpu_us": 1e6 * statistics.median(cpu), "steps": args.steps}
+    return {"batch": batch, "median_us": 1e6 * statistics.median(wall), "p10_us": 1e6 * wall[len(wall) // 10],
+            "p90_us": 1e6 * wall[int(0.9 * len(wall))], "cpu_us": 1e6 * statistics.median(cpu), "steps": args.steps}
 
 
 def run_tree(path: Path, args, batch: int) -> dict:
@@ -114,12 +115,13 @@ def run_tree(path: Path, args, batch: int) -> dict:
 
 def table(results: dict[str, dict[int, list[dict]]], batches: list[int]) -> str:
     names = list(results)
-    lines = ["| batch | " + " | ".join(f"{n}: median / p90 µs (CPU µs)" for n in names) +
+    lines = ["| batch | " + " | ".join(f"{n}: median, p10 / p90 µs (CPU µs)" for n in names) +
              (" | " + f"{names[-1]} / {names[0]}" if len(names) > 1 else "") + " |",
              "|---" * (len(names) + 1 + (len(names) > 1)) + "|"]
     for b in batches:
         meds = {n: statistics.median(r["median_us"] for r in results[n][b]) for n in names}
-        cells = [f"{meds[n]:.0f} / {statistics.median(r['p90_us'] for r in results[n][b]):.0f} "
+        cells = [f"{meds[n]:.0f}, {statistics.median(r['p10_us'] for r in results[n][b]):.0f} / "
+                 f"{statistics.median(r['p90_us'] for r in results[n][b]):.0f} "
                  f"({statistics.median(r['cpu_us'] for r in results[n][b]):.0f})" for n in names]
         ratio = [f"x{meds[names[-1]] / meds[names[0]]:.2f}"] if len(names) > 1 else []
         lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
