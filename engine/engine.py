@@ -37,6 +37,7 @@ from engine.presets import resolve_model_dir
 from engine.progress import progress
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
+from engine.runner.inference import inference_mode
 from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
@@ -278,6 +279,7 @@ class Engine:
         return [] if in_flight is None else [r.request_id for r in in_flight.requests]
 
     # ------------------------------------------------------------------ the step
+    @inference_mode      # once per step: the runner and the sampler inside take it as given
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs that became known in it.
 

@@ -23,6 +23,7 @@ import torch
 
 from engine.cuda_graphs import DecodeBuckets
 from engine.model import LlamaForCausalLM
+from engine.runner.inference import inference_mode
 from engine.runner.warmup import warm_up
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
@@ -105,7 +106,7 @@ class ModelRunner:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
         return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows)
 
-    @torch.inference_mode()
+    @inference_mode
     def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
         rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens

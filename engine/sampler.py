@@ -31,6 +31,7 @@ import torch
 from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_random, seeded_first, \
     sort_descending, to_device, upload
 from engine.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, TokenLogprobs, device_logprobs
+from engine.runner.inference import inference_mode
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -71,7 +72,7 @@ class Sampler:
         The same as `sample_on_device(logits, requests).resolve()`."""
         return self.sample_on_device(logits, requests).resolve()
 
-    @torch.inference_mode()
+    @inference_mode
     def sample_on_device(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> DeviceSample:
         """`sample` without reading anything back: the ids stay on `logits.device` and the host
         moves on. Every decision comes from the requests' `SamplingParams` on the host, and the
