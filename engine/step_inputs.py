@@ -16,9 +16,11 @@ starts 16-byte aligned: Triton keys each compiled kernel on whether every pointe
 16-byte aligned, so 8-byte alignment would make the kernels' variants depend on the batch's
 shape (a compile, seconds, in the middle of serving).
 
-Host cost: a step's layout is computed once per distinct layout (`Layout.offsets`, memoised, in
-plain ints), and the typed views over both buffers once per (buffer, layout) (`_Views`), so a
-steady decode batch re-plans nothing but the numbers themselves.
+Host cost (this runs before every launch): a layout's offsets are computed once (`_offsets`,
+memoised, in plain ints), the typed views over both buffers once per (buffer, layout), the block
+table only in rows whose table changed (`_fill_block_table`), and a steady decode batch (same
+layout and rows as the buffer's previous step) rewrites only what moved: ids, positions, slots,
+lengths and the fill rows. The host buffer keeps what it was given, so this is exact.
 
 Padding rows (decode buckets larger than the batch) get token 0, position 0, slot -1 (the KV
 write skips it), context length 1 and block row 0 (the null block): the kernels run them
