@@ -74,12 +74,14 @@ class PrefillCore(EngineCore):
             if progress is None or request is None:
                 continue
             lp = out.new_logprobs[0] if out.new_logprobs else None
+            spec = request.sampling_params.structured
+            out.grammar_fingerprint = engine.structured.fingerprint(spec) if spec is not None else ""
             # Hold *before* publishing the first token: no pull can complete before `finish`, so
             # every pull that ends after this point finds the hold and releases it (`_forget`).
             with self._lease_lock:
                 if self.progress.get(req_id) is progress and req_id not in self.pulling:
                     self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
-            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
+            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp), out.grammar_fingerprint)
         self.rt.after_step(engine, self.held.num_held)
 
     def on_idle(self, engine: Engine) -> None:
@@ -105,7 +107,8 @@ class PrefillCore(EngineCore):
                                    finished=out.finished, finish_reason=out.finish_reason or "",
                                    num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                                    queue_seconds=scheduled - out.arrival_time,
-                                   prefill_seconds=out.first_token_time - scheduled)
+                                   prefill_seconds=out.first_token_time - scheduled,
+                                   grammar_fingerprint=out.grammar_fingerprint)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
         events.lease_expiries = expired
