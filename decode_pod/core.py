@@ -110,6 +110,14 @@ class DecodeCore(EngineCore):
         def on_added(future) -> None:   # engine thread
             if future.exception() is not None:
                 self.failure(req_id, refused(future.exception()))
+            elif remote and params.structured is not None:
+                rt.engine.structured.compile_future(params.structured).add_done_callback(on_compiled)
+
+        def on_compiled(compiled) -> None:   # compile thread
+            # A grammar this pod cannot compile fails the request now, not after the pull.
+            if compiled.exception() is not None:
+                error = RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(compiled.exception()))
+                rt.loop.loop.call_soon_threadsafe(self._fail, req_id, error)
         added.add_done_callback(on_added)
 
     def forget(self, req_id: str) -> None:
