@@ -15,12 +15,11 @@ import triton.language as tl
 BLOCK = 2048   # tokens per program (a multiple of 32: whole words)
 
 
-@triton.jit(do_not_specialize=["num_masks"])
+@triton.jit
 def _grammar_mask_kernel(
     logits_ptr,  # [num_seqs, vocab] float
     bitmask_ptr,  # [num_masks, words] int32
     rows_ptr,  # [num_masks] int64
-    num_masks,
     vocab,
     words,
     stride_logits,
@@ -46,4 +45,4 @@ def apply_grammar_mask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows:
     if num_masks == 0 or vocab == 0:
         return
     _grammar_mask_kernel[(num_masks, triton.cdiv(vocab, BLOCK))](
-        logits, bitmask, rows, num_masks, vocab, words, logits.stride(0), bitmask.stride(0), BLOCK=BLOCK)
+        logits, bitmask, rows, vocab, words, logits.stride(0), bitmask.stride(0), BLOCK=BLOCK)
