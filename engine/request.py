@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"        # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_PREFILLED = "finished_prefilled"  # prefill role: first token sampled, KV handed off
+    FINISHED_GRAMMAR = "finished_grammar"      # structured output complete: its grammar allows no more
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +36,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_PREFILLED: "prefilled",
+            RequestStatus.FINISHED_GRAMMAR: "stop",
         }.get(self)
 
 

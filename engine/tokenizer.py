@@ -145,6 +145,11 @@ class Tokenizer:
         longest = max((len(token) for token in self._backend.get_vocab(with_added_tokens=True)), default=1)
         return max(1, longest) * (4 if self._backend.normalizer is not None else 1)
 
+    def to_json(self) -> str:
+        """The backend's `tokenizer.json` text, the named special tokens included (grammar
+        backends build their token tables from it)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (`len(hf_tokenizer)`)."""

@@ -14,13 +14,14 @@ from kernels import backend, checks
 from kernels.activation_ref import silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
 from kernels.fp8_quant_ref import quantize_fp8_rows_ref
+from kernels.grammar_mask_ref import apply_grammar_mask_ref
 from kernels.kv_write_ref import write_kv_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul", "quantize_fp8_rows"]
+           "silu_and_mul", "quantize_fp8_rows", "apply_grammar_mask"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -145,3 +146,17 @@ def quantize_fp8_rows(
     if _use_triton(x):
         return _triton_fn("fp8_quant_triton", "quantize_fp8_rows_triton")(x, static_scale)
     return quantize_fp8_rows_ref(x, static_scale)
+
+
+def apply_grammar_mask(
+    logits: torch.Tensor,  # [num_seqs, vocab] float, written in place
+    bitmask: torch.Tensor,  # [num_masks, words] int32, LSB first, bit 1 = allowed
+    rows: torch.Tensor,  # [num_masks] int64: the logits row of each mask (distinct)
+) -> None:
+    """Structured outputs: ``logits[rows[j], t] = -inf`` wherever bit ``t`` of ``bitmask[j]`` is 0
+    or ``t >= 32 * words`` (llguidance's / xgrammar's layout); other rows are untouched."""
+    checks.check_grammar_mask(logits, bitmask, rows)
+    if _use_triton(logits):
+        _triton_fn("grammar_mask_triton", "apply_grammar_mask_triton")(logits, bitmask, rows)
+    else:
+        apply_grammar_mask_ref(logits, bitmask, rows)

@@ -199,3 +199,19 @@ def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) 
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
     raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")
+
+
+def check_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Validate the inputs of ``apply_grammar_mask``: 2-D float logits with unit column stride, a
+    C-contiguous int32 ``[num_masks, words]`` bitmask and ``[num_masks]`` int64 row indices."""
+    if (len(logits.shape) == 2 and logits.dtype in _FLOATS and logits.stride(1) == 1
+            and len(bitmask.shape) == 2 and bitmask.dtype is _I32 and bitmask.is_contiguous()
+            and rows.shape == (bitmask.shape[0],) and rows.dtype is _I64):
+        return
+    if logits.dim() != 2 or logits.dtype not in _FLOATS or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [num_seqs, vocab] floating point with unit column stride, got "
+                         f"{logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
+    if bitmask.dim() != 2 or bitmask.dtype is not _I32 or not bitmask.is_contiguous():
+        raise ValueError(f"bitmask must be contiguous int32 [num_masks, words], got {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)}")
+    raise ValueError(f"rows must be int64 [{bitmask.shape[0]}], got {rows.dtype} {tuple(rows.shape)}")
