@@ -52,7 +52,7 @@ class OutputFeatures:
         from router.structured.flags import limits
         from router.tools.formats import TOOL_CALL_PARSERS
 
-        validator = SpecValidator(limits(config), tokenizer.backend_json(), tokenizer.eos_token_ids)
+        validator = SpecValidator(limits(config), tokenizer.to_json(), tokenizer.eos_token_ids)
         return cls(validator, tokenizer, TOOL_CALL_PARSERS.get(config.tool_call_parser or ""),
                    config.enable_auto_tool_choice, REASONING_PARSERS.get(config.reasoning_parser or ""),
                    config.exclude_tools_when_tool_choice_none)

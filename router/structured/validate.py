@@ -7,7 +7,9 @@ compile with, so a spec that passes here compiles there. llguidance validates ag
 model's own tokenizer when it can be built (special-token references such as `<[id]>` in a tool
 grammar are checked too) and without one otherwise. Its messages name the offending keyword
 ("Unimplemented keys: [\"uniqueItems\"]", "Unknown format: ...", a regex's position), and the
-400 carries them with the field the client used. It is torch-free and has no dependencies.
+400 carries them with the field the client used. The grammar text is the pods' own
+(`engine.grammar.source.grammar_source`), so router and pods agree on what a spec means.
+llguidance is torch-free and has no dependencies.
 
 Validation costs milliseconds for a large schema, so handlers run it in the tokenizer's worker
 threads (`PromptEncoder.run`), never on the event loop.
@@ -22,13 +24,12 @@ from typing import Any, Sequence
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from engine.grammar.source import grammar_source, short_error
 from engine.grammar.spec import StructuredSpec, StructuredSpecError, canonical_json
 from router.errors import bad_request
 from router.structured.surface import Constraint
 
 log = logging.getLogger(__name__)
-# llguidance's messages quote the grammar around the error; enough of it to locate the problem.
-MAX_MESSAGE_CHARS = 600
 
 
 @dataclass(frozen=True)
@@ -144,27 +145,9 @@ class SpecValidator:
             raise bad_request(f"{param}: not a valid GBNF grammar: {exc}", param=param) from None
 
     def validate(self, spec: StructuredSpec, param: str) -> None:
-        """A 400 naming `param` unless llguidance compiles `spec`."""
-        grammar = llguidance_grammar(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._lltokenizer)
+        """A 400 naming `param` unless llguidance compiles `spec` (the pods' `grammar_source`)."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_source(spec),
+                                                                                 self._lltokenizer)
         if is_error:
-            message = messages[0] if messages else "invalid grammar"
-            if len(message) > MAX_MESSAGE_CHARS:
-                message = message[:MAX_MESSAGE_CHARS] + " ..."
+            message = short_error(messages[0]) if messages else "invalid grammar"
             raise bad_request(f"{param}: {message}", param=param, code="invalid_grammar")
-
-
-def llguidance_grammar(spec: StructuredSpec) -> str:
-    """The llguidance grammar text of `spec` (what validation compiles; whitespace options do not
-    change whether a spec is valid, so they are left to the pods)."""
-    matcher = llguidance.LLMatcher
-    if spec.kind == "json_schema":
-        return matcher.grammar_from_json_schema(spec.text)
-    if spec.kind == "json_object":
-        return matcher.grammar_from_json_schema('{"type":"object"}')
-    if spec.kind == "regex":
-        return matcher.grammar_from_regex(spec.text)
-    if spec.kind == "choice":
-        return llguidance.grammar_from("choice", spec.text)
-    return matcher.grammar_from_lark(spec.text)
-

@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.grammar.source import json_whitespace_options
 from router.tools.formats import CallSyntax
 
 # `x-guidance` options on every forced JSON value: fixed whitespace, json.dumps' separators.
@@ -70,9 +71,10 @@ def calls_lark(syntax: CallSyntax, tools: Sequence[tuple[str, dict[str, Any] | N
 
 
 def json_answer(schema: dict[str, Any] | None, any_whitespace: bool) -> str:
-    """A Lark expression for a JSON answer (`schema` None: any object)."""
+    """A Lark expression for a JSON answer (`schema` None: any object), with the whitespace rule
+    a `json_schema` spec has on its own."""
     value = dict(schema) if schema is not None else {"type": "object"}
-    value["x-guidance"] = {**value.get("x-guidance", {}), "whitespace_flexible": any_whitespace}
+    value["x-guidance"] = {**value.get("x-guidance", {}), **json_whitespace_options(any_whitespace)}
     return "%json " + json.dumps(value, ensure_ascii=False)
 
 
