@@ -104,32 +104,35 @@ async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[
                 await pod.stop()
 
 
-class RouterThread:
-    """`running_router` (same arguments) served from its own event loop in a thread, for sync
-    tests (hypothesis) and module-scoped fixtures."""
+class LoopThread:
+    """An async context manager (`factory()`) entered in its own event loop in a thread, for sync
+    tests (hypothesis) and module-scoped fixtures; `value` is what it yields."""
 
-    def __init__(self, tokenizer, **kwargs) -> None:
-        self._tokenizer = tokenizer
-        self._kwargs = kwargs
+    def __init__(self, factory) -> None:
+        self._factory = factory
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self.harness = None
+        self.value = None
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    @property
+    def harness(self):
+        return self.value
 
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
-            async with running_router(self._tokenizer, **self._kwargs) as h:
-                self.harness = h
+            async with self._factory() as value:
+                self.value = value
                 self._ready.set()
                 await self._stop.wait()
         except BaseException as exc:       # surfaced by __enter__
             self._error = exc
             self._ready.set()
 
-    def __enter__(self) -> RouterThread:
+    def __enter__(self) -> LoopThread:
         self._thread.start()
         assert self._ready.wait(60), "router did not start"
         if self._error is not None:
@@ -139,6 +142,11 @@ class RouterThread:
     def __exit__(self, *exc) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
+
+
+def RouterThread(tokenizer, **kwargs) -> LoopThread:
+    """`running_router` (same arguments) in a thread; its `harness` is the Harness."""
+    return LoopThread(lambda: running_router(tokenizer, **kwargs))
 
 
 def byte_tokenizer_with_template(directory, template: str, special_tokens=()) -> Tokenizer:
