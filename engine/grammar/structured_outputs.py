@@ -26,17 +26,16 @@ samples, so all of this lives on rank 0 (the other ranks never see a grammar).
 from __future__ import annotations
 
 import concurrent.futures
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine.grammar.backend import GrammarBackend, GrammarCompileError, GrammarError
-from engine.grammar.compiler import CompileStats, GrammarCompiler
+from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.mask import BitmaskBuffers, GrammarMask
 from engine.grammar.request_grammar import RequestGrammar
+from engine.grammar.stats import StructuredStats
 from engine.grammar.spec import StructuredSpec
 from engine.request import Request
 from engine.tokenizer import Tokenizer
@@ -51,15 +50,6 @@ class FirstTokenRejected(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass
-class StructuredStats:
-    """Counts since the last `take_stats` (pods turn them into Prometheus metrics)."""
-
-    requests: Counter = field(default_factory=Counter)          # by spec kind
-    first_token_rejected: Counter = field(default_factory=Counter)   # by reason
-    compile: CompileStats = field(default_factory=CompileStats)
 
 
 class StructuredOutputs:
