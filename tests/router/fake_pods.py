@@ -53,6 +53,7 @@ class Script:
     watch_broken: bool = False              # WatchLoad raises (UNKNOWN); GetLoad still works
     eos_at: int | None = None               # output index that is EOS
     output_token_ids: list[int] | None = None   # the model's output instead of the fake function (ends in EOS)
+    grammar_fingerprint: str = ""           # prefill: what a constrained first token was sampled under
     logprob: float = -0.5
     max_model_len: int = 256
     vocab_size: int = 260
@@ -210,6 +211,7 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             return pb.PrefillResponse(
                 request_id=request.request_id, first_token_id=token, finished=finished, finish_reason=reason,
                 first_token_logprobs=self._logprobs(token, request.sampling),
+                grammar_fingerprint=self.script.grammar_fingerprint if request.sampling.HasField("structured") else "",
                 queue_seconds=0.001, prefill_seconds=self.script.first_token_delay)
         except asyncio.CancelledError:
             self.records.cancelled.append(request.request_id)

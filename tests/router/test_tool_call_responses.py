@@ -238,3 +238,24 @@ def test_the_sdk_parses_a_pydantic_response_format(routers):
     assert completion.choices[0].message.parsed == Weather(city="Paris", celsius=21)
     structured = h.colocated[0].records.generate_requests[-1].sampling.structured
     assert structured.kind == "json_schema" and json.loads(structured.text)["required"] == ["city", "celsius"]
+
+
+def test_a_first_token_the_pods_disagree_on_fails_the_request(tokenizer):
+    """A prefill pod that sampled under the grammar (fingerprint) gives its token to the client; a
+    decode pod whose index 0 then differs (it refused the token and prefilled itself) fails the
+    request rather than let the text continue from a token its grammar never saw."""
+    body = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 10, "guided_regex": "[a-z]+"}
+    with RouterThread(tokenizer, prefill=[Script(output_token_ids=ids("abc"), grammar_fingerprint="fp")],
+                      decode=[Script(output_token_ids=ids("xyz"))]) as thread:
+        h = thread.harness
+        response = httpx.post(h.url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 502 and response.json()["error"]["code"] == "structured_output_handoff"
+        # Agreeing pods: P's token is given, D continues.
+        h.decode[0].script.output_token_ids = ids("abc")
+        assert httpx.post(h.url + "/v1/chat/completions", json=body, timeout=30).json()[
+            "choices"][0]["message"]["content"] == "abc"
+        # A prefill pod that did not constrain (no fingerprint): its token is never given out, D's is.
+        h.prefill[0].script.grammar_fingerprint = ""
+        h.decode[0].script.output_token_ids = ids("xyz")
+        assert httpx.post(h.url + "/v1/chat/completions", json=body, timeout=30).json()[
+            "choices"][0]["message"]["content"] == "xyz"
