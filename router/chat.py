@@ -102,8 +102,10 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
             return (R.sse(R.chat_body(request_id, created, model, [], usage, chunk=True)) if include_usage
                     else "") + R.sse("[DONE]")
 
-        head = "".join(R.sse(body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}])) for i in range(len(specs)))
+        # With a ChoiceOutput the content may stay null (only calls, only reasoning): no "" to start it.
+        role = {"role": "assistant"} if outputs else {"role": "assistant", "content": ""}
+        head = "".join(R.sse(body([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
+                       for i in range(len(specs)))
         return StreamFormat(head, chunk, tail)
 
     return await execute(state, http, arrival, specs, request.stream, whole, stream_format)
