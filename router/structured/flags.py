@@ -52,3 +52,30 @@ def output_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
             "max_schema_bytes": args.max_schema_bytes, "max_schema_depth": args.max_schema_depth,
             "max_tools": args.max_tools}
+
+
+# The flags `cbserve up` passes through to its router (the same names).
+UP_FLAGS = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
+
+
+def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    """`cbserve up`'s copies of the tool and reasoning flags."""
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                   help="the router's tool-call format (see `cbserve router --help`)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help='the router allows tool_choice "auto"')
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="the router splits <think>...</think> into reasoning_content")
+
+
+def up_router_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `cbserve router` flags for what `add_up_arguments` parsed."""
+    argv: list[str] = []
+    for name in UP_FLAGS:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value:
+            argv += [flag, value]
+    return tuple(argv)
+
