@@ -18,6 +18,8 @@ threads (`PromptEncoder.run`), never on the event loop.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,6 +32,7 @@ from router.errors import bad_request
 from router.structured.surface import Constraint
 
 log = logging.getLogger(__name__)
+VERDICT_CACHE_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class SpecValidator:
     def __init__(self, limits: StructuredLimits, tokenizer_json: str | None = None,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.limits = limits
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()    # spec key -> error or None
+        self._lock = threading.Lock()                                     # handlers' worker threads
         self._lltokenizer = None
         if tokenizer_json is not None:
             try:
@@ -145,9 +150,23 @@ class SpecValidator:
             raise bad_request(f"{param}: not a valid GBNF grammar: {exc}", param=param) from None
 
     def validate(self, spec: StructuredSpec, param: str) -> None:
-        """A 400 naming `param` unless llguidance compiles `spec` (the pods' `grammar_source`)."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_source(spec),
-                                                                                 self._lltokenizer)
-        if is_error:
-            message = short_error(messages[0]) if messages else "invalid grammar"
-            raise bad_request(f"{param}: {message}", param=param, code="invalid_grammar")
+        """A 400 naming `param` unless llguidance compiles `spec` (the pods' `grammar_source`).
+
+        Verdicts are remembered by `spec.key` (LRU): agents send the same tools and schemas on
+        every turn, and a 128-tool grammar costs a few hundred ms to check cold."""
+        key = spec.key
+        with self._lock:
+            known = key in self._verdicts
+            if known:
+                self._verdicts.move_to_end(key)
+                error = self._verdicts[key]
+        if not known:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_source(spec),
+                                                                                     self._lltokenizer)
+            error = (short_error(messages[0]) if messages else "invalid grammar") if is_error else None
+            with self._lock:
+                self._verdicts[key] = error
+                while len(self._verdicts) > VERDICT_CACHE_ENTRIES:
+                    self._verdicts.popitem(last=False)
+        if error is not None:
+            raise bad_request(f"{param}: {error}", param=param, code="invalid_grammar")

@@ -95,19 +95,32 @@ class CallReader:
         self._scanner, self._value_text, self._state = JsonScanner(), "", _IN_VALUE
         return self._value(ch)
 
+    def run(self, text: str, start: int) -> int:
+        """Take the run of plain string characters of a value from `text[start]` in one step
+        (the common case inside arguments); returns where it ends (`start`: nothing taken)."""
+        if self._state != _IN_VALUE:
+            return start
+        end = self._scanner.string_run(text, start)
+        if end > start:
+            self._take(text[start:end])
+        return end
+
+    def _take(self, chars: str) -> None:
+        if self._role == "args":
+            if self.opened:
+                self._on_arguments(chars)
+            else:
+                self._early_args += chars
+        elif self._role == "name":
+            self._value_text += chars
+
     def _value(self, ch: str) -> int:
         result = self._scanner.feed(ch)
         if result == INVALID:
             return INVALID
         consumed = result != DONE_BEFORE
         if consumed:
-            if self._role == "args":
-                if self.opened:
-                    self._on_arguments(ch)
-                else:
-                    self._early_args += ch
-            elif self._role == "name":
-                self._value_text += ch
+            self._take(ch)
         if result == CONTINUE:
             return CONTINUE
         self._state = _COMMA_OR_END          # the value is complete

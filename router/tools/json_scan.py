@@ -9,6 +9,8 @@ that; it never builds the value. Whitespace before the value is the caller's bus
 
 from __future__ import annotations
 
+import re
+
 CONTINUE = 0      # consumed; the value is not finished
 DONE = 1          # consumed; this character finished the value
 DONE_BEFORE = 2   # NOT consumed: the value (a number) ended just before this character
@@ -19,6 +21,7 @@ _HEX = set("0123456789abcdefABCDEF")
 _DIGITS = set("0123456789")
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
 _ESCAPES = set('"\\/bfnrtu')
+_PLAIN_RUN = re.compile(r'[^"\\\x00-\x1f]*')      # string characters that change no state
 
 # Value-level states on the stack of open containers.
 _OBJ_KEY_OR_END, _OBJ_KEY, _OBJ_COLON, _OBJ_VALUE, _OBJ_COMMA_OR_END = range(5)
@@ -51,6 +54,14 @@ class JsonScanner:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    def string_run(self, text: str, start: int) -> int:
+        """Inside a string: where the run of plain characters (no quote, backslash or control
+        character) from `text[start]` ends. They change no state, so a caller may take them all
+        as consumed at once; elsewhere returns `start`."""
+        if self._scalar != "string" or self._sub or self._hex_left:
+            return start
+        return _PLAIN_RUN.match(text, start).end()
 
     def can_end(self) -> bool:
         """The text so far is a whole value (a number may end here: at the end of the output)."""

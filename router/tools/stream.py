@@ -83,6 +83,7 @@ class ToolCallStream:
         self.fmt = fmt
         self._new_id = new_id or (lambda: random_call_id(fmt.id_length))
         self._events: list[ToolEvent] = []
+        self._fragments: list[str] = []     # argument characters not yet made into an event
         self._pending = ""          # CONTENT / START: text not yet decided
         self._held = ""             # call modes: text since the last committed point
         self._reader: CallReader | None = None
@@ -92,13 +93,11 @@ class ToolCallStream:
         self.num_calls = 0
 
     def feed(self, text: str) -> list[ToolEvent]:
-        self._events = []
         self._run(text)
-        return _coalesce(self._events)
+        return self._take_events()
 
     def finish(self) -> list[ToolEvent]:
         """The end of the text: release what was held back (see the module note)."""
-        self._events = []
         mode, held = self._mode, self._held
         if mode in (_CONTENT, _START):
             if self._pending and not (self.num_calls and not self._pending.strip(_WS)):
@@ -106,7 +105,7 @@ class ToolCallStream:
         elif held and not self._committed() and not self.num_calls:
             self._content(held)
         self._pending = self._held = ""
-        return _coalesce(self._events)
+        return self._take_events()
 
     # -- the machine ----------------------------------------------------------------------------------
 
@@ -119,6 +118,10 @@ class ToolCallStream:
             elif mode == _PLAIN:
                 self._content(text[i:])
                 return
+            elif mode == _CALL and (end := self._reader.run(text, i)) > i:
+                if not self._reader.opened:
+                    self._held += text[i:end]
+                i = end
             else:
                 self._char(text[i])
                 i += 1
@@ -284,12 +287,26 @@ class ToolCallStream:
     # -- outcomes -------------------------------------------------------------------------------------
 
     def _open(self, name: str) -> None:
-        self._events.append(ToolEvent("open", index=self.num_calls, call_id=self._new_id(), name=name))
+        self._event(ToolEvent("open", index=self.num_calls, call_id=self._new_id(), name=name))
         self.num_calls += 1
         self._held = ""
 
     def _arguments(self, fragment: str) -> None:
-        self._events.append(ToolEvent("arguments", fragment, index=self.num_calls - 1))
+        self._fragments.append(fragment)     # joined into one event by _event / _take_events
+
+    def _event(self, event: ToolEvent) -> None:
+        self._flush_fragments()
+        self._events.append(event)
+
+    def _flush_fragments(self) -> None:
+        if self._fragments:
+            self._events.append(ToolEvent("arguments", "".join(self._fragments), index=self.num_calls - 1))
+            self._fragments = []
+
+    def _take_events(self) -> list[ToolEvent]:
+        self._flush_fragments()
+        events, self._events = self._events, []
+        return _coalesce(events)
 
     def _end_of_calls(self) -> None:
         """Back to text: marker formats watch for more calls; anchored formats are done."""
@@ -308,7 +325,7 @@ class ToolCallStream:
 
     def _content(self, text: str) -> None:
         if text:
-            self._events.append(ToolEvent("content", text))
+            self._event(ToolEvent("content", text))
 
 
 def marker_prefix_len(text: str, marker: str) -> int:
