@@ -28,6 +28,10 @@ from engine.grammar.source import grammar_source, short_error
 from engine.grammar.spec import StructuredSpec
 from engine.tokenizer import Tokenizer
 
+# Below this many (rows x vocabulary) a batch's masks are filled on the calling thread: at ~10 us a
+# mask (small vocabularies) handing rows to the executor's threads costs more than it saves.
+PARALLEL_FILL_TOKENS = 1 << 20
+
 
 class LLGuidanceMatcher:
     """`GrammarMatcher` over one `llguidance.LLMatcher`."""
@@ -88,7 +92,8 @@ class LLGuidanceBackend:
         self._tokenizer = llguidance.LLTokenizer(table, n_vocab=vocab_width, eos_token=list(self.eos_token_ids))
         # Masks of a batch in parallel (the GIL is released inside); a few threads are plenty at
         # ~50 us per mask, and the engine shares the host with the pod's other processes.
-        self._executor = llguidance.LLExecutor(num_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+        self._num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._executor = llguidance.LLExecutor(self._num_threads)
         self.words_per_row = (vocab_width + 31) // 32
 
     def compile(self, spec: StructuredSpec) -> LLGuidanceGrammar:
@@ -107,11 +112,12 @@ class LLGuidanceBackend:
         if words != self.words_per_row or bitmask.dtype != np.int32 or not bitmask.flags.c_contiguous:
             raise ValueError(f"bitmask must be C-contiguous int32 [rows, {self.words_per_row}], "
                              f"got {bitmask.dtype} {bitmask.shape}")
-        if len(matchers) == 1:   # no executor round trip for one row
-            matcher, row = matchers[0]
+        if self._num_threads > 1 and len(matchers) * self.vocab_width >= PARALLEL_FILL_TOKENS:
+            self._executor.unsafe_compute_mask_ptr([(m.inner, row) for m, row in matchers], bitmask.ctypes.data,
+                                                   words * 4, rows)
+            return
+        base = bitmask.ctypes.data
+        for matcher, row in matchers:   # small batches: a thread handoff costs more than the masks
             if not 0 <= row < rows:
                 raise IndexError(f"row {row} outside the bitmask's {rows}")
-            matcher.inner.unsafe_compute_mask_ptr(bitmask.ctypes.data + row * words * 4, words * 4)
-            return
-        self._executor.unsafe_compute_mask_ptr([(m.inner, row) for m, row in matchers], bitmask.ctypes.data,
-                                               words * 4, rows)
+            matcher.inner.unsafe_compute_mask_ptr(base + row * words * 4, words * 4)
