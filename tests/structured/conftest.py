@@ -74,7 +74,7 @@ class Router:
     def __init__(self, url: str, tokenizer: Tokenizer) -> None:
         self.url = url
         self.tokenizer = tokenizer
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
