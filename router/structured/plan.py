@@ -11,7 +11,11 @@ One rule per case:
   grammar has its own `start` and is refused next to tools);
 - `auto` alone: no grammar; the parser reads whatever calls the model writes.
 With a reasoning parser the grammar starts at the end of the thinking (`after_token_ids`, the
-tokens of `</think>`) unless the prompt already ended it, and the answer is read from there on.
+tokens of `</think>`) unless the prompt already ended it, and the answer is read from there on;
+for a model that thinks only when its output opens with `<think>` (qwen3, the prompt opening no
+thinking) the grammar instead allows one optional thinking block before the answer (a user Lark
+grammar, which has its own start, keeps `after_token_ids`: it is unconstrained if the model skips
+thinking).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from router.reasoning.parser import ReasoningFormat, initial_state
 from router.structured.surface import Constraint
 from router.structured.validate import SpecValidator
 from router.tools.formats import JSON_LIST, ToolCallFormat
-from router.tools.grammar import calls_lark, choice_answer, json_answer, regex_answer
+from router.tools.grammar import answer_lark, calls_lark, choice_answer, json_answer, regex_answer, think_block
 from router.tools.request import ToolRequest
 
 
@@ -93,8 +97,15 @@ def chat_plan(features: OutputFeatures, constraint: Constraint | None, tools: To
 
     Runs in a worker thread: validation costs milliseconds for large schemas and many tools."""
     reasoning = features.reasoning
+    state = initial_state(reasoning, prompt_text) if reasoning is not None else "content"
+    # A model that thinks only if its output opens with the tag (qwen3): an optional thinking
+    # block in the grammar itself, else a model that skips thinking would never be constrained.
+    # Otherwise the grammar starts after the end tag (`after_token_ids`) unless the prompt ended it.
+    think = None
+    if state == "opening" and not reasoning.starts_in_reasoning:
+        think = think_block(features.literal(reasoning.start_tag), features.literal(reasoning.end_tag))
     after: tuple[int, ...] = ()
-    if reasoning is not None and initial_state(reasoning, prompt_text) != "content":
+    if state != "content":
         after = tuple(features.tokenizer.encode(reasoning.end_tag, add_special_tokens=False))
     fmt = None
     if tools is not None and tools.parses_calls:
@@ -102,16 +113,19 @@ def chat_plan(features: OutputFeatures, constraint: Constraint | None, tools: To
     output = OutputSpec(reasoning, prompt_text, fmt.parse if fmt else None, bool(tools and tools.legacy))
     keep_special = fmt is not None and any(features.special_marker_id(m) is not None for m in fmt.markers)
     spec = None
+    grammar_after = () if think is not None else after
     if tools is not None and tools.forced:
         spec = _lark(features, calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel,
-                                          literal=features.literal), after, "tool_choice")
+                                          literal=features.literal, think=think), grammar_after, "tool_choice")
     elif tools is not None and tools.choice == "auto" and constraint is not None:
         answer = _answer(constraint, features.validator.spec_for(constraint))
         grammar = calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel, literal=features.literal,
-                             answer=answer)
-        spec = _lark(features, grammar, after, constraint.param)
+                             answer=answer, think=think)
+        spec = _lark(features, grammar, grammar_after, constraint.param)
     elif constraint is not None:
         spec = features.validator.spec_for(constraint, after)
+        if think is not None and spec.kind != "lark":     # a Lark grammar has its own start: after_token_ids
+            spec = _lark(features, answer_lark(_answer(constraint, spec), think), (), constraint.param)
     return OutputPlan(spec, output, keep_special)
 
 

@@ -46,11 +46,27 @@ def _pieces(parts: Sequence[str], literal: Callable[[str], str]) -> str:
     return " ".join(literal(p) for p in parts)
 
 
+def think_block(start: str, end: str) -> str:
+    """A whole thinking block as a Lark expression (`start`, `end`: the spelled tags). Used `lazy`:
+    it ends at the first end tag, so the answer after it is the grammar's again."""
+    return f"{start} /(.|\\n)*/ {end}"
+
+
+def _start(body: str, think: str | None, rules: list[str]) -> str:
+    """The start rule: `body`, after an optional thinking block when `think` is given (a model
+    that thinks only if its output opens with the tag: the grammar allows both, so nothing is
+    left unconstrained when it does not think)."""
+    if think is None:
+        return f"start: {body}"
+    rules.append(f"think[lazy]: {think}")
+    return f"start: think? ({body})"
+
+
 def calls_lark(syntax: CallSyntax, tools: Sequence[tuple[str, dict[str, Any] | None]], *, parallel: bool,
-               literal: Callable[[str], str], answer: str | None = None) -> str:
+               literal: Callable[[str], str], answer: str | None = None, think: str | None = None) -> str:
     """A grammar whose every sentence is one call (or, with `parallel`, one or more) of `tools`
     (`(name, parameters)` pairs), in `syntax`; or, given `answer` (a Lark expression), either that
-    or an answer matching it.
+    or an answer matching it; after an optional `think` block (`think_block`).
 
     `literal(text)` spells a piece of the syntax: a quoted string, or a special token."""
     rules = ["%llguidance {}"]
@@ -58,7 +74,7 @@ def calls_lark(syntax: CallSyntax, tools: Sequence[tuple[str, dict[str, Any] | N
     more = f' ({_pieces(syntax.sep, literal)} call)*' if parallel else ""
     body = " ".join(p for p in (_pieces(syntax.prefix, literal), f"call{more}", _pieces(syntax.suffix, literal))
                     if p)
-    rules.append(f"start: {'calls | answer' if answer is not None else 'calls'}")
+    rules.insert(1, _start("calls | answer" if answer is not None else "calls", think, rules))
     rules.append(f'calls: LEAD? {body}')
     rules.append(r"LEAD: /[ \n]{1,2}/")
     rules.append(f"call: {call}")
@@ -67,6 +83,14 @@ def calls_lark(syntax: CallSyntax, tools: Sequence[tuple[str, dict[str, Any] | N
         rules.append(f"fn_{i}: %json " + json.dumps(call_schema(name, parameters, syntax), ensure_ascii=False))
     if answer is not None:
         rules.append(f"answer: {answer}")
+    return "\n".join(rules) + "\n"
+
+
+def answer_lark(answer: str, think: str) -> str:
+    """A grammar for `answer` (a Lark expression) after an optional `think` block."""
+    rules = ["%llguidance {}"]
+    rules.insert(1, _start("LEAD? answer", think, rules))
+    rules += [r"LEAD: /[ \n]{1,2}/", f"answer: {answer}"]
     return "\n".join(rules) + "\n"
 
 

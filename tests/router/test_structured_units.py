@@ -118,3 +118,36 @@ def test_the_prompt_decides_where_reasoning_starts():
     assert initial_state(QWEN3, "x<think>\n\n</think>\n\n") == "content"
     assert initial_state(R1, "x<think>\n") == "reasoning"
     assert initial_state(R1, "<|im_start|>assistant\n") == "opening"
+
+
+def test_qwen3_without_an_opened_thinking_gets_an_optional_think_block(tokenizer):
+    """A qwen3 model thinks only if its output opens with <think>: the grammar takes either, so a
+    model that skips thinking is still held to the schema (and one that thinks, after it)."""
+    from engine.grammar.source import grammar_source
+    from router.structured.plan import OutputFeatures, chat_plan
+    from router.tools.formats import HERMES
+    from router.tools.request import FunctionSpec, ToolRequest
+
+    validator = SpecValidator(StructuredLimits(), tokenizer.to_json(), tokenizer.eos_token_ids)
+    features = OutputFeatures(validator, tokenizer, HERMES, True, QWEN3)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    lltokenizer = llguidance.LLTokenizer(tokenizer.to_json())
+
+    def accepts(spec, text):
+        matcher = llguidance.LLMatcher(lltokenizer, grammar_source(spec), log_level=0)
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    spec = chat_plan(features, Constraint("json_schema", schema, "rf"), None, "<|im_start|>assistant\n").spec
+    assert spec.kind == "lark" and spec.after_token_ids == ()
+    assert accepts(spec, '{"a":1}') and accepts(spec, '<think>hm, {"a": x}</think>\n\n{"a":2}')
+    assert not accepts(spec, '<think>a</think>b</think>{"a":1}') and not accepts(spec, "free text")
+    tools = ToolRequest((FunctionSpec("f", None, schema),), "required")
+    spec = chat_plan(features, None, tools, "<|im_start|>assistant\n").spec
+    assert accepts(spec, '<think>x</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": 3}}\n</tool_call>')
+    # The prompt closed the thinking (enable_thinking false): the schema alone, from the start.
+    spec = chat_plan(features, Constraint("json_schema", schema, "rf"), None, "x<think>\n\n</think>\n\n").spec
+    assert spec.kind == "json_schema" and spec.after_token_ids == ()
+    # A Lark grammar has its own start rule: it waits for </think> instead.
+    spec = chat_plan(features, Constraint("grammar", 'start: "y"', "g"), None, "<|im_start|>assistant\n").spec
+    assert spec.kind == "lark" and bytes(t - 4 for t in spec.after_token_ids) == b"</think>"

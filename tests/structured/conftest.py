@@ -56,8 +56,10 @@ class Routers:
         addresses = {pod.role: pod.address for pod in self._cluster.pods}
         roles = {"colocated": (addresses["decode"],)} if colocated else {
             "prefill": (addresses["prefill"],), "decode": (addresses["decode"],)}
+        # SLOs no loaded CPU misses: admission never turns a test's burst away.
         app = create_app(RouterConfig(model=str(model), served_model_name="tiny", api_key_env=None, max_retries=0,
                                       security=ClusterSecurity(secret=self._cluster.cluster_secret),
+                                      slo_ttft_ms=600_000, slo_tpot_ms=600_000, max_queue_seconds=300,
                                       **roles, **config))
         thread = self._stack.enter_context(LoopThread(lambda: serve_app(app)))
         deadline = time.monotonic() + 30

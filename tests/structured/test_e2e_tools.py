@@ -147,6 +147,16 @@ def test_a_reasoning_model_answers_under_the_grammar_after_thinking(family, rout
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0.0,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     check_calls(forced.choices[0].message)
+    # Thinking on, the prompt opening none: the output either thinks (optional block) or answers
+    # under the schema at once; never unconstrained content.
+    for seed in range(3):
+        result = qwen3.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60,
+                                                      temperature=1.0, seed=seed, extra_body={"guided_json": WEATHER})
+        message = result.choices[0].message
+        if result.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(message.content), WEATHER)
+        else:            # cut by max_tokens: inside the thinking, or inside the answer
+            assert message.model_extra.get("reasoning_content") or message.content.lstrip().startswith("{")
     # DeepSeek-R1 opens the thinking in the prompt: the output is free until </think> (which random
     # weights do not write), all of it reasoning_content, none of it held to the schema.
     r1 = routers.start("r1", DEEPSEEK_R1, reasoning_parser="deepseek_r1")
