@@ -11,7 +11,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from model_dirs import DEEPSEEK_R1, LLAMA31, MISTRAL, QWEN25
 
@@ -165,3 +167,22 @@ def test_a_reasoning_model_answers_under_the_grammar_after_thinking(family, rout
     message = result.choices[0].message
     assert result.choices[0].finish_reason == "length" and message.content is None
     assert message.model_extra["reasoning_content"]
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=6)
+    days: int = Field(ge=1, le=7)
+
+
+def test_the_sdk_parses_strict_pydantic_tools(family):
+    """`openai.pydantic_function_tool` (strict) with `parse` and with `stream`: the forced call
+    fits the model, so the SDK hands back `parsed_arguments` both ways."""
+    router = family("hermes")
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=[openai.pydantic_function_tool(Forecast)],
+                  tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=0.0)
+    parsed = router.client.chat.completions.parse(**kwargs)
+    (call,) = parsed.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Forecast)
+    with router.client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == call.function.parsed_arguments
