@@ -236,11 +236,10 @@ class EngineCore:
         self.outbox.put(fill)
 
     def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], steps: list[float],
-              stats, iteration_at: float, extra, structured=None) -> None:
+              stats, iteration_at: float, extra, structured) -> None:
         """Writer thread: one step's message."""
         self.fill_outputs(events, outputs, extra)
-        if structured is not None:
-            structured_stats_to_pb(structured, events)
+        structured_stats_to_pb(structured, events)
         events.step_seconds.extend(steps)
         if stats is not None:
             stats_to_pb(*stats[:2], events.stats, num_held=stats[2])
