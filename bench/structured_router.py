@@ -21,7 +21,6 @@ hermes tool calls, and deepseek_r1 reasoning followed by calls.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
