@@ -239,3 +239,22 @@ def test_tools_reach_the_chat_template(tmp_path):
         post(h, CHAT, {"messages": MESSAGES, "tools": [tool()], "tool_choice": "none"})
         prompt = custom.decode(h.colocated[0].records.generate_requests[-1].prompt_token_ids)
         assert prompt == "<user>hi"       # --exclude-tools-when-tool-choice-none
+
+
+def test_a_special_token_marker_is_forced_as_the_token_and_kept_in_the_text(tmp_path):
+    custom = byte_tokenizer_with_template(tmp_path, "{% for m in messages %}{{ m.content }}{% endfor %}",
+                                          special_tokens=("[TOOL_CALLS]",))
+    marker = custom.token_to_id("[TOOL_CALLS]")
+    with RouterThread(custom, colocated=[Script()], tool_call_parser="mistral") as thread:
+        h = thread.harness
+        post(h, CHAT, {"messages": MESSAGES, "tools": [tool()], "tool_choice": "required"})
+        sampling = last_sampling(h)
+        assert f"<[{marker}]>" in sampling.structured.text and '"[TOOL_CALLS]"' not in sampling.structured.text
+        assert sampling.skip_special_tokens is False          # the parser must see the marker
+        post(h, CHAT, {"messages": MESSAGES, "tools": [tool()], "tool_choice": "none"})
+        assert last_sampling(h).skip_special_tokens is True   # no calls read: untouched
+
+
+def test_plain_markers_leave_special_tokens_skipped(hermes):
+    post(hermes, CHAT, {"messages": MESSAGES, "tools": [tool()], "tool_choice": "required"})
+    assert last_sampling(hermes).skip_special_tokens is True
