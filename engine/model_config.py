@@ -1,8 +1,10 @@
 """The model's shape, read from a Hugging Face `config.json` (transformers 4.x and 5.x layouts).
 
-Only the Llama family is served (Llama 2/3, Mistral, Qwen2): one decoder with RMSNorm, RoPE,
-GQA, SwiGLU, optional qkv bias and tied embeddings. Anything else is refused here, at the
-boundary, with a message that names the field.
+The families of engine/models/registry.py: Llama 2/3, Mistral, Qwen2, Qwen3 (dense decoders with
+RMSNorm, RoPE, GQA, SwiGLU, optional q/k/v bias, q/k norm and tied embeddings) and the mixtures
+of experts Mixtral, Qwen2-MoE and Qwen3-MoE. Anything else is refused here, at the boundary, with
+a message that names the field. A field missing from config.json takes the transformers config
+class's default for that family (`_family_fields`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from engine.models.registry import ARCHITECTURES, family_of
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -55,6 +54,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # Mixture of experts (num_experts 0: every layer dense). A layer is MoE when it is not in
+    # `mlp_only_layers` and (layer + 1) % decoder_sparse_step == 0 (Qwen2-MoE's rule; 1: all).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0        # top-k
+    moe_intermediate_size: int = 0      # each expert's intermediate size
+    norm_topk_prob: bool = False        # renormalize the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE's always-on expert (0: none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # transformers rounds the routing weights to the model dtype before use (Qwen-MoE) or keeps
+    # them in fp32 (Mixtral); only half-precision results differ.
+    round_router_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -67,6 +79,14 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ModelConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                                       f"[1, num_experts ({self.num_experts})]")
+            if self.moe_intermediate_size < 1:
+                raise ModelConfigError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+            if self.decoder_sparse_step < 1:
+                raise ModelConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.torch_dtype not in DTYPES:
             raise ModelConfigError(f"torch_dtype must be one of {DTYPES}, got {self.torch_dtype!r}")
 
@@ -78,6 +98,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) is a mixture of experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return sum(not self.is_moe_layer(i) for i in range(self.num_layers))
+
     @property
     def max_model_len(self) -> int:
         """Longest context served; a sliding window caps it since we run full attention."""
@@ -88,41 +117,39 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        family = family_of(archs, raw.get("model_type"))
+        if family is None:
             raise ModelConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; cbserve serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+                f"{sorted(ARCHITECTURES)}")
         try:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qkv_bias = bool(raw.get("attention_bias", False)) or SUPPORTED_ARCHITECTURES[arch] == "qwen2"
             if raw.get("mlp_bias"):
                 raise ModelConfigError("mlp_bias=true is not supported")
             if raw.get("hidden_act", "silu") != "silu":
                 raise ModelConfigError(f"hidden_act must be 'silu', got {raw.get('hidden_act')!r}")
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
             return cls(
-                architecture=SUPPORTED_ARCHITECTURES[arch],
+                architecture=family,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                head_dim=int(raw.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=_parse_rope(raw),
-                qkv_bias=qkv_bias,
-                o_bias=bool(raw.get("attention_bias", False)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 sliding_window=int(sliding) if sliding else None,
+                **_family_fields(family, raw),
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -141,6 +168,35 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{file} is not valid JSON: {e}") from None
         return cls.from_dict(raw)
+
+
+def _family_fields(family: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields in which the families differ: attention biases, q/k norm, experts and routing."""
+    attention_bias = bool(raw.get("attention_bias", False))
+    fields: dict[str, Any] = dict(qkv_bias=attention_bias, o_bias=attention_bias)
+    if family == "qwen2":                  # q/k/v bias always, none on o_proj
+        fields.update(qkv_bias=True, o_bias=False)
+    if family in ("qwen3", "qwen3_moe"):
+        fields.update(qk_norm=True)
+    if family == "mixtral":                # every layer MoE, softmax -> top-k -> renormalized
+        fields.update(num_experts=int(raw.get("num_local_experts", 8)),
+                      num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+                      moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        # Qwen3-MoE's config maps num_experts to num_local_experts (attribute_map): it saves either.
+        experts = raw.get("num_experts", raw.get("num_local_experts", 60 if family == "qwen2_moe" else 128))
+        fields.update(num_experts=int(experts),
+                      num_experts_per_tok=int(raw.get("num_experts_per_tok", 4 if family == "qwen2_moe" else 8)),
+                      moe_intermediate_size=int(raw.get("moe_intermediate_size",
+                                                        1408 if family == "qwen2_moe" else 768)),
+                      norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                      decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+                      mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+                      round_router_weights=True)
+    if family == "qwen2_moe":              # q/k/v bias by its own flag; a shared expert with a sigmoid gate
+        fields.update(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False,
+                      shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632)))
+    return fields
 
 
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:

@@ -28,14 +28,14 @@ def test_our_kernels_package_does_not_look_like_hf_kernels():
 def _record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     """Wraps the sampler so each request's logits are kept per output position."""
     seen: dict[str, list[torch.Tensor]] = {}
-    original = engine.sampler.sample
+    original = engine.sampler.sample_on_device     # what every step samples through
 
-    def sample(logits, requests):
+    def sample_on_device(logits, requests, *args, **kwargs):
         for row, req in zip(logits, requests):
             seen.setdefault(req.request_id, []).append(row.clone())
-        return original(logits, requests)
+        return original(logits, requests, *args, **kwargs)
 
-    engine.sampler.sample = sample
+    engine.sampler.sample_on_device = sample_on_device
     return seen
 
 

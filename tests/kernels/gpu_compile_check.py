@@ -151,9 +151,30 @@ def elementwise() -> None:
                  dict(BLOCK=1024, STATIC=static), {"min_scale": "fp32"})
 
 
+def fused_moe() -> None:
+    from kernels.moe_triton import _moe_gemm_kernel
+
+    def pointers(act: str, weight: str) -> dict[str, str]:
+        return {"c_ptr": act, "a_ptr": act, "b_ptr": weight, "b_scale_ptr": "*fp32", "weights_ptr": "*fp32",
+                "sorted_slots_ptr": "*i32", "block_experts_ptr": "*i32", "num_padded_ptr": "*i32"}
+
+    # gate/up (SwiGLU epilogue) at decode tiles, down (routing weight) at prefill tiles, fp32 with
+    # ieee dots, and fp8 (e4m3) expert weights under bf16 activations.
+    for (act, weight), constants in (
+            (("*bf16", "*bf16"), dict(A_DIV=8, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=False, IEEE_FP32=False,
+                                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+            (("*bf16", "*bf16"), dict(A_DIV=1, SWIGLU=False, MUL_WEIGHT=True, HAS_SCALE=False, IEEE_FP32=False,
+                                      BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)),
+            (("*fp32", "*fp32"), dict(A_DIV=2, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=False, IEEE_FP32=True,
+                                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+            (("*bf16", "*fp8e4nv"), dict(A_DIV=8, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=True, IEEE_FP32=False,
+                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))):
+        _compile(_moe_gemm_kernel, pointers(act, weight), dict(constants, stride_bk=1))
+
+
 def main() -> int:
     try:
-        for check in (unified_attention, split_k, elementwise):
+        for check in (unified_attention, split_k, elementwise, fused_moe):
             check()
             print("compiled", check.__name__, flush=True)
     except MissingToolchain as err:
