@@ -36,18 +36,25 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float: sink logits (gpt-oss), or None
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens (its last ``query_len`` positions) over its
     paged K/V; prefill chunks and decode tokens may be mixed. Returns q's shape and dtype.
 
     The caches are q's dtype, or float8_e4m3fn holding ``K / k_scale`` and ``V / v_scale``
-    (dequantized on load; float caches ignore the scales)."""
-    sizes = checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    (dequantized on load; float caches ignore the scales). ``sliding_window`` > 0: a query at
+    position p sees keys [p - sliding_window + 1, p] (transformers' mask); the table entries of
+    keys no query of the call can see are never read, so they may be the null block. ``sinks``:
+    one logit per query head joins each softmax's denominator (a key with no value)."""
+    sizes = checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                         sliding_window, sinks)
     if _use_triton(q):
         return _triton_fn("attention_triton", "paged_attention_triton")(
-            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes, k_scale, v_scale)
+            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes, k_scale, v_scale,
+            sliding_window, sinks)
     return paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                               k_scale, v_scale)
+                               k_scale, v_scale, sliding_window=sliding_window, sinks=sinks)
 
 
 def write_kv(

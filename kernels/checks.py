@@ -58,9 +58,13 @@ def check_paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> PagedAttentionSizes:
     """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels"); return their sizes."""
     qs, ks, bs = q.shape, key_cache.shape, block_tables.shape
+    if not (sliding_window >= 0 and (sinks is None or (sinks.shape == qs[1:2] and sinks.dtype in _FLOATS))):
+        _explain_window_and_sinks(q, sliding_window, sinks)
     if len(qs) == 3 and len(ks) == 4 and len(bs) == 2:
         num_heads, head_dim, num_kv_heads, num_seqs = qs[1], qs[2], ks[2], bs[0]
         dtype, kv_dtype = q.dtype, key_cache.dtype
@@ -72,6 +76,13 @@ def check_paged_attention(
             return PagedAttentionSizes(qs[0], num_heads, head_dim, num_kv_heads, ks[1], num_seqs, bs[1] * ks[1])
     _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     raise AssertionError("unreachable: _explain_paged_attention raises")
+
+
+def _explain_window_and_sinks(q, sliding_window, sinks) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {sliding_window}")
+    raise ValueError(f"sinks must be one float per query head, [{q.shape[1]}], got "
+                     f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
