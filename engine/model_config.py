@@ -12,11 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from engine.models.registry import ARCHITECTURES, family_of
+
+SUPPORTED_ARCHITECTURES = ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -55,6 +53,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # Mixture of experts (num_experts 0: every layer dense). A layer is MoE when it is not in
+    # `mlp_only_layers` and (layer + 1) % decoder_sparse_step == 0 (Qwen2-MoE's rule; 1: all).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0        # top-k
+    moe_intermediate_size: int = 0      # each expert's intermediate size
+    norm_topk_prob: bool = False        # renormalize the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE's always-on expert (0: none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # transformers rounds the routing weights to the model dtype before use (Qwen-MoE) or keeps
+    # them in fp32 (Mixtral); only half-precision results differ.
+    round_router_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -67,6 +78,14 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ModelConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                                       f"[1, num_experts ({self.num_experts})]")
+            if self.moe_intermediate_size < 1:
+                raise ModelConfigError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+            if self.decoder_sparse_step < 1:
+                raise ModelConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.torch_dtype not in DTYPES:
             raise ModelConfigError(f"torch_dtype must be one of {DTYPES}, got {self.torch_dtype!r}")
 
@@ -78,6 +97,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) is a mixture of experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return sum(not self.is_moe_layer(i) for i in range(self.num_layers))
+
     @property
     def max_model_len(self) -> int:
         """Longest context served; a sliding window caps it since we run full attention."""
@@ -88,8 +116,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        family = family_of(archs, raw.get("model_type"))
+        if family is None:
             raise ModelConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; cbserve serves "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}")
@@ -98,14 +126,14 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qkv_bias = bool(raw.get("attention_bias", False)) or SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+            qkv_bias = bool(raw.get("attention_bias", False)) or family == "qwen2"
             if raw.get("mlp_bias"):
                 raise ModelConfigError("mlp_bias=true is not supported")
             if raw.get("hidden_act", "silu") != "silu":
                 raise ModelConfigError(f"hidden_act must be 'silu', got {raw.get('hidden_act')!r}")
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
             return cls(
-                architecture=SUPPORTED_ARCHITECTURES[arch],
+                architecture=family,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
