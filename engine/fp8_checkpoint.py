@@ -195,7 +195,7 @@ def load_fp8_model(path: Path, cfg: ModelConfig, fp8: Fp8CheckpointConfig, dtype
     parts: dict[str, set[int | None]] = {}
     kv_scale_names: set[str] = set()
     for hf_name, stored in dtypes.items():
-        target = map_name(hf_name, cfg, model.hf_renames)
+        target = map_name(hf_name, cfg, model.hf_renames, model.hf_ignored)
         if target is None:
             continue
         ours, index = target.param, target.part

@@ -66,7 +66,7 @@ def load_weights(model: CausalLM, path: Path, shard: TPShard | None = None) -> N
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 bar.update(1)
-                target = map_name(hf_name, cfg, model.hf_renames)
+                target = map_name(hf_name, cfg, model.hf_renames, model.hf_ignored)
                 if target is None:
                     continue
                 ours = target.param

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import backend, checks
-from kernels.activation_ref import silu_and_mul_ref
+from kernels.activation_ref import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
 from kernels.fp8_quant_ref import quantize_fp8_rows_ref
 from kernels.kv_write_ref import write_kv_ref
@@ -20,7 +20,7 @@ from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul", "quantize_fp8_rows"]
+           "silu_and_mul", "gelu_tanh_and_mul", "quantize_fp8_rows"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -139,6 +139,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         return _triton_fn("activation_triton", "silu_and_mul_triton")(x)
     return silu_and_mul_ref(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = cat(gate, up)`` ([T, 2 * I] -> [T, I]; Gemma's GeGLU),
+    with the numerics of ``F.gelu(gate, approximate="tanh") * up``, in one pass on CUDA."""
+    checks.check_silu_and_mul(x)
+    if _use_triton(x):
+        return _triton_fn("activation_triton", "gelu_tanh_and_mul_triton")(x)
+    return gelu_tanh_and_mul_ref(x)
 
 
 def quantize_fp8_rows(

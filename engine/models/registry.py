@@ -15,12 +15,17 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",   # the text model only (engine/models/gemma3.py)
+    "GptOssForCausalLM": "gpt_oss",
 }
 # family -> (module, class) implementing it
 FAMILIES = {
     "llama": ("engine.models.llama", "LlamaForCausalLM"),
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
+    "gemma3": ("engine.models.gemma3", "Gemma3ForCausalLM"),
+    "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -112,7 +112,7 @@ def split_k() -> None:
 def elementwise() -> None:
     from kernels.kv_write_triton import _write_kv_kernel
     from kernels.norm_triton import _rms_norm_kernel
-    from kernels.activation_triton import _silu_and_mul_kernel
+    from kernels.activation_triton import _gated_act_kernel
     from kernels.rope_kv_triton import _rope_kv_kernel
     from kernels.rope_triton import _rope_kernel
 
@@ -148,7 +148,8 @@ def elementwise() -> None:
     _compile(_rope_kv_kernel, fp8_pointers,
              dict(HALF=32, HALF_PAD=32, TAIL=16, TAIL_PAD=16, HEAD_DIM=80, HEAD_PAD=128, Q_HEADS_PAD=32,
                   K_HEADS_PAD=8, BLOCK_SIZE=16, FP8=True), cache_strides)
-    _compile(_silu_and_mul_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024))
+    for act in (0, 1):   # SwiGLU, GeGLU (tanh GELU)
+        _compile(_gated_act_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024, ACT=act))
     from kernels.fp8_quant_triton import _quantize_rows_kernel
     for static in (False, True):   # fp8 linears' activations: per-token, or the checkpoint's static scale
         _compile(_quantize_rows_kernel,
