@@ -1,8 +1,10 @@
 """The model's shape, read from a Hugging Face `config.json` (transformers 4.x and 5.x layouts).
 
-Only the Llama family is served (Llama 2/3, Mistral, Qwen2): one decoder with RMSNorm, RoPE,
-GQA, SwiGLU, optional qkv bias and tied embeddings. Anything else is refused here, at the
-boundary, with a message that names the field.
+The families of engine/models/registry.py: Llama 2/3, Mistral, Qwen2, Qwen3 (dense decoders with
+RMSNorm, RoPE, GQA, SwiGLU, optional q/k/v bias, q/k norm and tied embeddings) and the mixtures
+of experts Mixtral, Qwen2-MoE and Qwen3-MoE. Anything else is refused here, at the boundary, with
+a message that names the field. A field missing from config.json takes the transformers config
+class's default for that family (`_family_fields`).
 """
 
 from __future__ import annotations
@@ -163,7 +165,6 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qkv_bias = bool(raw.get("attention_bias", False)) or family == "qwen2"
             if raw.get("mlp_bias"):
                 raise ModelConfigError("mlp_bias=true is not supported")
             hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
@@ -180,12 +181,10 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                head_dim=int(raw.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=extras.pop("rope") if "rope" in extras else _parse_rope(raw),
-                qkv_bias=qkv_bias,
-                o_bias=bool(raw.get("attention_bias", False)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 bos_token_id=raw.get("bos_token_id"),
@@ -193,6 +192,7 @@ class ModelConfig:
                 sliding_window=int(sliding) if sliding else None,
                 layer_windows=_layer_windows(raw, family, num_layers, int(sliding) if sliding else 0),
                 hidden_act=hidden_act,
+                **_family_fields(family, raw),
                 **extras,
             )
         except KeyError as e:
@@ -212,6 +212,35 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{file} is not valid JSON: {e}") from None
         return cls.from_dict(raw)
+
+
+def _family_fields(family: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields in which the families differ: attention biases, q/k norm, experts and routing."""
+    attention_bias = bool(raw.get("attention_bias", False))
+    fields: dict[str, Any] = dict(qkv_bias=attention_bias, o_bias=attention_bias)
+    if family == "qwen2":                  # q/k/v bias always, none on o_proj
+        fields.update(qkv_bias=True, o_bias=False)
+    if family in ("qwen3", "qwen3_moe"):
+        fields.update(qk_norm=True)
+    if family == "mixtral":                # every layer MoE, softmax -> top-k -> renormalized
+        fields.update(num_experts=int(raw.get("num_local_experts", 8)),
+                      num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+                      moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        # Qwen3-MoE's config maps num_experts to num_local_experts (attribute_map): it saves either.
+        experts = raw.get("num_experts", raw.get("num_local_experts", 60 if family == "qwen2_moe" else 128))
+        fields.update(num_experts=int(experts),
+                      num_experts_per_tok=int(raw.get("num_experts_per_tok", 4 if family == "qwen2_moe" else 8)),
+                      moe_intermediate_size=int(raw.get("moe_intermediate_size",
+                                                        1408 if family == "qwen2_moe" else 768)),
+                      norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                      decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+                      mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+                      round_router_weights=True)
+    if family == "qwen2_moe":              # q/k/v bias by its own flag; a shared expert with a sigmoid gate
+        fields.update(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False,
+                      shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632)))
+    return fields
 
 
 def _parse_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:

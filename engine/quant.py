@@ -131,6 +131,10 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device) ->
     if device.type != "cpu":
         raise ValueError("int8 quantization runs on CPU only (it targets oneDNN's VNNI kernels); "
                          "on a GPU serve bfloat16")
+    experts = getattr(getattr(model, "cfg", None), "num_experts", 0)
+    if experts:
+        raise ValueError(f"--quantization int8 does not cover mixture-of-experts layers ({model.cfg.architecture}, "
+                         f"{experts} experts): serve this model unquantized or with --quantization fp8")
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

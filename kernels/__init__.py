@@ -15,12 +15,13 @@ from kernels.activation_ref import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
 from kernels.fp8_quant_ref import quantize_fp8_rows_ref
 from kernels.kv_write_ref import write_kv_ref
+from kernels.moe_ref import fused_moe_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul", "gelu_tanh_and_mul", "quantize_fp8_rows"]
+           "silu_and_mul", "gelu_tanh_and_mul", "quantize_fp8_rows", "fused_moe"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -161,3 +162,25 @@ def quantize_fp8_rows(
     if _use_triton(x):
         return _triton_fn("fp8_quant_triton", "quantize_fp8_rows_triton")(x, static_scale)
     return quantize_fp8_rows_ref(x, static_scale)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: each expert's gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32 routing weights
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64 experts, in [0, num_experts)
+    w13_scale: torch.Tensor | None = None,  # [num_experts, 2 * intermediate] fp32, fp8 weights only
+    w2_scale: torch.Tensor | None = None,  # [num_experts, hidden] fp32, fp8 weights only
+) -> torch.Tensor:
+    """SwiGLU mixture-of-experts FFN: ``sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
+    ``e = topk_ids[t, k]``; returns ``[num_tokens, hidden]`` in x's dtype.
+
+    Triton on CUDA: slots sorted by expert on the device, one grouped GEMM launch per projection,
+    no host read (CUDA-graph safe). Elsewhere the torch reference, which runs only the experts
+    that got tokens. fp8 (e4m3) weights carry per-output-channel scales and are dequantized as
+    they load (activations stay in x's dtype)."""
+    checks.check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if _use_triton(x):
+        return _triton_fn("moe_triton", "fused_moe_triton")(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

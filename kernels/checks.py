@@ -18,6 +18,7 @@ _FLOATS = frozenset(FLOAT_DTYPES)
 # An fp8 KV cache holds K / k_scale and V / v_scale in e4m3 (per-tensor scales, one pair per layer):
 # writes quantize, reads dequantize. Any float query dtype may use one.
 FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn   # fp8 expert weights (per-channel scales) of fused_moe
 _I32, _I64 = torch.int32, torch.int64
 
 
@@ -210,3 +211,39 @@ def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) 
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
     raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")
+
+
+def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> None:
+    """Validate the inputs of ``fused_moe``: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in
+    x's dtype (or float8_e4m3fn with fp32 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``), fp32
+    ``topk_weights`` and int32/int64 ``topk_ids``, both ``[T, K]`` with ``K <= E``. The ids'
+    values (in ``[0, E)``) are not checked: that would read them back from the device."""
+    xs, ws, ds, ks = x.shape, w13.shape, w2.shape, topk_ids.shape
+    fp8 = w13.dtype is FP8_WEIGHT_DTYPE
+    if (len(xs) == 2 and len(ws) == 3 and len(ds) == 3 and len(ks) == 2 and x.dtype in _FLOATS
+            and ws[2] == xs[1] and ws[1] % 2 == 0 and ds == (ws[0], xs[1], ws[1] // 2)
+            and (w13.dtype is x.dtype or fp8) and w2.dtype is w13.dtype
+            and ks[0] == xs[0] and 0 < ks[1] <= ws[0] and topk_ids.dtype in (_I32, _I64)
+            and topk_weights.shape == ks and topk_weights.dtype is torch.float32
+            and (w13_scale is None) == (w2_scale is None) == (not fp8)
+            and (not fp8 or (w13_scale.shape == ws[:2] and w2_scale.shape == ds[:2]
+                             and w13_scale.dtype is torch.float32 and w2_scale.dtype is torch.float32))):
+        return
+    if not (x.dim() == 2 and x.dtype in FLOAT_DTYPES):
+        raise ValueError(f"x must be [num_tokens, hidden] floating point, got {x.dtype} {tuple(x.shape)}")
+    if not (w13.dim() == 3 and w13.shape[2] == x.shape[1] and w13.shape[1] % 2 == 0):
+        raise ValueError(f"w13 must be [num_experts, 2 * intermediate, {x.shape[1]}], got {tuple(w13.shape)}")
+    if w2.shape != (w13.shape[0], x.shape[1], w13.shape[1] // 2):
+        raise ValueError(f"w2 must be [{w13.shape[0]}, {x.shape[1]}, {w13.shape[1] // 2}], got {tuple(w2.shape)}")
+    if not (w2.dtype is w13.dtype and w13.dtype in (x.dtype, FP8_WEIGHT_DTYPE)):
+        raise ValueError(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be x's dtype ({x.dtype}) or {FP8_WEIGHT_DTYPE}")
+    if not (topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0] and 0 < topk_ids.shape[1] <= w13.shape[0]
+            and topk_ids.dtype in (_I32, _I64)):
+        raise ValueError(f"topk_ids must be int32/int64 [{x.shape[0]}, top_k <= {w13.shape[0]}], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if not (topk_weights.shape == topk_ids.shape and topk_weights.dtype is torch.float32):
+        raise ValueError(f"topk_weights must be float32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    raise ValueError(f"fp8 experts need float32 w13_scale {tuple(w13.shape[:2])} and w2_scale {tuple(w2.shape[:2])} "
+                     f"(per output channel); other dtypes take none")

@@ -15,6 +15,10 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",   # the text model only (engine/models/gemma3.py)
     "GptOssForCausalLM": "gpt_oss",
@@ -24,6 +28,10 @@ FAMILIES = {
     "llama": ("engine.models.llama", "LlamaForCausalLM"),
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
+    "qwen3": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("engine.models.gemma3", "Gemma3ForCausalLM"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
 }
