@@ -62,6 +62,8 @@ def read_fp8_config(path: Path) -> Fp8CheckpointConfig | None:
     if not qcfg:
         return None
     method = qcfg.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None   # its MXFP4 experts are dequantized at load (engine/models/gpt_oss.py)
     if method != "fp8":
         raise CheckpointError(f"{path}: quantization_config.quant_method {method!r} is not supported; cbserve "
                               "loads unquantized checkpoints and 'fp8' ones (e4m3 weights, per-tensor or "

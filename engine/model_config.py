@@ -86,6 +86,12 @@ class ModelConfig:
     # transformers rounds the routing weights to the model dtype before use (Qwen-MoE) or keeps
     # them in fp32 (Mixtral); only half-precision results differ.
     round_router_weights: bool = False
+    # gpt-oss: router and experts carry biases, and the experts gate with its clamped SwiGLU
+    # ("swiglu_oai": (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)).
+    moe_bias: bool = False
+    moe_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -237,6 +243,13 @@ def _family_fields(family: str, raw: dict[str, Any]) -> dict[str, Any]:
                       decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
                       mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
                       round_router_weights=True)
+    if family == "gpt_oss":                # top-k over the router's logits, softmax over the k (= renormalized)
+        fields.update(num_experts=int(raw.get("num_local_experts", 128)),
+                      num_experts_per_tok=int(raw.get("num_experts_per_tok", 4)),
+                      moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                      round_router_weights=True, moe_bias=True, moe_activation="swiglu_oai",
+                      swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     if family == "qwen2_moe":              # q/k/v bias by its own flag; a shared expert with a sigmoid gate
         fields.update(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False,
                       shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632)))

@@ -148,6 +148,8 @@ class TPShard:
             return SplitPlan(1, (rows, up), 2 * total)
         if name.endswith("experts.down_proj"):
             return SplitPlan(1 if per_expert else 2, (rows,), total)
+        if name.endswith("experts.gate_up_proj_bias"):       # gpt-oss: [E, 2I], split as the rows it adds to
+            return SplitPlan(1, (rows, range(total + rows.start, total + rows.stop)), 2 * total)
         if name.endswith("gate_up_proj.weight"):
             return SplitPlan(0, (rows,), total)
         if name.endswith("down_proj.weight"):

@@ -172,6 +172,12 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64 experts, in [0, num_experts)
     w13_scale: torch.Tensor | None = None,  # [num_experts, 2 * intermediate] fp32, fp8 weights only
     w2_scale: torch.Tensor | None = None,  # [num_experts, hidden] fp32, fp8 weights only
+    *,
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate] in x's dtype (gpt-oss)
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    activation: str = "silu",  # or "swiglu_oai": gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """SwiGLU mixture-of-experts FFN: ``sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
     ``e = topk_ids[t, k]``; returns ``[num_tokens, hidden]`` in x's dtype.
@@ -179,8 +185,13 @@ def fused_moe(
     Triton on CUDA: slots sorted by expert on the device, one grouped GEMM launch per projection,
     no host read (CUDA-graph safe). Elsewhere the torch reference, which runs only the experts
     that got tokens. fp8 (e4m3) weights carry per-output-channel scales and are dequantized as
-    they load (activations stay in x's dtype)."""
+    they load (activations stay in x's dtype). gpt-oss: per-expert biases after each projection and
+    its clamped SwiGLU gate (``activation="swiglu_oai"``, ``swiglu_alpha`` / ``swiglu_limit``)."""
     checks.check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    checks.check_moe_extras(x, w13, w2, w13_bias, w2_bias, activation)
+    extras = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+                  swiglu_limit=swiglu_limit)
     if _use_triton(x):
-        return _triton_fn("moe_triton", "fused_moe_triton")(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return _triton_fn("moe_triton", "fused_moe_triton")(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                                                            **extras)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **extras)

@@ -213,6 +213,21 @@ def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) 
     raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")
 
 
+def check_moe_extras(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                     w2_bias: torch.Tensor | None, activation: str) -> None:
+    """Validate gpt-oss's options of ``fused_moe``: biases ``[E, 2I]`` / ``[E, H]`` in x's dtype
+    (both or neither) and the activation's name."""
+    if ((w13_bias is None) == (w2_bias is None) and activation in ("silu", "swiglu_oai")
+            and (w13_bias is None or (w13_bias.shape == w13.shape[:2] and w2_bias.shape == w2.shape[:2]
+                                      and w13_bias.dtype is x.dtype and w2_bias.dtype is x.dtype))):
+        return
+    if activation not in ("silu", "swiglu_oai"):
+        raise ValueError(f"activation must be 'silu' or 'swiglu_oai', got {activation!r}")
+    raise ValueError(f"expert biases must both be given, {x.dtype} [{w13.shape[0]}, {w13.shape[1]}] and "
+                     f"[{w2.shape[0]}, {w2.shape[1]}]; got {None if w13_bias is None else tuple(w13_bias.shape)} "
+                     f"and {None if w2_bias is None else tuple(w2_bias.shape)}")
+
+
 def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> None:
     """Validate the inputs of ``fused_moe``: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in

@@ -13,6 +13,8 @@ Tensor parallelism: with a `shard`, the model holds only that rank's share (engi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +60,13 @@ class CausalLM(nn.Module):
         rope = cos_sin_cache(cfg.rope, cfg.head_dim, max_position or cfg.max_position_embeddings, device)
         self.register_buffer("rope_cache", rope, persistent=False)  # [max_position, head_dim] fp32
         self.requires_grad_(False)
+
+    def checkpoint_tensors(self, f) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """`(name, tensor)` for each tensor of the open safetensors file `f`: None to read it from
+        the file as it is (the default, every tensor); a family whose checkpoint stores some in
+        another layout (gpt-oss: transposed, interleaved or MXFP4 experts) yields them converted."""
+        for name in f.keys():
+            yield name, None
 
     def make_layer(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
                    comm) -> nn.Module:

@@ -30,9 +30,10 @@ WINDOW_CONFIGS = {
         sliding_window=7, sliding_window_pattern=3, query_pre_attn_scalar=24, final_logit_softcapping=8.0,
         rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_local_base_freq=500.0)),
     # gpt-oss: sinks, sliding/full alternating (window 6), YaRN, 5 experts top-2 with biases and
-    # the clamped SwiGLU (limit 1.5 so the clamp bites at this init), attention biases.
+    # the clamped SwiGLU (limit 1.5 so the clamp bites at this init), attention biases; MXFP4 needs
+    # hidden and intermediate sizes in multiples of 32.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512,
         sliding_window=6, num_local_experts=5, num_experts_per_tok=2, swiglu_limit=1.5,
         rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -56,3 +57,47 @@ def make_window_model(name: str, out_dir: Path, seed: int = 0):
     """Write checkpoint `name` of `WINDOW_CONFIGS` to `out_dir`; returns the HF model (fp32)."""
     init = functools.partial(_init, gemma=name.startswith("gemma"))
     return make_hf_model(name, out_dir, seed, configs=WINDOW_CONFIGS, init=init)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., rows, cols]` -> (`blocks [..., rows, cols / 32, 16]`, `scales [..., rows, cols / 32]`)
+    uint8, transformers' MXFP4 layout: per group of 32 a power-of-two scale so the largest value
+    fits e2m1's 6.0, each value the nearest e2m1 code, the even column in the low nibble."""
+    from engine.models.mxfp4 import FP4_VALUES, SCALE_BIAS
+
+    groups = w.float().unflatten(-1, (-1, 32))                                  # [..., rows, G, 32]
+    amax = groups.abs().amax(-1).clamp(min=2.0 ** -126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-SCALE_BIAS, 127)      # [..., rows, G]
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)   # [..., 32] in 0..15
+    codes = codes.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                          # [..., rows, G, 16]
+    return blocks, (exponent + SCALE_BIAS).to(torch.uint8)
+
+
+def write_mxfp4_checkpoint(src: Path, dst: Path) -> None:
+    """Rewrite the gpt-oss checkpoint at `src` into `dst` with MXFP4 experts, as OpenAI's release
+    and transformers store them (`experts.{gate_up,down}_proj_{blocks,scales}` of the `[E, out, in]`
+    weights; biases, attention, router and embeddings unquantized)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):     # transformers' [E, in, out]
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2))
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    for extra in ("generation_config.json",):
+        if (src / extra).exists():
+            shutil.copy(src / extra, dst / extra)

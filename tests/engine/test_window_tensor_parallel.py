@@ -30,3 +30,17 @@ def test_tp2_equals_tp1_and_transformers(tmp_path, name):
         assert tokens1 == want and tokens2 == want
         for lp1, lp2 in zip(lps1, lps2):
             assert abs(lp1.logprob - lp2.logprob) <= LOGPROB_TOLERANCE
+
+
+def test_tp2_reads_mxfp4_experts_in_shards(tmp_path):
+    # The MXFP4 experts are dequantized in memory and each rank takes its intermediate slice.
+    from tests.engine.hf_window_models import write_mxfp4_checkpoint
+
+    make_window_model("gpt_oss", tmp_path / "float")
+    write_mxfp4_checkpoint(tmp_path / "float", tmp_path / "mxfp4")
+    prompts = _prompts(300)
+    one, two = _generate(tmp_path / "mxfp4", 1, prompts), _generate(tmp_path / "mxfp4", 2, prompts)
+    for (tokens1, lps1), (tokens2, lps2) in zip(one, two):
+        assert tokens1 == tokens2
+        for lp1, lp2 in zip(lps1, lps2):
+            assert abs(lp1.logprob - lp2.logprob) <= LOGPROB_TOLERANCE
