@@ -109,6 +109,21 @@ def split_k() -> None:
                  dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1, HAS_SINKS=sinks), {"v_scale": "fp32"})
 
 
+def moe() -> None:
+    """The fused-MoE grouped GEMM: SwiGLU gate/up and weighted down projections, bf16, and
+    gpt-oss's variant (per-expert biases, clamped SwiGLU)."""
+    from kernels.moe_triton import _moe_gemm_kernel
+
+    pointers = {"c_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                "weights_ptr": "*fp32", "sorted_slots_ptr": "*i32", "block_experts_ptr": "*i32",
+                "num_padded_ptr": "*i32"}
+    for swiglu, oai in ((True, False), (False, False), (True, True), (False, True)):
+        _compile(_moe_gemm_kernel, pointers,
+                 dict(A_DIV=4 if swiglu else 1, SWIGLU=swiglu, MUL_WEIGHT=not swiglu, HAS_SCALE=False, HAS_BIAS=oai,
+                      OAI=oai and swiglu, IEEE_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, stride_bk=1),
+                 {"alpha": "fp32", "limit": "fp32"})
+
+
 def elementwise() -> None:
     from kernels.kv_write_triton import _write_kv_kernel
     from kernels.norm_triton import _rms_norm_kernel
@@ -159,7 +174,7 @@ def elementwise() -> None:
 
 def main() -> int:
     try:
-        for check in (unified_attention, split_k, elementwise):
+        for check in (unified_attention, split_k, moe, elementwise):
             check()
             print("compiled", check.__name__, flush=True)
     except MissingToolchain as err:
