@@ -35,10 +35,12 @@ from engine.scheduler import ScheduledSeq  # noqa: E402
 
 
 def layouts(num_layers: int, window: int) -> dict[str, tuple[int, ...]]:
-    """name -> per-layer windows (0: full attention)."""
+    """name -> per-layer windows (0: full attention). The mixed layout makes every sixth layer
+    global, and the last one when there are fewer than six."""
+    mixed = tuple(0 if (i + 1) % 6 == 0 or i + 1 == num_layers < 6 else window for i in range(num_layers))
     return {
         "full": (),
-        "gemma3 5:1": tuple(0 if (i + 1) % 6 == 0 else window for i in range(num_layers)),
+        "gemma3 5:1": mixed,
         "all windowed": (window,) * num_layers,
     }
 
