@@ -136,15 +136,6 @@ def attend_range(
     and ``end`` (the test is then ``k_ok`` itself, which the compiler reuses). ``row_ok`` stays a
     separate factor of the mask: with a constant ``GROUP`` the compiler then drops the padded
     rows' softmax in the masked tile."""
-    for n_start in range(start, head_end, BLOCK_N):
-        k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        k_ok = (k_pos >= lo) & (k_pos < end)
-        visible = (k_pos[None, :] >= row_begin) & (k_pos[None, :] < row_end) & row_ok[:, None]
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_ok, visible, qk_scale, block_row_ptr,
-                                    k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
-                                    stride_kb, stride_ks, stride_kh, stride_kd,
-                                    stride_vb, stride_vs, stride_vh, stride_vd,
-                                    BLOCK_SIZE, IEEE_FP32, MASKED=True)
     for n_start in range(head_end, n_full, BLOCK_N):
         k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_pos, k_pos, k_pos, qk_scale, block_row_ptr,
@@ -152,7 +143,10 @@ def attend_range(
                                     stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd,
                                     BLOCK_SIZE, IEEE_FP32, MASKED=False)
-    for n_start in range(n_full, end, BLOCK_N):
+    # One masked loop over the head's tiles, then the tail's (the online softmax is order-free).
+    num_head = (head_end - start) // BLOCK_N
+    for i in range(0, num_head + (end - n_full + BLOCK_N - 1) // BLOCK_N):
+        n_start = tl.where(i < num_head, start + i * BLOCK_N, n_full + (i - num_head) * BLOCK_N)
         k_pos = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = (k_pos >= lo) & (k_pos < end)
         # [ROWS, BLOCK_N]; implies k_ok
