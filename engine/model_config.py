@@ -16,7 +16,6 @@ from typing import Any
 
 from engine.models.registry import ARCHITECTURES, family_of
 
-SUPPORTED_ARCHITECTURES = ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose `sliding_window` applies to every layer (transformers ignores `layer_types` there).
@@ -162,7 +161,7 @@ class ModelConfig:
         if family is None:
             raise ModelConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; cbserve serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+                f"{sorted(ARCHITECTURES)}")
         if isinstance(raw.get("text_config"), dict):   # a multimodal checkpoint: serve its text model
             top = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype") if k in raw}
             raw = {**top, **raw["text_config"]}

@@ -3,8 +3,8 @@
 Column-parallel layers (q/k/v, gate/up, the vocab of the embedding and the head) split their
 output rows; row-parallel layers (o_proj, down_proj) split their input columns and end in one
 all-reduce. Query heads and the MLP's intermediate size split evenly; so does every expert of a
-mixture of experts (its gate/up rows and down columns, as a dense MLP's; routers are replicated). KV heads split evenly when
-there are at least as many as ranks; with fewer, each KV head is replicated on the
+mixture of experts (its gate/up rows and down columns, as a dense MLP's; routers are replicated).
+KV heads split evenly when there are at least as many as ranks; with fewer, each KV head is replicated on the
 `size // num_kv_heads` consecutive ranks whose query heads read it (rank r keeps KV head
 `r * num_kv_heads // size`), so every rank still holds exactly one KV head's cache. The vocabulary
 splits into equal padded shards (the last rank's tail rows are zeros, dropped after the gather).

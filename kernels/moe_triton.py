@@ -118,9 +118,9 @@ def block_m_for(num_slots: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
-def _tile(size: int) -> int:
-    # Output-column and reduction tiles: a power of two in [16, 64] (tl.dot needs >= 16).
-    return max(16, min(64, triton.next_power_of_2(size)))
+def _tile(size: int, most: int) -> int:
+    # A power of two in [16, most] (tl.dot needs >= 16).
+    return max(16, min(most, triton.next_power_of_2(size)))
 
 
 def _launch(c, a, b, b_scale, weights, align, num_slots: int, a_div: int, swiglu: bool, block_m: int,
@@ -133,7 +133,8 @@ def _launch(c, a, b, b_scale, weights, align, num_slots: int, a_div: int, swiglu
     scale = b_scale if has_scale else weights          # any fp32 tensor: not read
     has_bias = bias is not None
     bias_t = bias if has_bias else weights
-    block_n = _tile(n)
+    block_n = _tile(n, 64)
+    block_k = _tile(k, 128)   # long reduction tiles keep more weight bytes in flight per program
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     alpha, limit = oai or (1.0, 0.0)
     _moe_gemm_kernel[grid](
@@ -143,7 +144,7 @@ def _launch(c, a, b, b_scale, weights, align, num_slots: int, a_div: int, swiglu
         bias_t.stride(0) if has_bias else 0, bias_t.stride(1) if has_bias else 0, float(alpha), float(limit),
         A_DIV=a_div, SWIGLU=swiglu, MUL_WEIGHT=not swiglu, HAS_SCALE=has_scale, HAS_BIAS=has_bias,
         OAI=oai is not None,
-        IEEE_FP32=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_tile(k), num_warps=4,
+        IEEE_FP32=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
 
 

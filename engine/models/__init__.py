@@ -1,8 +1,9 @@
 """The decoder models, one file per family over shared layers (vLLM's `model_executor/models/` seam).
 
-Shared layers: `linear` (oneDNN-packed linears on CPU), `norm`, `attention`, `mlp`, `embedding`
+Shared layers: `linear` (oneDNN-packed linears on CPU), `norm`, `attention` (optional q/k norm),
+`mlp`, `moe` (router, experts through `kernels.fused_moe`, shared expert), `embedding`
 (vocab-parallel), `decoder` (one pre-norm layer), `causal_lm` (the shell: embedding, layers, head,
 RoPE table), `weights` (checkpoint names -> our fused parameters). Families: `llama` (Llama,
-Mistral, Qwen2). `registry` maps a config.json to its family. Nothing is imported here, so the
-torch-free config code can read the registry.
+Mistral, Qwen2), `qwen3`, `mixtral`, `qwen2_moe`, `qwen3_moe`. `registry` maps a config.json to
+its family. Nothing is imported here, so the torch-free config code can read the registry.
 """

@@ -53,7 +53,8 @@ class Experts(nn.Module):
                                                      device=device), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros((num_experts, hidden, intermediate), dtype=dtype, device=device),
                                       requires_grad=False)
-        self.gate_up_scale = self.down_scale = None
+        self.register_buffer("gate_up_scale", None)     # [E, 2I] fp32, fp8 weights only
+        self.register_buffer("down_scale", None)        # [E, H] fp32
         if bias:
             self.gate_up_proj_bias = nn.Parameter(torch.zeros((num_experts, 2 * intermediate), dtype=dtype,
                                                               device=device), requires_grad=False)
@@ -74,12 +75,15 @@ class Experts(nn.Module):
 
     def pack(self) -> bool:
         """CPU: reorder every expert's two matrices into oneDNN's layout, in place of the 3-D
-        parameters (memory-neutral); False where they cannot be packed (see `linear.pack_weight`)."""
+        parameters (freed once all are packed: the peak holds both copies once); False where
+        they cannot be packed (see `linear.pack_weight`; fp8 experts stay as they are)."""
         if self.packed is not None:
             return True
-        if self.gate_up_scale is not None or pack_weight(self.gate_up_proj[0]) is None:
+        first = None if self.gate_up_scale is not None else pack_weight(self.gate_up_proj[0])
+        if first is None:
             return False
-        packed = ([pack_weight(w) for w in self.gate_up_proj], [pack_weight(w) for w in self.down_proj])
+        packed = ([first, *(pack_weight(w) for w in self.gate_up_proj[1:])],
+                  [pack_weight(w) for w in self.down_proj])
         del self.gate_up_proj, self.down_proj
         for kind, tensors in zip(("gate_up_proj", "down_proj"), packed):
             for e, t in enumerate(tensors):          # buffers, so the weights count as the model's memory

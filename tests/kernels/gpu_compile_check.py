@@ -109,21 +109,6 @@ def split_k() -> None:
                  dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1, HAS_SINKS=sinks), {"v_scale": "fp32"})
 
 
-def moe() -> None:
-    """The fused-MoE grouped GEMM: SwiGLU gate/up and weighted down projections, bf16, and
-    gpt-oss's variant (per-expert biases, clamped SwiGLU)."""
-    from kernels.moe_triton import _moe_gemm_kernel
-
-    pointers = {"c_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-                "weights_ptr": "*fp32", "sorted_slots_ptr": "*i32", "block_experts_ptr": "*i32",
-                "num_padded_ptr": "*i32"}
-    for swiglu, oai in ((True, False), (False, False), (True, True), (False, True)):
-        _compile(_moe_gemm_kernel, pointers,
-                 dict(A_DIV=4 if swiglu else 1, SWIGLU=swiglu, MUL_WEIGHT=not swiglu, HAS_SCALE=False, HAS_BIAS=oai,
-                      OAI=oai and swiglu, IEEE_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, stride_bk=1),
-                 {"alpha": "fp32", "limit": "fp32"})
-
-
 def elementwise() -> None:
     from kernels.kv_write_triton import _write_kv_kernel
     from kernels.norm_triton import _rms_norm_kernel
@@ -172,9 +157,38 @@ def elementwise() -> None:
                  dict(BLOCK=1024, STATIC=static), {"min_scale": "fp32"})
 
 
+def fused_moe() -> None:
+    from kernels.moe_triton import _moe_gemm_kernel
+
+    def pointers(act: str, weight: str) -> dict[str, str]:
+        return {"c_ptr": act, "a_ptr": act, "b_ptr": weight, "b_scale_ptr": "*fp32", "bias_ptr": act,
+                "weights_ptr": "*fp32", "sorted_slots_ptr": "*i32", "block_experts_ptr": "*i32",
+                "num_padded_ptr": "*i32"}
+
+    # gate/up (SwiGLU epilogue) at decode tiles, down (routing weight) at prefill tiles, fp32 with
+    # ieee dots, and fp8 (e4m3) expert weights under bf16 activations.
+    for (act, weight), constants in (
+            (("*bf16", "*bf16"), dict(A_DIV=8, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=False, IEEE_FP32=False,
+                                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+            (("*bf16", "*bf16"), dict(A_DIV=1, SWIGLU=False, MUL_WEIGHT=True, HAS_SCALE=False, IEEE_FP32=False,
+                                      BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)),
+            (("*fp32", "*fp32"), dict(A_DIV=2, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=False, IEEE_FP32=True,
+                                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
+            (("*bf16", "*fp8e4nv"), dict(A_DIV=8, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=True, IEEE_FP32=False,
+                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))):
+        _compile(_moe_gemm_kernel, pointers(act, weight), dict(constants, HAS_BIAS=False, OAI=False, stride_bk=1),
+                 {"alpha": "fp32", "limit": "fp32"})
+    # gpt-oss: per-expert biases, the clamped SwiGLU (gate/up) and the biased down projection, bf16.
+    for swiglu in (True, False):
+        _compile(_moe_gemm_kernel, pointers("*bf16", "*bf16"),
+                 dict(A_DIV=4 if swiglu else 1, SWIGLU=swiglu, MUL_WEIGHT=not swiglu, HAS_SCALE=False, HAS_BIAS=True,
+                      OAI=swiglu, IEEE_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, stride_bk=1),
+                 {"alpha": "fp32", "limit": "fp32"})
+
+
 def main() -> int:
     try:
-        for check in (unified_attention, split_k, moe, elementwise):
+        for check in (unified_attention, split_k, elementwise, fused_moe):
             check()
             print("compiled", check.__name__, flush=True)
     except MissingToolchain as err:
