@@ -7,7 +7,8 @@ windowed (Mistral's `sliding_window`). Each times `ModelRunner.run` on decode ba
 which gathers only the blocks a window reaches), and counts the KV blocks a sequence holds: all
 of them unless every layer is windowed, when the engine frees the blocks behind the window
 (their table entries are the null block here, as the scheduler leaves them). Prints one table;
-min and median over `--iters` runs, the three layouts measured side by side in one process.
+min and median over `--iters` rounds, each round one step of each layout in turn (side by side in
+one process, so load on the machine slows all three alike).
 
     .venv/bin/python bench/window_decode.py                       # small, context 4000, window 512
     .venv/bin/python bench/window_decode.py --decode 1 --context 2000 --window 256 --iters 3
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -73,20 +75,27 @@ def main(argv: list[str] | None = None) -> None:
     cpu, bs = torch.device("cpu"), args.block_size
     blocks_per_seq = -(-args.context // bs)
     kv = allocate_kv_cache(cfg, max(batches) * blocks_per_seq + 1, bs, torch.float32, cpu)
-    rows = []
+    runners = {}
     for name, windows in layouts(cfg.num_layers, args.window).items():
         layout_cfg = dataclasses.replace(cfg, layer_windows=windows)
         model = load_model(model_dir, layout_cfg, torch.float32, cpu, args.context + 1)
-        runner = ModelRunner(model, kv, bs, cpu, max_num_seqs=max(batches), max_model_len=args.context + 1)
-        for b in batches:
-            batch = decode_batch(b, args.context, bs, cfg.vocab_size)
-            if layout_cfg.kv_free_window:
-                batch = freed(batch, args.window, bs)
-            held = sum(1 for block in batch[0].block_ids if block != NULL_BLOCK_ID)
-            best, median = time_step(runner, batch, args.iters)
-            rows.append((name, b, held, best, median))
-            print(f"  {name:13s} decode {b}x{args.context}: {best:8.1f} ms, {held} blocks/seq", file=sys.stderr)
-        del runner, model
+        runners[name] = (layout_cfg, ModelRunner(model, kv, bs, cpu, max_num_seqs=max(batches),
+                                                 max_model_len=args.context + 1))
+    rows = []
+    for b in batches:
+        batch = decode_batch(b, args.context, bs, cfg.vocab_size)
+        cases = {name: freed(batch, args.window, bs) if layout_cfg.kv_free_window else batch
+                 for name, (layout_cfg, _) in runners.items()}
+        # Round robin, one run per layout at a time: a loaded machine slows all three alike.
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.iters):
+            for name, (_, runner) in runners.items():
+                times[name].append(time_step(runner, cases[name], 1)[0])
+        for name in runners:
+            held = sum(1 for block in cases[name][0].block_ids if block != NULL_BLOCK_ID)
+            rows.append((name, b, held, min(times[name]), statistics.median(times[name])))
+            print(f"  {name:13s} decode {b}x{args.context}: {min(times[name]):8.1f} ms, {held} blocks/seq",
+                  file=sys.stderr)
 
     full = {b: best for name, b, _, best, _ in rows if name == "full"}
     print(f"\nmodel={args.model} ({model_dir.name}, {cfg.num_layers} layers), window={args.window}, "
