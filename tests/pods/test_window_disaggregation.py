@@ -18,7 +18,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_window_models import make_window_model
-from tests.pods.podproc import AUTH, Pod, disaggregated, run, sampling
+from tests.pods.podproc import AUTH, disaggregated, pod_pair, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
@@ -32,15 +32,10 @@ ARGS = ("--block-size", "4", "--num-blocks", str(NUM_BLOCKS))
 def setup(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     make_window_model(request.param, path)
-    prefill = Pod("prefill", "--model", str(path), "--kv-transport", "nccl", *ARGS)
-    decode = Pod("decode", "--model", str(path), "--kv-transport", "nccl", *ARGS)
     reference = Engine(EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=64)))
-    try:
-        yield request.param, prefill.wait_ready(), decode.wait_ready(), reference
-    finally:
-        prefill.stop()
-        decode.stop()
+    with pod_pair("--model", str(path), "--kv-transport", "nccl", *ARGS) as (prefill, decode):
+        yield request.param, prefill, decode, reference
 
 
 def _prompts() -> list[list[int]]:
