@@ -8,8 +8,11 @@ Step time (any device; CPU by default): two random models on the `small` preset'
 `experts x hidden` aside). The same `ModelRunner` the engine uses times whole decode steps
 (`bench/step_time.py`'s batches), the two models alternating round by round so that machine load
 hits both alike; the table gives min and median ms and the MoE / dense ratio of the medians.
+`--clock cpu` times the thread's CPU time instead of the wall clock (CPU, one torch thread: the
+step runs inline in this thread), which a loaded shared machine disturbs far less.
 
     .venv/bin/python bench/moe_step.py                          # CPU: 8 experts top-2, batch 1 and 32
+    .venv/bin/python bench/moe_step.py --clock cpu              # the same, CPU time of the thread
     .venv/bin/python bench/moe_step.py --experts 64 --top-k 8 --expert-size 352
     .venv/bin/python bench/moe_step.py --device cuda --dtype bfloat16 --kernel   # GPU: + kernel bandwidth
 
@@ -91,7 +94,8 @@ def bench_steps(args, device: torch.device, dtype: torch.dtype) -> None:
                                     max_num_batched_tokens=max(batches), max_model_len=args.context + 1)
         runners[name].capture_cuda_graphs()
     torch.set_num_threads(args.threads)
-    print(f"device={device.type} dtype={args.dtype} threads={args.threads} layers={args.layers} "
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    print(f"device={device.type} dtype={args.dtype} threads={args.threads} clock={args.clock} layers={args.layers} "
           f"experts={args.experts} top_k={args.top_k} expert_size={args.expert_size} context={args.context}; "
           f"active params: dense {active_params(cfgs['dense']) / 1e6:.1f}M, moe {active_params(cfgs['moe']) / 1e6:.1f}M")
     print(f"{'batch':>5s}  {'model':6s} {'min ms':>8s} {'median ms':>10s}  {'moe/dense':>9s}")
@@ -103,10 +107,10 @@ def bench_steps(args, device: torch.device, dtype: torch.dtype) -> None:
         for _ in range(args.iters):                       # alternate, so load hits both
             for name, runner in runners.items():
                 _sync(device)
-                t0 = time.perf_counter()
+                t0 = clock()
                 runner.run(scheduled)
                 _sync(device)
-                times[name].append((time.perf_counter() - t0) * 1e3)
+                times[name].append((clock() - t0) * 1e3)
         med = {name: statistics.median(t) for name, t in times.items()}
         for name, t in times.items():
             ratio = f"{med['moe'] / med['dense']:9.2f}" if name == "moe" else ""
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="cpu: this thread's CPU time (CPU device, --threads 1 only)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
@@ -168,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-steps", action="store_true", help="only the kernel (with --kernel)")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.clock == "cpu" and (device.type != "cpu" or args.threads != 1):
+        ap.error("--clock cpu needs --device cpu --threads 1 (other threads' work would not count)")
     if not args.no_steps:
         bench_steps(args, device, dtype)
     if args.kernel:

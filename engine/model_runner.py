@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeBuckets
+from engine.runner.inference import inference_mode
+from engine.runner.warmup import warm_up
 from engine.models.causal_lm import CausalLM
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
@@ -84,6 +86,8 @@ class ModelRunner:
             keep_freed_memory()
             model.pack_weights()
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         max_width = -(-max_model_len // block_size)
         self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width),
                                  block_size, device)
@@ -99,6 +103,11 @@ class ModelRunner:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
         return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
 
+    def warm_up(self) -> float:
+        """Compile every kernel variant an eager step can need now, not while serving (CUDA; a no-op
+        elsewhere: `engine.runner.warmup`). Call after the KV cache exists."""
+        return warm_up(self) if self.device.type == "cuda" else 0.0
+
     def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
         return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows,
@@ -113,7 +122,7 @@ class ModelRunner:
         slots = np.fromiter((slot_of.get(seq[0], -1) for seq in scheduled), np.int32, len(scheduled))
         return slots if graphs or (slots >= 0).any() else None
 
-    @torch.inference_mode()
+    @inference_mode
     def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
         rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens
@@ -126,8 +135,8 @@ class ModelRunner:
             if bucket is not None:
                 return self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
         t = self.prepare(scheduled, prev)
-        if t.fill_dst.numel():
-            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        if prev is not None:
+            t.fill_from(prev.token_ids)
         if self.tp is None:
             return self._forward(t)
         with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids

@@ -9,6 +9,7 @@ import argparse
 
 from pod.security import add_security_flags, security_from_args
 from router.config import ADMISSION_MODES, DISCOVERY_MODES, POLICIES, RouterConfig
+from router.structured.flags import add_output_arguments, output_config_kwargs
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -62,6 +63,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, fanned out to every pod "
                         "(the pods need --allow-runtime-lora-updating and --lora-root too)")
+    add_output_arguments(p, d)
     add_security_flags(p, pod=False)
 
 
@@ -83,6 +85,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
         drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds,
         enable_lora=args.enable_lora or args.allow_runtime_lora_updating,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating, security=security_from_args(args))
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, security=security_from_args(args),
+        **output_config_kwargs(args))
     config.resolved_api_key()    # an unreadable or empty --api-key-file fails here, with its message
     return config

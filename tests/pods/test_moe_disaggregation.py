@@ -12,7 +12,7 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from tests.engine.hf_models import make_hf_model
-from tests.pods.podproc import Pod
+from tests.pods.podproc import pod_pair
 from tests.pods.test_disaggregation import test_disaggregated_equals_colocated  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -27,13 +27,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pods(checkpoint):
-    prefill = Pod("prefill", "--model", str(checkpoint), "--kv-transport", "nccl")
-    decode = Pod("decode", "--model", str(checkpoint), "--kv-transport", "nccl")
-    try:
-        yield prefill.wait_ready(), decode.wait_ready()
-    finally:
-        prefill.stop()
-        decode.stop()
+    with pod_pair("--model", str(checkpoint), "--kv-transport", "nccl") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
