@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from cbserve.arg_types import gpu_memory_utilization, positive_int
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
@@ -43,22 +44,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the previous one's tokens are read back (on CUDA the "
                         "default overlaps them; CPU engines never overlap)")
-
-
-def positive_int(value: str) -> int:
-    """argparse type: an int >= 1."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return number
-
-
-def gpu_memory_utilization(value: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    share = float(value)
-    if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return share
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str):

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from cbserve.cli import gpu_memory_utilization, positive_int
+from cbserve.arg_types import gpu_memory_utilization, positive_int
 from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink

@@ -18,52 +18,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 
-from wire import cbserve_pb2 as pb
-from engine.sampling_params import SamplingParams
 from router.admission import AdmissionController
 from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.metrics import RouterMetrics
 from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
 from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
+from router.sequence import SequenceSpec, SequenceTrace
 
 log = logging.getLogger(__name__)
 
 _NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-
-
-@dataclass(frozen=True)
-class SequenceSpec:
-    """One output sequence to generate (a request with n=2 has two)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    routing: RoutingRequest
-    arrival_time: float          # unix seconds at the router
-    deadline: float              # monotonic seconds; every RPC's timeout counts down to it
-    priority: int = 0
-
-
-@dataclass
-class SequenceTrace:
-    """What happened to one sequence, for metrics and for explaining a slow request."""
-
-    router_queue_seconds: float = 0.0
-    prefill_queue_seconds: float | None = None
-    prefill_seconds: float | None = None
-    kv_transfer_seconds: float | None = None
-    decode_queue_seconds: float | None = None
-    pd_gap_seconds: float | None = None    # P's first token to D's first token, as the router saw them
-    num_cached_tokens: int = 0
-    local_prefill: bool = False
-    attempts: list[str] = field(default_factory=list)   # "P@addr+D@addr" per attempt
 
 
 class PodLost(APIError):
@@ -186,16 +157,6 @@ class Dispatcher:
             pod = decision.decode
             pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), decision.predicted_tpot_seconds)
             self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
-
-    @staticmethod
-    def record_generate_trace(item: pb.GenerateResponse, trace: SequenceTrace) -> None:
-        trace.local_prefill = item.local_prefill
-        if item.local_prefill:
-            trace.prefill_queue_seconds = item.queue_seconds
-            trace.num_cached_tokens = item.num_cached_tokens
-        else:
-            trace.kv_transfer_seconds = item.kv_transfer_seconds
-            trace.decode_queue_seconds = item.queue_seconds
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background (best-effort calls such as Abort)."""

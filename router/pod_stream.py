@@ -16,22 +16,37 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from wire import cbserve_pb2 as pb
 from engine.sampling_params import to_proto
-from router.errors import upstream_error
+from router.errors import APIError, upstream_error
+from router.sequence import SequenceSpec, SequenceTrace
 
 if TYPE_CHECKING:
-    from router.dispatch import Dispatcher, SequenceSpec, SequenceTrace
-    from router.load import PodState
+    from router.load import LoadTracker, PodState
     from router.policy import RoutingDecision
 
 # Connection-level failures: the pod is taken out of routing. Others only exclude it for this request.
 POD_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                       grpc.StatusCode.DATA_LOSS})
+
+
+class AttemptOwner(Protocol):
+    """What an attempt needs from whoever routed it (`router.dispatch.Dispatcher`): where failures,
+    measurements and finished attempts go."""
+
+    kv_transport: str
+    tracker: LoadTracker
+
+    def failure_error(self, failed: PodFailure, retry: bool) -> APIError | None: ...
+    def observe_ttft(self, decision: RoutingDecision, ttft_seconds: float) -> None: ...
+    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None: ...
+    def spawn(self, coro: Coroutine) -> None: ...
+    def release(self, decision: RoutingDecision) -> None: ...
 
 
 class PodFailure(Exception):
@@ -48,7 +63,7 @@ class SequenceStream:
     """One try on one (P, D) pair. After `first()`, `first_message` holds the first tokens and each
     `next()` returns the next message with new tokens, until one has `finished` set."""
 
-    def __init__(self, dispatcher: Dispatcher, spec: SequenceSpec, decision: RoutingDecision, attempt: int,
+    def __init__(self, dispatcher: AttemptOwner, spec: SequenceSpec, decision: RoutingDecision, attempt: int,
                  trace: SequenceTrace) -> None:
         self._dispatcher = dispatcher
         self._decision = decision
@@ -167,7 +182,7 @@ class SequenceStream:
         index, count, finished = message.index, len(message.token_ids), message.finished
         if not from_prefill:
             if index == 0 and count:
-                self._dispatcher.record_generate_trace(message, self._trace)
+                self._trace.record_generate(message)
             if finished and message.finish_reason == "abort":
                 # The pod gave the request up (draining, out of room): like a failed call.
                 raise PodFailure(self.decode_pod, grpc.StatusCode.ABORTED, "the pod aborted the request")
