@@ -74,6 +74,9 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
                    help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--drain-seconds", type=float, default=10.0)
+    p.add_argument("--startup-wait-seconds", type=float, default=60.0, metavar="SECONDS",
+                   help="a request sent while the pods are still starting (or restarting) waits this long for "
+                        "one, then gets 503 with Retry-After (the router's flag)")
     p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
@@ -100,7 +103,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
-        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args))
+        drain_seconds=args.drain_seconds, startup_wait_seconds=args.startup_wait_seconds,
+        api_key=api_key_from_args(args))
 
 
 def describe(cluster: LocalCluster) -> str:

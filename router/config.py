@@ -60,6 +60,9 @@ class RouterConfig:
     admission: str = "queue"
     max_queue_seconds: float = 5.0
     max_queue_size: int = 1024
+    # A request that finds no ready pod while discovery knows pods that are starting (or restarting,
+    # or being replaced) waits this long for one, then gets 503 with Retry-After. 0: 503 at once.
+    startup_wait_seconds: float = 60.0
     max_retries: int = 2                     # extra attempts on other pods, before the first token only
     kv_transport: str = ""                   # GenerateRequest.kv_transport: "" (grpc), "grpc" or "nccl"
     local_prefill_fallback: bool = True      # no prefill pod routable: decode pods prefill locally
@@ -109,7 +112,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.load_interval_seconds > 0.1:
             raise ValueError("load_interval_seconds must be <= 0.1 (routing needs fresh load)")
-        for name in ("max_queue_seconds", "drain_seconds"):
+        for name in ("max_queue_seconds", "drain_seconds", "startup_wait_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_queue_size < 0 or self.max_retries < 0:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import grpc
 
-from router.admission import AdmissionController
+from router.admission import STARTING_RETRY_AFTER_SECONDS, AdmissionController
 from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.metrics import RouterMetrics
@@ -48,9 +48,10 @@ class PodLost(APIError):
 
 
 def with_ttft_budget_left(routing: RoutingRequest, waited_seconds: float) -> RoutingRequest:
-    """The request as a routing attempt after `waited_seconds` in the router's queue: its TTFT SLO
-    shrinks by the wait, because the client's TTFT counts it. A request that waited most of its
-    SLO is admitted only where it still fits (or to an idle pod), not where a fresh one would."""
+    """The request as a routing attempt after waiting `waited_seconds` for SLO headroom in the
+    router's queue: its TTFT SLO shrinks by the wait, because the client's TTFT counts it. A request
+    that waited most of its SLO is admitted only where it still fits (or to an idle pod), not where
+    a fresh one would. (A wait for a pod to start does not count: see `router.admission`.)"""
     if waited_seconds <= 0:
         return routing
     return replace(routing, slo_ttft_seconds=max(1e-3, routing.slo_ttft_seconds - waited_seconds))
@@ -74,9 +75,20 @@ class Dispatcher:
     def pods_by_role(self) -> dict[str, list[PodState]]:
         return {role: self.tracker.routable(role) for role in ("prefill", "decode", "colocated")}
 
+    def pods_starting(self, exclude: frozenset[str] = frozenset()) -> bool:
+        """Discovery knows a pod that could serve but is not routable yet: starting, restarting,
+        stalled, or a replacement coming up (not one that drains: it is on its way out)."""
+        roles = ("decode", "colocated") if self.policy.local_prefill_fallback else ("prefill", "decode", "colocated")
+        return any(not p.routable and p.role in roles and p.address not in exclude
+                   and not (p.report is not None and p.report.draining)
+                   for p in self.tracker.pods.values())
+
     def _try_route(self, routing: RoutingRequest) -> RoutingDecision | NoRoute:
-        """Route and, on success, reserve the pods at once (in-flight accounting, prefix index)."""
+        """Route and, on success, reserve the pods at once (in-flight accounting, prefix index).
+        With no pod to route to, "starting" if one is on its way (admission waits for it)."""
         decision = self.policy.route(routing, self.pods_by_role())
+        if isinstance(decision, NoRoute) and decision.reason == "no_pods" and self.pods_starting(routing.exclude):
+            return NoRoute("starting", STARTING_RETRY_AFTER_SECONDS)
         if isinstance(decision, RoutingDecision):
             first = decision.prefill or decision.decode
             first.on_dispatch(routing.num_prompt_tokens)
@@ -100,7 +112,7 @@ class Dispatcher:
         """
         start = time.monotonic()
         decision = await self.admission.admit(
-            lambda: self._try_route(with_ttft_budget_left(spec.routing, time.monotonic() - start)),
+            lambda headroom_waited: self._try_route(with_ttft_budget_left(spec.routing, headroom_waited)),
             spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
         trace.router_queue_seconds = time.monotonic() - start
         self.metrics.observe_phase("router_queue", trace.router_queue_seconds)

@@ -37,6 +37,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=ADMISSION_MODES, default=d.admission)
     p.add_argument("--max-queue-seconds", type=float, default=d.max_queue_seconds)
     p.add_argument("--max-queue-size", type=int, default=d.max_queue_size)
+    p.add_argument("--startup-wait-seconds", type=float, default=d.startup_wait_seconds,
+                   help="how long a request that finds no ready pod waits for one that is starting, restarting "
+                        "or being replaced, before 503 with Retry-After (0: at once)")
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--kv-transport", choices=["grpc", "nccl"], default=None,
                    help="KV transport decode pods use to pull from prefill pods (default: the pods' own)")
@@ -71,6 +74,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         colocated_service=args.colocated_service, grpc_port_name=args.grpc_port_name, policy=args.policy,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, admission=args.admission,
         max_queue_seconds=args.max_queue_seconds, max_queue_size=args.max_queue_size,
+        startup_wait_seconds=args.startup_wait_seconds,
         max_retries=args.max_retries, kv_transport=args.kv_transport or "",
         local_prefill_fallback=not args.no_local_prefill_fallback, api_key_env=args.api_key_env or None,
         api_key=args.api_key or None, api_key_file=args.api_key_file,
