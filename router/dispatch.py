@@ -91,9 +91,9 @@ class Dispatcher:
             return NoRoute("starting", STARTING_RETRY_AFTER_SECONDS)
         if isinstance(decision, RoutingDecision):
             first = decision.prefill or decision.decode
-            first.on_dispatch(routing.num_prompt_tokens)
+            first.on_dispatch(routing.num_prompt_tokens, self.prefix_index.uncached_tokens(routing, first.address))
             if decision.prefill is not None:
-                decision.decode.on_dispatch(routing.num_prompt_tokens)
+                decision.decode.on_dispatch(routing.num_prompt_tokens, 0)
             self.prefix_index.record(routing.block_hashes, first.address)
             self.metrics.running.inc()
         return decision

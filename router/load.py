@@ -31,11 +31,13 @@ from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_SECONDS = 2.0
-# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long is likely
-# frozen or cut off (keepalive ends its connection within ~8 s), so new requests go to another pod
-# of its role meanwhile. Only to another: a pod whose event loop was merely starved on a busy
-# machine must not turn into a 503 when it is the only one.
-LOAD_SILENCE_SECONDS = 3.0
+# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long (20
+# reports) is likely frozen or cut off (keepalive ends its connection within ~8 s), so new requests
+# go to another pod of its role meanwhile: a frozen pod's last report says it is idle, and it would
+# draw every request until keepalive noticed. Only to another pod: one whose event loop was merely
+# starved on a busy machine must not turn into a 503 when it is the only one, and with several
+# starved, all of them still count.
+LOAD_SILENCE_SECONDS = 1.0
 
 
 @dataclass(eq=False)   # identity: a pod is itself, whatever its load
@@ -50,8 +52,10 @@ class PodState:
     healthy: bool = False
     serving: bool = True                     # its gRPC health is not NOT_SERVING (engine stalled, drain)
     num_inflight: int = 0                    # requests the router sent and has not seen finish
-    # (monotonic send time, prompt tokens) of requests sent since the last report.
-    unreported: deque[tuple[float, int]] = field(default_factory=deque)
+    # (monotonic send time, prefill tokens, context tokens) of requests sent since the last report:
+    # what it has to compute (the prompt less what its prefix cache probably holds), and what it
+    # will hold.
+    unreported: deque[tuple[float, int, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
     # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
     tpot_calibration: LatencyCalibration = field(default_factory=LatencyCalibration)
@@ -59,6 +63,7 @@ class PodState:
     ttft_calibration: LatencyCalibration = field(default_factory=ttft_calibration)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
     poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
+    admitted_before: bool = False            # it was routable once: a re-admission forgets its history
 
     @property
     def address(self) -> str:
@@ -94,9 +99,23 @@ class PodState:
                                 sample.seconds)
             self.last_context_tokens = sample.num_context_tokens
 
-    def on_dispatch(self, num_prompt_tokens: int) -> None:
+    def forget_history(self) -> None:
+        """Back in routing after being out (restarted, thawed, reconnected): what was learnt about
+        it describes another process, or one that was stalled; a 10 s step or a calibration fed by
+        requests that hung there would keep it looking slow (and shed its load) long after."""
+        self.step_model = StepTimeModel()
+        self.tpot_calibration = LatencyCalibration()
+        self.ttft_calibration = ttft_calibration()
+        self.unreported.clear()
+        self.last_context_tokens = 0
+        self.report = None
+
+    def on_dispatch(self, num_prompt_tokens: int, num_prefill_tokens: int | None = None) -> None:
+        """The router sent it a request of `num_prompt_tokens`, `num_prefill_tokens` of which it
+        has to compute (default: all; a decode pod that pulls the KV: 0)."""
         self.num_inflight += 1
-        self.unreported.append((time.monotonic(), num_prompt_tokens))
+        prefill = num_prompt_tokens if num_prefill_tokens is None else num_prefill_tokens
+        self.unreported.append((time.monotonic(), prefill, num_prompt_tokens))
 
     def on_finish(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)
@@ -105,7 +124,7 @@ class PodState:
     @property
     def queued_prefill_tokens(self) -> int:
         reported = self.report.prefill_queue_tokens if self.report else 0
-        return reported + sum(tokens for _, tokens in self.unreported)
+        return reported + sum(tokens for _, tokens, _ in self.unreported)
 
     @property
     def num_requests(self) -> int:
@@ -115,13 +134,18 @@ class PodState:
 
     @property
     def context_tokens(self) -> int:
-        return self.last_context_tokens + sum(tokens for _, tokens in self.unreported)
+        return self.last_context_tokens + sum(tokens for _, _, tokens in self.unreported)
 
     @property
     def free_block_ratio(self) -> float:
         if self.report is None or self.report.num_total_blocks <= 0:
             return 1.0
         return self.report.num_free_blocks / self.report.num_total_blocks
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The pod's token budget per step (0: not reported)."""
+        return self.report.max_num_batched_tokens if self.report else 0
 
     @property
     def step_seconds_ewma(self) -> float:
@@ -216,7 +240,8 @@ class LoadTracker:
             await pod.client.close()
 
     async def _probe(self, pod: PodState) -> bool:
-        """Handshake (model info) and one GetLoad; both must answer for the pod to be routable."""
+        """Handshake (model info) and one GetLoad; both must answer for the pod to be routable.
+        A pod that was routable before starts its history afresh (`PodState.forget_history`)."""
         try:
             handshake = await pod.client.handshake(_PROBE_TIMEOUT_SECONDS)
             report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)
@@ -226,6 +251,8 @@ class LoadTracker:
         except Exception:  # a malformed answer must not end tracking: the pod just stays out
             log.exception("probe of %s failed", pod.address)
             return False
+        if pod.admitted_before:
+            pod.forget_history()
         pod.model = handshake.model
         pod.apply_report(report, time.monotonic())
         return True
@@ -237,7 +264,7 @@ class LoadTracker:
             if not await self._probe(pod):
                 await asyncio.sleep(self.probe_interval_seconds)
                 continue
-            pod.healthy = True
+            pod.healthy = pod.admitted_before = True
             self._notify()
             try:
                 await self._follow_load(pod)

@@ -138,6 +138,14 @@ class SequenceStream:
             if message is not None:
                 return message
 
+    @property
+    def _measures_the_pods(self) -> bool:
+        """The attempt ran as routed, so its latencies calibrate the pods' predictions. Not when
+        its prefill pod failed and the decode pod prefilled locally: that TTFT and that TPOT hold
+        the failure (seconds of keepalive or a dead connection), and charged to the healthy decode
+        pod, or to the prefill pod once it is back, they would make it look slow long after."""
+        return self._prefill_failure is None and not (self.prefill_pod is not None and self._trace.local_prefill)
+
     def _result(self, response: pb.GenerateResponse | BaseException) -> pb.GenerateResponse:
         """D's message, or the failure it stands for."""
         if isinstance(response, pb.GenerateResponse):
@@ -202,7 +210,8 @@ class SequenceStream:
             self.next_index += count
             if self.first_token_at is None:
                 self.first_token_at = now = time.monotonic()
-                self._dispatcher.observe_ttft(self._decision, now - self._routed_at)
+                if self._measures_the_pods:
+                    self._dispatcher.observe_ttft(self._decision, now - self._routed_at)
                 if from_prefill and not finished:
                     self._gap_from = now
             elif self._gap_from is not None:      # D's first new token after P's
@@ -210,7 +219,7 @@ class SequenceStream:
                 self._gap_from = None
         if finished:
             self.finished = True
-            if self.first_token_at is not None:
+            if self.first_token_at is not None and self._measures_the_pods:
                 self._dispatcher.observe_tpot(self._decision, time.monotonic() - self.first_token_at,
                                               self.next_index)
             self.close()

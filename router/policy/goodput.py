@@ -20,7 +20,7 @@ from router.load import PodState
 from router.policy.base import NoRoute, Policy, Profile, RoutingDecision, RoutingRequest
 from router.policy.kv_cache import KVCacheScorer
 from router.policy.prefix_affinity import PrefixAffinityScorer, PrefixIndex
-from router.predict import predict_tpot, predict_ttft
+from router.predict import predict_tpot, predict_ttft, predict_ttft_in_steps
 
 
 class LatencyPredictor:
@@ -30,17 +30,21 @@ class LatencyPredictor:
         self.prefix_index = prefix_index
         self.default_prefill_tokens_per_second = default_prefill_tokens_per_second
 
-    def uncached_tokens(self, request: RoutingRequest, pod: PodState) -> int:
-        matched = self.prefix_index.matched_blocks(request.block_hashes, pod.address)
-        # The last prompt token is always computed (its logits give the first token).
-        return max(1, request.num_prompt_tokens - matched * request.block_size)
-
     def model_ttft(self, request: RoutingRequest, pod: PodState, calibration: float = 1.0) -> float:
-        """The queue model's TTFT on this pod (uncalibrated by default)."""
+        """The queue model's TTFT on this pod (uncalibrated by default): the steps its queue and
+        this prompt take, priced by the pod's step model; at its measured rate until it has one."""
+        uncached = self.prefix_index.uncached_tokens(request, pod.address)
+        prefill_only = pod.role == "prefill"
+        seconds = predict_ttft_in_steps(
+            pod.step_model, pod.queued_prefill_tokens + uncached, pod.max_num_batched_tokens,
+            num_seqs=pod.num_requests + 1, num_context_tokens=0 if prefill_only else pod.context_tokens,
+            fallback_step_seconds=pod.step_seconds_ewma)
+        if seconds is not None:
+            return calibration * seconds
         rate = pod.report.prefill_tokens_per_second if pod.report is not None else 0.0
         if rate <= 0:
             rate = self.default_prefill_tokens_per_second
-        return predict_ttft(pod.queued_prefill_tokens, self.uncached_tokens(request, pod), rate, calibration)
+        return predict_ttft(pod.queued_prefill_tokens, uncached, rate, calibration)
 
     def ttft(self, request: RoutingRequest, pod: PodState) -> float:
         """The TTFT quantile a client would see: the queue model times the pod's calibration."""
