@@ -27,6 +27,7 @@ from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.metrics import RouterMetrics
 from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
+from router.predict import client_tpot
 from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
 from router.sequence import SequenceSpec, SequenceTrace
 
@@ -162,13 +163,22 @@ class Dispatcher:
             pod.ttft_calibration.observe(ttft_seconds, decision.predicted_ttft_seconds)
             self.metrics.calibration(pod.address, "ttft", pod.ttft_calibration.factor)
 
-    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
-        """Feed the decode pod's calibration with the TPOT measured here, as the client sees it
-        (the P→D gap included, as in the SLO it is compared with)."""
-        if decision.predicted_tpot_seconds is not None and num_tokens > 1:
-            pod = decision.decode
-            pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), decision.predicted_tpot_seconds)
-            self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
+    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int,
+                     pd_gap_seconds: float | None = None) -> None:
+        """Feed the decode pod's measurements with what the client saw after its first token: the
+        P→D hand-over (`pd_gap_seconds`, with P/D) into its typical gap, and the TPOT over what the
+        model predicts for this many tokens (its step, with the typical gap spread over them:
+        `predict.client_tpot`) into its calibration."""
+        pod = decision.decode
+        if pd_gap_seconds is not None:
+            pod.pd_gap.observe(pd_gap_seconds)
+        if decision.predicted_tpot_seconds is None or num_tokens <= 1:
+            return
+        gap = (pod.pd_gap.value or pd_gap_seconds) if pd_gap_seconds is not None else None
+        predicted = decision.predicted_tpot_seconds if gap is None else \
+            client_tpot(decision.predicted_tpot_seconds, gap, num_tokens)
+        pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), predicted)
+        self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background (best-effort calls such as Abort)."""

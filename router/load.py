@@ -26,7 +26,7 @@ from wire import cbserve_pb2 as pb
 from pod.security import ClusterSecurity
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
-from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
+from router.predict import LatencyCalibration, RecentQuantile, StepTimeModel, ttft_calibration
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,11 @@ class PodState:
     # will hold.
     unreported: deque[tuple[float, int, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
-    # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
+    # Observed / predicted decode step of requests this router ran here (decode and colocated pods).
     tpot_calibration: LatencyCalibration = field(default_factory=LatencyCalibration)
+    # Seconds from P's first token to this decode pod's first new one (the KV pull, its first step):
+    # the median of recent ones (the tail is the calibration's).
+    pd_gap: RecentQuantile = field(default_factory=lambda: RecentQuantile(quantile=0.5))
     # Observed / predicted TTFT (from routing to the first token) here (prefill and colocated pods).
     ttft_calibration: LatencyCalibration = field(default_factory=ttft_calibration)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
@@ -105,6 +108,7 @@ class PodState:
         requests that hung there would keep it looking slow (and shed its load) long after."""
         self.step_model = StepTimeModel()
         self.tpot_calibration = LatencyCalibration()
+        self.pd_gap = RecentQuantile(quantile=0.5)
         self.ttft_calibration = ttft_calibration()
         self.unreported.clear()
         self.last_context_tokens = 0

@@ -23,9 +23,13 @@ small ridge term so a few collinear samples still give an answer; the knot terms
 so a range without samples keeps the slope of the range below it.
 
 The step model predicts the mean model step; what a client sees is a high quantile of its whole
-TPOT, which also holds the gaps between steps (KV landing, loop overhead) and the batch growing
-after admission. `LatencyCalibration` closes that gap per decode pod from the router's own
-measurements: a high quantile of observed / predicted TPOT over recent requests, a factor the
+TPOT, which also holds the gaps between steps (loop overhead), the batch growing after admission,
+and, with P/D, the hand-over: P's first token, then the KV pull and D's first step before D's
+first new token (`pd_gap`). The prediction spreads the decode pod's typical hand-over (the median
+of its recent ones, `RecentQuantile`) over the request's tokens (`client_tpot`): left to the
+calibration alone, an 8-token answer's hand-over pinned the factor at its cap and priced every long
+answer three times too slow. `LatencyCalibration` closes the rest per decode pod from the router's
+own measurements: a high quantile of observed / predicted TPOT over recent requests, a factor the
 prediction is multiplied by. TTFT gets the same, per prefill pod, from observed / predicted time
 from routing to the first token.
 """
@@ -156,6 +160,27 @@ def _evaluate(coef: list[float], num_seqs: int, num_context_tokens: int, num_pre
     return max(0.0, seconds)
 
 
+class RecentQuantile:
+    """The `quantile` of the last `window` values observed, or None before `min_samples`."""
+
+    def __init__(self, quantile: float = 0.95, window: int = 200, min_samples: int = 20) -> None:
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self._values: deque[float] = deque(maxlen=window)
+        self.value: float | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._values)
+
+    def observe(self, value: float) -> None:
+        self._values.append(value)
+        if len(self._values) >= self.min_samples:
+            # Once per finished request, over at most `window` floats: cheap next to routing.
+            ordered = sorted(self._values)
+            self.value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+
 class LatencyCalibration:
     """A high quantile of observed / predicted latency (TPOT or TTFT) on one pod, over its recent
     requests.
@@ -168,27 +193,23 @@ class LatencyCalibration:
 
     def __init__(self, quantile: float = 0.95, window: int = 200, min_samples: int = 20,
                  min_factor: float = 0.8, max_factor: float = 3.0) -> None:
-        self.quantile = quantile
         self.min_samples = min_samples
         self.min_factor = min_factor
         self.max_factor = max_factor
-        self._ratios: deque[float] = deque(maxlen=window)
+        self._ratios = RecentQuantile(quantile, window, min_samples)
         self.factor = 1.0
 
     @property
     def num_samples(self) -> int:
-        return len(self._ratios)
+        return self._ratios.num_samples
 
     def observe(self, observed: float, predicted: float) -> None:
         """One request: its measured latency and the (uncalibrated) one predicted when it was routed."""
         if predicted <= 0.0:
             return
-        self._ratios.append(observed / predicted)
-        if len(self._ratios) >= self.min_samples:
-            # Once per finished request, over at most `window` floats: cheap next to routing.
-            ordered = sorted(self._ratios)
-            value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-            self.factor = min(self.max_factor, max(self.min_factor, value))
+        self._ratios.observe(observed / predicted)
+        if self._ratios.value is not None:
+            self.factor = min(self.max_factor, max(self.min_factor, self._ratios.value))
 
 
 def ttft_calibration() -> LatencyCalibration:
@@ -231,6 +252,15 @@ def predict_ttft_in_steps(model: StepTimeModel, work_tokens: int, max_num_batche
             step = model.predict(seqs_per_step, num_context_tokens + tokens, tokens)
             seconds += count * (step or 0.0)
     return seconds
+
+
+def client_tpot(step_seconds: float, pd_gap_seconds: float, max_tokens: int) -> float:
+    """The TPOT a client sees (OpenAI's: the mean gap after the first token) for `max_tokens`
+    tokens: the first gap is the P→D hand-over (the KV pull and D's first step), the other
+    `max_tokens - 2` are decode steps. Short answers are mostly hand-over; long ones, steps."""
+    if max_tokens <= 2:
+        return pd_gap_seconds if max_tokens == 2 else step_seconds
+    return (pd_gap_seconds + (max_tokens - 2) * step_seconds) / (max_tokens - 1)
 
 
 def predict_tpot(model: StepTimeModel, num_seqs: int, num_context_tokens: int,

@@ -6,7 +6,8 @@ units of the SLO: 1 - predicted / slo (1 = idle, 0 = exactly at the SLO, < 0 = a
 headroom is the smaller of its prefill pod's TTFT headroom and its decode pod's TPOT headroom;
 TTFT depends only on P and TPOT only on D, so taking the best P and the best D maximises it.
 
-The TPOT compared with the SLO is the step model's prediction times the decode pod's calibration
+The TPOT compared with the SLO is the step model's prediction, with the decode pod's typical P→D
+hand-over spread over the request's tokens (`predict.client_tpot`), times the pod's calibration
 factor (a high quantile of observed / predicted TPOT there): the SLO is on the quantile clients
 see, not on the mean model step. Each decision carries the uncalibrated prediction so that the
 dispatcher can feed the calibration when the request finishes.
@@ -20,7 +21,7 @@ from router.load import PodState
 from router.policy.base import NoRoute, Policy, Profile, RoutingDecision, RoutingRequest
 from router.policy.kv_cache import KVCacheScorer
 from router.policy.prefix_affinity import PrefixAffinityScorer, PrefixIndex
-from router.predict import predict_tpot, predict_ttft, predict_ttft_in_steps
+from router.predict import client_tpot, predict_tpot, predict_ttft, predict_ttft_in_steps
 
 
 class LatencyPredictor:
@@ -56,8 +57,13 @@ class LatencyPredictor:
                             pod.step_seconds_ewma, calibration)
 
     def tpot(self, request: RoutingRequest, pod: PodState) -> float:
-        """The TPOT quantile a client would see: the model's TPOT times the pod's calibration."""
-        return self.model_tpot(request, pod, pod.tpot_calibration.factor)
+        """The TPOT quantile a client would see: the model's step, on a decode pod with its typical
+        P→D hand-over spread over the request's tokens (once it has seen some), times the pod's
+        calibration."""
+        step = self.model_tpot(request, pod)
+        gap = pod.pd_gap.value if pod.role == "decode" else None
+        tpot = step if gap is None else client_tpot(step, gap, request.max_tokens)
+        return pod.tpot_calibration.factor * tpot
 
     def headroom(self, request: RoutingRequest, pod: PodState) -> float:
         """1 - predicted / SLO for what this pod decides (TTFT, TPOT, or both when colocated)."""

@@ -38,6 +38,13 @@ def calibrated(state: PodState, factor: float) -> PodState:
     return state
 
 
+def handing_over(state: PodState, gap_seconds: float) -> PodState:
+    """`state` having measured P→D hand-overs of `gap_seconds`."""
+    for _ in range(state.pd_gap.min_samples):
+        state.pd_gap.observe(gap_seconds)
+    return state
+
+
 def dispatcher(pods: list[PodState], seed: int = 0, local_prefill_fallback: bool = True) -> Dispatcher:
     prefix_index = PrefixIndex()
     policy = build_policy("goodput", prefix_index, local_prefill_fallback=local_prefill_fallback)
@@ -84,6 +91,12 @@ CASES = [
     ("no healthy decode pod meets the TPOT SLO",
      lambda: [stepping(pod("p", P)), stepping(pod("d0", D, healthy=False)),
               stepping(pod("d1", D, running=30), fixed=0.04, per_seq=0.002)], {}, "slo"),
+    ("an 8-token answer is mostly hand-over: a 60 ms gap and 10 ms steps meet a 50 ms TPOT",
+     lambda: [stepping(pod("p", P)), handing_over(stepping(pod("d", D, running=4)), 0.06)],
+     {"max_tokens": 8}, ("p", "d")),
+    ("a 2-token answer is all hand-over: 60 ms misses it",
+     lambda: [stepping(pod("p", P)), handing_over(stepping(pod("d", D, running=4)), 0.06)],
+     {"max_tokens": 2}, "slo"),
     ("the only decode pod is starting (discovered, not answering yet): wait for it",
      lambda: [stepping(pod("p", P)), pod("d0", D, healthy=False)], {}, "starting"),
     ("every decode pod is draining: nothing to wait for",

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from router.predict import (LatencyCalibration, StepTimeModel, predict_tpot, predict_ttft, predict_ttft_in_steps,
+from router.predict import (LatencyCalibration, StepTimeModel, client_tpot, predict_tpot, predict_ttft,
+                            predict_ttft_in_steps,
                             ttft_calibration)
 
 
@@ -170,3 +171,27 @@ def test_ttft_in_steps_prices_the_steps_a_queue_takes():
     # Before the model has samples: the pod's step EWMA per step, if the budget is known.
     assert predict_ttft_in_steps(StepTimeModel(), 1025, 512, 1, fallback_step_seconds=0.05) == pytest.approx(0.15)
     assert predict_ttft_in_steps(StepTimeModel(), 1025, 0, 1, fallback_step_seconds=0.05) is None
+
+
+@pytest.mark.parametrize("max_tokens,expected", [(1, 0.01), (2, 0.06), (8, (0.06 + 6 * 0.01) / 7),
+                                                 (200, (0.06 + 198 * 0.01) / 199)])
+def test_client_tpot_spreads_the_hand_over_over_the_answer(max_tokens, expected):
+    assert client_tpot(0.01, 0.06, max_tokens) == pytest.approx(expected)
+
+
+def test_the_hand_over_is_measured_apart_and_spread_over_the_answer():
+    from policy_pods import pod
+    from router.dispatch import Dispatcher
+    from router.metrics import RouterMetrics
+    from router.policy import RoutingDecision
+
+    decode = pod("d", "decode")
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.metrics = RouterMetrics()
+    decision = RoutingDecision(pod("p"), decode, predicted_tpot_seconds=0.01)
+    for _ in range(decode.tpot_calibration.min_samples):
+        # 8 tokens: a 60 ms hand-over, then 6 steps of 15 ms (1.5x the model's 10 ms).
+        dispatcher.observe_tpot(decision, 0.06 + 6 * 0.015, 8, pd_gap_seconds=0.06)
+    assert decode.pd_gap.value == pytest.approx(0.06)
+    # Observed (0.06 + 0.09) / 7 against predicted (0.06 + 0.06) / 7: 1.25, not 0.15 / 7 / 0.01 = 2.1.
+    assert decode.tpot_calibration.factor == pytest.approx(1.25)
