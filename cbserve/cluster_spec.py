@@ -142,12 +142,16 @@ class ClusterSpec:
             argv.append("--colocated")
         return argv + list(self.pod_args)
 
-    def router_argv(self, port: int, addresses: dict[str, list[str]]) -> list[str]:
+    def router_argv(self, port: int, addresses: dict[str, list[str]], pods_file: str | None = None) -> list[str]:
+        """`cbserve router ...`: the pods by address, or, with `pods_file`, the file listing them
+        (`--discovery file`: the pod set may change while the router runs)."""
         argv = ["router", "--model", self.model, "--host", self.host, "--port", str(port),
                 "--policy", self.policy, "--slo-ttft-ms", _number(self.slo_ttft_ms),
                 "--slo-tpot-ms", _number(self.slo_tpot_ms), "--drain-seconds", _number(self.drain_seconds),
                 "--startup-wait-seconds", _number(self.startup_wait_seconds), "--kv-transport", self.kv_transport]
-        if self.colocated:
+        if pods_file is not None:
+            argv += ["--discovery", "file", "--pods-file", pods_file]
+        elif self.colocated:
             argv += ["--colocated", ",".join(addresses["colocated"])]
         else:
             argv += ["--prefill", ",".join(addresses["prefill"]), "--decode", ",".join(addresses["decode"])]

@@ -44,10 +44,12 @@ class ManagedProcess:
     """One child process; stdout and stderr are merged and read line by line by a daemon thread."""
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], sink: LogSink | None = None,
-                 log_file: Path | None = None) -> None:
+                 log_file: Path | None = None, pass_fds: Sequence[int] = ()) -> None:
+        """`pass_fds`: file descriptors the child inherits (the router's listening socket)."""
         self.name = name
         self.argv = list(argv)
         self.env = env
+        self.pass_fds = tuple(pass_fds)
         self.sink = sink
         self.log_file = log_file
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -59,7 +61,8 @@ class ManagedProcess:
         log file's earlier lines)."""
         self._proc = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            pass_fds=self.pass_fds)
         log = open(self.log_file, "a" if append_log else "w", encoding="utf-8") if self.log_file else None  # noqa: SIM115 (closed by reader)
         self._reader = threading.Thread(target=self._read, args=(self._proc.stdout, log),
                                         name=f"log-{self.name}", daemon=True)

@@ -14,7 +14,7 @@ from pod.security import ClusterSecurity
 
 POLICIES = ("goodput", "round_robin", "least_loaded")
 ADMISSION_MODES = ("queue", "reject")
-DISCOVERY_MODES = ("static", "kubernetes")
+DISCOVERY_MODES = ("static", "file", "kubernetes")
 
 
 def _check_address(address: str) -> None:
@@ -43,8 +43,14 @@ class RouterConfig:
     served_model_name: str | None = None     # the `model` clients send; default: `model`
     host: str = "127.0.0.1"
     port: int = 8000
-    # Discovery: static addresses, or Kubernetes EndpointSlices of the named Services.
+    # A listening socket inherited as this file descriptor, served instead of binding host:port
+    # (`cbserve up` binds first, so a client never sees "connection refused" while the router
+    # process starts or restarts; systemd socket activation works the same way).
+    listen_fd: int | None = None
+    # Discovery: static addresses, a JSON file of them re-read when it changes (`pods_file`), or
+    # Kubernetes EndpointSlices of the named Services.
     discovery: str = "static"
+    pods_file: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
@@ -101,6 +107,8 @@ class RouterConfig:
             raise ValueError(f"kv_transport must be 'grpc' or 'nccl', got {self.kv_transport!r}")
         if self.discovery not in DISCOVERY_MODES:
             raise ValueError(f"discovery must be one of {DISCOVERY_MODES}, got {self.discovery!r}")
+        if self.discovery == "file" and not self.pods_file:
+            raise ValueError("--discovery file needs --pods-file PATH")
         if self.discovery == "static":
             if self.colocated and (self.prefill or self.decode):
                 raise ValueError("use either --colocated or --prefill/--decode, not both")
@@ -121,6 +129,8 @@ class RouterConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        if self.listen_fd is not None and self.listen_fd < 0:
+            raise ValueError(f"listen_fd must be >= 0, got {self.listen_fd}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
 

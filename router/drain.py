@@ -9,6 +9,7 @@ sending traffic), requests in flight run to completion, and the process exits wh
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from types import FrameType
 
@@ -56,4 +57,8 @@ class DrainingServer(uvicorn.Server):
 def serve_with_drain(app: FastAPI, config: RouterConfig) -> None:
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            timeout_keep_alive=30), app, config.drain_seconds)
-    server.run()
+    if config.listen_fd is None:
+        server.run()
+        return
+    # The parent bound and listens on it; connections made before we got here wait in its backlog.
+    server.run(sockets=[socket.socket(fileno=config.listen_fd)])
