@@ -232,10 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cbserve.up import add_up_command  # `cbserve up`: cbserve/up.py
     add_up_command(sub)
+    from cbserve.control import add_scale_command  # `cbserve scale`: cbserve/control.py
+    add_scale_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cbserve.early_listen import bind_for_up
+    bind_for_up(list(sys.argv[1:] if argv is None else argv))   # before the imports build_parser makes
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # a decode pod's engine core gets it too
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -108,10 +108,12 @@ class LocalCluster:
     """Start, wait for, describe and stop a local cluster. Use as a context manager."""
 
     def __init__(self, spec: ClusterSpec | None = None, *, sink: LogSink | None = None,
-                 log_dir: str | Path | None = None, command: Sequence[str] | None = None) -> None:
+                 log_dir: str | Path | None = None, command: Sequence[str] | None = None,
+                 listener: socket.socket | None = None) -> None:
         """`sink` receives every child log line with a `[name] ` prefix (None: keep only tails and
         files); `log_dir` also writes `<name>.log` per child; `command` replaces
-        `python -m cbserve.cli` (tests run stand-in processes with it)."""
+        `python -m cbserve.cli` (tests run stand-in processes with it); `listener` is the router's
+        socket if it is bound already (`cbserve.early_listen`)."""
         self.spec = spec or ClusterSpec()
         self.sink = sink
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -119,7 +121,7 @@ class LocalCluster:
         self.router_port: int | None = None
         self.cluster_secret = secrets.token_urlsafe(32)   # for clients that call the pods directly
         self._run = _Running()
-        self._listener: socket.socket | None = None
+        self._listener: socket.socket | None = listener
         # The router's pods file (`--discovery file`), in a directory made at start: `add_pod` and
         # `remove_pod` rewrite it.
         self._state_dir: Path | None = None
@@ -168,7 +170,8 @@ class LocalCluster:
         if self._run.procs:
             raise ClusterError("cluster already started")
         spec = self.spec
-        self._listener = _listen(spec.host, spec.port)
+        if self._listener is None:
+            self._listener = _listen(spec.host, spec.port)
         self.router_port = self._listener.getsockname()[1]
         self._state_dir = Path(tempfile.mkdtemp(prefix="cbserve-up-"))
         self.pods_file = self._state_dir / "pods.json"

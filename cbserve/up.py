@@ -7,7 +7,8 @@
 
 It prints the router URL and every pod's address and metrics URL once all are ready, streams their
 logs with a `[name]` prefix, and on Ctrl-C / SIGTERM drains the router, then the pods (a second
-Ctrl-C kills at once). A process that dies is restarted like a kubelet would (same address,
+Ctrl-C kills at once). `cbserve scale --port PORT --decode N` changes the pod counts while it runs
+(`cbserve.control`). A process that dies is restarted like a kubelet would (same address,
 exponential backoff capped at 30 s; `cbserve.supervisor`) while the others keep serving; with
 `--exit-on-failure` it makes `up` stop the rest and exit 1 with its log tail instead.
 The Python API is `LocalCluster` (re-exported here).
@@ -24,6 +25,8 @@ import time
 
 from cbserve.arg_types import gpu_memory_utilization, positive_int
 from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
+from cbserve.control import ControlServer, default_socket_path
+from cbserve.early_listen import take
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -158,10 +161,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_interrupt)
     for name in ("httpx", "httpx2", "httpcore", "openai"):   # not one line per readiness probe
         logging.getLogger(name).setLevel(logging.WARNING)
-    cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir)
+    cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir, listener=take(spec.host, spec.port))
+    control = None
     try:
         cluster.start()
+        control = ControlServer(cluster, default_socket_path(cluster.router_port)).start()
         print(describe(cluster), flush=True)
+        print(f"Change the pod counts with: cbserve scale --port {cluster.router_port} --decode N", flush=True)
         if args.demo:
             run_demo(cluster)
         while True:
@@ -187,3 +193,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         cluster.stop()
         return 1
+    finally:
+        if control is not None:
+            control.close()
