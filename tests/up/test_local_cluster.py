@@ -157,3 +157,18 @@ def test_pods_added_and_removed_while_it_runs(tmp_path, monkeypatch):
             c.add_pod("colocated")
         assert http_ready(c.url + "/ready")
     assert "[decode-0] decode-0 drained" in lines
+
+
+def test_a_pod_added_from_a_thread_outlives_the_thread(tmp_path, monkeypatch):
+    # PR_SET_PDEATHSIG follows the thread that forked the child: a pod added from a `cbserve scale`
+    # handler thread used to get SIGTERM as soon as that thread ended.
+    import threading
+
+    monkeypatch.setenv("FAKE_READY_DELAY", "0.1")
+    with cluster(ClusterSpec(port=0, drain_seconds=1)) as c:
+        added = []
+        thread = threading.Thread(target=lambda: added.append(c.add_pod("decode")))
+        thread.start()
+        thread.join()
+        time.sleep(1.0)
+        assert c.processes[added[0].name].running and grpc_serving(added[0].address)
