@@ -57,7 +57,7 @@ class PodState:
     # will hold.
     unreported: deque[tuple[float, int, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
-    # Observed / predicted decode step of requests this router ran here (decode and colocated pods).
+    # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
     tpot_calibration: LatencyCalibration = field(default_factory=LatencyCalibration)
     # Seconds from P's first token to this decode pod's first new one (the KV pull, its first step):
     # the median of recent ones (the tail is the calibration's).
