@@ -47,11 +47,11 @@ def stop_container_processes() -> None:
     """Stop whatever still runs inside the image, and fail if anything needed more than SIGTERM.
 
     `buildah run` (chroot isolation) runs the command as the last of a chain of its own
-    processes, each relaying stdio for the next. Signalling buildah's process group reaches
-    none of the container's processes, and the chain dies under them when buildah is killed:
-    the router, which rarely writes to its stdout, then kept running as uid 10001 under init
-    after CI (the pods, which log often, died of the broken pipe). So they are found by their
-    mark and signalled directly."""
+    processes, each relaying stdio for the next. SIGTERM to buildah's process group makes buildah
+    exit, the chain goes with it and takes the image's tini down without tini passing the signal
+    on: the cbserve process under it is reparented to init. So the router, which rarely writes to
+    its stdout, kept running as uid 10001 after CI (the pods, which log often, died of the broken
+    pipe). The container's processes are found by their mark and signalled directly instead."""
     stubborn = stop(RUN_ENV, RUN_ID, grace_seconds=30.0)
     assert not stubborn, f"needed SIGKILL after 30 s: {[str(p) for p in stubborn]}"
     left = marked(RUN_ENV, RUN_ID)
