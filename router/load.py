@@ -38,6 +38,10 @@ _PROBE_TIMEOUT_SECONDS = 2.0
 # starved on a busy machine must not turn into a 503 when it is the only one, and with several
 # starved, all of them still count.
 LOAD_SILENCE_SECONDS = 1.0
+# ... and while the others sent this many reports each: a router whose own event loop stalled for
+# a second (a loaded machine) has read nobody's reports meanwhile, and must not take the first pod
+# it hears from again as the only live one.
+LOAD_SILENCE_REPORTS = 10
 
 
 @dataclass(eq=False)   # identity: a pod is itself, whatever its load
@@ -48,6 +52,7 @@ class PodState:
     client: PodClient
     report: pb.LoadReport | None = None
     report_time: float = 0.0                 # monotonic time the last report arrived
+    report_seq: int = 0                      # `LoadTracker.num_reports` when it arrived
     model: pb.ModelInfo | None = None
     healthy: bool = False
     serving: bool = True                     # its gRPC health is not NOT_SERVING (engine stalled, drain)
@@ -168,6 +173,7 @@ class LoadTracker:
         self.close_grace_seconds = close_grace_seconds   # longest wait for a removed pod's calls
         self.pod_inactivity_seconds = pod_inactivity_seconds
         self.pods: dict[str, PodState] = {}
+        self.num_reports = 0                             # load reports received, from every pod
         self._tasks: dict[str, asyncio.Task] = {}
         self._health_tasks: dict[str, asyncio.Task] = {}
         self._closing: set[asyncio.Task] = set()
@@ -184,7 +190,18 @@ class LoadTracker:
     def routable(self, role: str) -> list[PodState]:
         """The pods of `role` that may get requests: routable ones, the silent ones only if no other."""
         pods = [p for p in self.pods.values() if p.role == role and p.routable]
-        return [p for p in pods if not p.silent] or pods
+        return [p for p in pods if not self.silent(p)] or pods
+
+    def silent(self, pod: PodState) -> bool:
+        """No report from `pod` for `LOAD_SILENCE_SECONDS` while the other pods sent
+        `LOAD_SILENCE_REPORTS` each: likely frozen or cut off, not just a slow router loop."""
+        others = sum(1 for p in self.pods.values() if p is not pod and p.healthy)
+        return pod.silent and self.num_reports - pod.report_seq >= LOAD_SILENCE_REPORTS * max(1, others)
+
+    def _apply(self, pod: PodState, report: pb.LoadReport) -> None:
+        pod.apply_report(report, time.monotonic())
+        self.num_reports += 1
+        pod.report_seq = self.num_reports
 
     def set_endpoints(self, endpoints: frozenset[PodEndpoint]) -> None:
         """Discovery listener: start tracking new endpoints, drop vanished ones."""
@@ -258,7 +275,7 @@ class LoadTracker:
         if pod.admitted_before:
             pod.forget_history()
         pod.model = handshake.model
-        pod.apply_report(report, time.monotonic())
+        self._apply(pod, report)
         return True
 
     async def _track(self, pod: PodState, initial_delay: float) -> None:
@@ -312,7 +329,7 @@ class LoadTracker:
             try:
                 async for report in call:
                     received = True
-                    pod.apply_report(report, time.monotonic())
+                    self._apply(pod, report)
                     self._notify()
                 return
             except grpc.aio.AioRpcError as exc:
@@ -327,5 +344,5 @@ class LoadTracker:
         while True:
             await asyncio.sleep(self.load_interval_seconds)
             report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)
-            pod.apply_report(report, time.monotonic())
+            self._apply(pod, report)
             self._notify()

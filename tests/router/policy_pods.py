@@ -6,8 +6,11 @@ import time
 
 from wire import cbserve_pb2 as pb
 from router.discovery.base import PodEndpoint
-from router.load import LOAD_SILENCE_SECONDS, PodState
+from router.load import LOAD_SILENCE_SECONDS, LoadTracker, PodState
 from router.policy.base import RoutingRequest
+
+
+REPORTS_SO_FAR = 1_000_000
 
 
 def pod(address: str, role: str = "prefill", *, waiting: int = 0, running: int = 0, queued_tokens: int = 0,
@@ -22,10 +25,19 @@ def pod(address: str, role: str = "prefill", *, waiting: int = 0, running: int =
                                  num_total_blocks=total_blocks, prefill_tokens_per_second=rate,
                                  step_seconds_ewma=step, draining=draining, max_num_batched_tokens=budget)
     state.report_time = time.monotonic() - (LOAD_SILENCE_SECONDS + 1 if silent else 0)
+    state.report_seq = 0 if silent else REPORTS_SO_FAR   # a silent one missed the others' reports
     state.num_inflight = inflight
     state.healthy = healthy
     state.serving = serving
     return state
+
+
+def tracker_of(pods: list[PodState]) -> LoadTracker:
+    """A LoadTracker (no network) that has seen `REPORTS_SO_FAR` reports, holding `pods`."""
+    tracker = LoadTracker()
+    tracker.pods = {p.address: p for p in pods}
+    tracker.num_reports = REPORTS_SO_FAR
+    return tracker
 
 
 def request(num_prompt_tokens: int = 100, *, slo_ttft: float = 0.5, slo_tpot: float = 0.05,

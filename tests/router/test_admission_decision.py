@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from policy_pods import pod, request
+from policy_pods import pod, request, tracker_of
 from router.admission import AdmissionController
 from router.dispatch import Dispatcher
-from router.load import LoadTracker, PodState
+from router.load import PodState
 from router.metrics import RouterMetrics
 from router.policy import NoRoute, PrefixIndex, build_policy
 from router.policy.base import MaxScorePicker
@@ -50,9 +50,7 @@ def dispatcher(pods: list[PodState], seed: int = 0, local_prefill_fallback: bool
     policy = build_policy("goodput", prefix_index, local_prefill_fallback=local_prefill_fallback)
     for profile in policy.profiles.values():
         profile.picker = MaxScorePicker(random.Random(seed))
-    tracker = LoadTracker()
-    tracker.pods = {p.address: p for p in pods}
-    return Dispatcher(tracker, policy, AdmissionController("queue", 5.0, 64), prefix_index, RouterMetrics())
+    return Dispatcher(tracker_of(pods), policy, AdmissionController("queue", 5.0, 64), prefix_index, RouterMetrics())
 
 
 def outcome(d: Dispatcher, **kwargs) -> tuple[str | None, str] | str:
