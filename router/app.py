@@ -103,9 +103,11 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         try:
             yield
         finally:
-            await discovery.stop()
-            await tracker.close()
-            encoder.close()
+            try:
+                await discovery.stop()
+            finally:             # every pod channel closes with the router, whatever stopped first
+                await tracker.close()
+                encoder.close()
 
     app = FastAPI(title="cbserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics

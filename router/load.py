@@ -176,7 +176,7 @@ class LoadTracker:
         self.num_reports = 0                             # load reports received, from every pod
         self._tasks: dict[str, asyncio.Task] = {}
         self._health_tasks: dict[str, asyncio.Task] = {}
-        self._closing: set[asyncio.Task] = set()
+        self._closing: dict[asyncio.Task, PodState] = {}   # removed pods, until their channel closed
         self._listeners: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -228,8 +228,8 @@ class LoadTracker:
         self._tasks.pop(address).cancel()
         self._health_tasks.pop(address).cancel()
         task = asyncio.get_running_loop().create_task(self._close_when_idle(pod))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing[task] = pod
+        task.add_done_callback(self._closing.pop)
 
     async def _close_when_idle(self, pod: PodState) -> None:
         deadline = time.monotonic() + self.close_grace_seconds
@@ -250,8 +250,14 @@ class LoadTracker:
         self._notify()
 
     async def close(self) -> None:
-        for task in list(self._closing):
+        """Stop tracking and close every pod's channel, removed pods' included: a grpc.aio channel
+        left open outlives its event loop and gets its next event (a GOAWAY) on a closed one."""
+        closing = dict(self._closing)
+        for task in closing:
             task.cancel()
+        await asyncio.gather(*closing, return_exceptions=True)
+        for pod in closing.values():    # a task cancelled before it ran did not close its channel
+            await pod.client.close()
         for address in list(self.pods):
             pod = self.pods.pop(address)
             tasks = [self._tasks.pop(address), self._health_tasks.pop(address)]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import grpc_leaks
 from tests.process_leaks import SESSION_ENV, is_cbserve, marked, stop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +21,19 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ[SESSION_ENV] = uuid.uuid4().hex
 # A process stopped at the very end of a test may take its drain to exit.
 LEAK_GRACE_SECONDS = 20.0
+
+
+grpc_leaks.track()
+
+
+@pytest.fixture(autouse=True)
+def grpc_objects_closed_with_their_loop():
+    """Fail the test that leaves a grpc.aio channel or server open after its event loop stopped
+    (`tests/grpc_leaks.py`): grpc would deliver its next event to the closed loop, and the
+    `Event loop is closed` it raises would fail a later test."""
+    yield
+    leaked = grpc_leaks.open_on_stopped_loops()
+    assert not leaked, f"left open after their event loop stopped: {', '.join(leaked)}"
 
 
 def pytest_collection_modifyitems(config, items):
