@@ -30,6 +30,7 @@ from cbserve.early_listen import take
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
+from router.structured.flags import add_up_arguments, up_router_args
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo", "add_up_command", "cmd_up"]
 
@@ -81,6 +82,7 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
                    help="a request sent while the pods are still starting (or restarting) waits this long for "
                         "one, then gets 503 with Retry-After (the router's flag)")
     p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
+    add_up_arguments(p)
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
     p.add_argument("--demo", action="store_true",
@@ -107,7 +109,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
         drain_seconds=args.drain_seconds, startup_wait_seconds=args.startup_wait_seconds,
-        api_key=api_key_from_args(args))
+        api_key=api_key_from_args(args), router_args=up_router_args(args))
 
 
 def describe(cluster: LocalCluster) -> str:

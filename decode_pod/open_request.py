@@ -20,6 +20,7 @@ from typing import Protocol
 import grpc
 
 from wire import cbserve_pb2
+from engine.grammar.spec import StructuredSpec
 from pod.core_client import CoreRuntime
 from pod.runtime import RequestFailed
 
@@ -38,6 +39,7 @@ class Job:
     kv_handle: cbserve_pb2.KVHandle | None = None   # the router's voucher, forwarded to the prefill pod
     kv_bytes: int = 0
     reported: bool = False              # engine core: how the KV got here went out with the first output
+    structured: StructuredSpec | None = None   # engine core: its grammar (checked at the KV's landing)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

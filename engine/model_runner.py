@@ -5,7 +5,7 @@ step (`engine.step_inputs`: numpy into one staging buffer, one copy to the devic
 every layer in `AttentionMetadata`. Decode-only steps run padded to a bucket and replay a CUDA
 graph on GPUs (`engine.cuda_graphs`).
 
-CPU runtime: the runner packs the model's weights for oneDNN (`LlamaForCausalLM.pack_weights`)
+CPU runtime: the runner packs the model's weights for oneDNN (`CausalLM.pack_weights`)
 and keeps glibc from returning freed activation memory to the kernel (`keep_freed_memory`):
 every step allocates and frees the same few MB-sized activations, and when glibc serves those
 with fresh mmaps, page faults on first touch cost more than the attention math itself.
@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeBuckets
-from engine.model import LlamaForCausalLM
+from engine.runner.inference import inference_mode
+from engine.runner.warmup import warm_up
+from engine.models.causal_lm import CausalLM
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class ModelRunner:
     padded to a bucket and, on CUDA unless `enforce_eager`, replay a captured graph
     (`engine.cuda_graphs`); other steps run eagerly."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
                  max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None) -> None:
         """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
@@ -79,6 +81,8 @@ class ModelRunner:
             keep_freed_memory()
             model.pack_weights()
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         max_width = -(-max_model_len // block_size)
         self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width),
                                  block_size, device)
@@ -93,11 +97,16 @@ class ModelRunner:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
         return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
 
+    def warm_up(self) -> float:
+        """Compile every kernel variant an eager step can need now, not while serving (CUDA; a no-op
+        elsewhere: `engine.runner.warmup`). Call after the KV cache exists."""
+        return warm_up(self) if self.device.type == "cuda" else 0.0
+
     def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
         return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows)
 
-    @torch.inference_mode()
+    @inference_mode
     def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
         rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens
@@ -110,8 +119,8 @@ class ModelRunner:
             if bucket is not None:
                 return self.decode_buckets.run(scheduled, bucket, prev)
         t = self.prepare(scheduled, prev)
-        if t.fill_dst.numel():
-            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        if prev is not None:
+            t.fill_from(prev.token_ids)
         if self.tp is None:
             return self._forward(t)
         with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from engine.sampler import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """The tokens a request gained in one step (and everything so far, for offline use)."""
+    """The tokens a request gained in one step (and everything so far, for offline use). Slots:
+    one is built per request per step."""
 
     request_id: str
     new_token_ids: list[int]
@@ -25,6 +26,7 @@ class RequestOutput:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
+    grammar_fingerprint: str = ""      # prefill role: the grammar the first token was sampled under
 
 
 @dataclass(frozen=True)

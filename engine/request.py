@@ -23,19 +23,19 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"        # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_PREFILLED = "finished_prefilled"  # prefill role: first token sampled, KV handed off
+    FINISHED_GRAMMAR = "finished_grammar"      # structured output complete: its grammar allows no more
 
-    @property
-    def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+    # Set on every member below: `is_finished: bool` and `finish_reason: str | None`. Plain member
+    # attributes, not properties: the engine reads them for every request every step.
+    is_finished: bool
+    finish_reason: str | None
 
-    @property
-    def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_PREFILLED: "prefilled",
-        }.get(self)
+
+_FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort",
+                   "finished_prefilled": "prefilled", "finished_grammar": "stop"}
+for _status in RequestStatus:
+    _status.is_finished = _status.value.startswith("finished")
+    _status.finish_reason = _FINISH_REASONS.get(_status.value)
 
 
 @dataclass(eq=False)

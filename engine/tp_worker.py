@@ -76,7 +76,7 @@ def run(spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
     from engine.config import CacheConfig
-    from engine.engine import DTYPES
+    from engine.dtypes import DTYPES
     from engine.kv_cache import allocate_kv_cache
     from engine.kv_dtype import resolve_kv_cache_dtype
     from engine.kv_sizing import ProfileBatch, measure_startup_memory, size_cache

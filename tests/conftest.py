@@ -1,5 +1,14 @@
-"""Suite-wide settings: built-in presets go to a cache inside the checkout, never $HOME; and no
-cbserve process outlives the session (every test stops what it started)."""
+"""Suite-wide settings: built-in presets go to a cache inside the checkout, never $HOME; Triton's
+interpreter on machines without CUDA; no cbserve process outlives the session, and no grpc.aio
+channel or server outlives its test's event loop (every test stops what it started).
+
+TRITON_INTERPRET is read when triton is first imported (its own `triton.language` helpers are
+decorated then), so it is set here, before any test module is collected: a module that imports
+triton while being collected (e.g. `pytest.importorskip("triton")` in tests/engine) would
+otherwise fix triton in compiled mode for the whole process, and every interpreted kernel test
+collected after it would fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
+Without CUDA the rest of the suite runs the torch kernels, so the interpreter changes nothing there.
+"""
 
 import os
 import sys
@@ -16,6 +25,8 @@ from tests.process_leaks import SESSION_ENV, is_cbserve, marked, stop
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("CBSERVE_CACHE_DIR", str(ROOT / ".cache"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 # Every process this session starts inherits the mark (tests/process_leaks.py); a fresh one per
 # session, so a session never blames another's processes (other developers', or its parent's).
 os.environ[SESSION_ENV] = uuid.uuid4().hex
@@ -37,6 +48,8 @@ def grpc_objects_closed_with_their_loop():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The image tests go last: CI builds the image in the background while the rest runs.
+    items.sort(key=lambda item: Path(str(item.path)).is_relative_to(ROOT / "tests" / "image"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
