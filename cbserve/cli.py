@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from cbserve.arg_types import gpu_memory_utilization, positive_int
 from cbserve.lora_flags import add_lora_flags, lora_config_from_args
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
 
@@ -45,22 +46,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="plan each step only after the previous one's tokens are read back (on CUDA the "
                         "default overlaps them; CPU engines never overlap)")
     add_lora_flags(p)
-
-
-def positive_int(value: str) -> int:
-    """argparse type: an int >= 1."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return number
-
-
-def gpu_memory_utilization(value: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    share = float(value)
-    if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return share
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str):
@@ -258,10 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cbserve.up import add_up_command  # `cbserve up`: cbserve/up.py
     add_up_command(sub)
+    from cbserve.control import add_scale_command  # `cbserve scale`: cbserve/control.py
+    add_scale_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cbserve.early_listen import bind_for_up
+    bind_for_up(list(sys.argv[1:] if argv is None else argv))   # before the imports build_parser makes
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # a decode pod's engine core gets it too
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

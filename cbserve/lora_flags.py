@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from cbserve.arg_types import positive_int
 from engine.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoRAConfig, parse_lora_module
 
 
@@ -14,13 +15,6 @@ def _lora_module(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return number
-
-
 def add_lora_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
@@ -29,12 +23,12 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=PATH",
                    help="adapters to load at start, as name=path or JSON {\"name\", \"path\", \"base_model_name\"} "
                         "(PEFT directories: adapter_config.json + adapter_model.safetensors)")
-    g.add_argument("--max-loras", type=_positive, default=DEFAULT_MAX_LORAS,
+    g.add_argument("--max-loras", type=positive_int, default=DEFAULT_MAX_LORAS,
                    help=f"adapters in one batch: device slots, allocated at start (default {DEFAULT_MAX_LORAS})")
-    g.add_argument("--max-cpu-loras", type=_positive, default=None,
+    g.add_argument("--max-cpu-loras", type=positive_int, default=None,
                    help="adapters kept in host memory (LRU); others are read again when needed "
                         "(default: --max-loras)")
-    g.add_argument("--max-lora-rank", type=_positive, default=DEFAULT_MAX_LORA_RANK,
+    g.add_argument("--max-lora-rank", type=positive_int, default=DEFAULT_MAX_LORA_RANK,
                    help=f"largest adapter rank accepted (default {DEFAULT_MAX_LORA_RANK}); slots store it "
                         "rounded up to a power of two >= 16")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",

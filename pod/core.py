@@ -284,6 +284,7 @@ class EngineCore:
         ready = cbserve_pb2.CoreEvents()
         ready.ready.model.CopyFrom(rt.model_info)
         ready.ready.block_size, ready.ready.max_num_seqs = rt.block_size, rt.max_num_seqs
+        ready.ready.max_num_batched_tokens = rt.max_num_batched_tokens
         stats_to_pb(rt.snapshot, [], ready.stats)
         ready.iteration_at = time.monotonic()
         self.outbox.put(lambda events: events.MergeFrom(ready))

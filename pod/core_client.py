@@ -91,6 +91,7 @@ class CoreRuntime(PodRuntime):
     def apply_ready(self, ready: cbserve_pb2.CoreReady) -> None:
         self.model_info = ready.model
         self.block_size, self.max_num_seqs = ready.block_size, ready.max_num_seqs
+        self.max_num_batched_tokens = ready.max_num_batched_tokens
 
     def apply_stats(self, stats: cbserve_pb2.CoreStats) -> None:
         self._refreshed_at = time.monotonic()

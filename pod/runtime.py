@@ -130,7 +130,7 @@ class PodRuntime:
         self.engine_config = engine_config
         self.engine: Engine | None = None
         self.model_info: cbserve_pb2.ModelInfo | None = None
-        self.block_size = self.max_num_seqs = 0
+        self.block_size = self.max_num_seqs = self.max_num_batched_tokens = 0
         self.snapshot: EngineStats | None = None
         if self.owns_engine:
             self._load_engine(engine_config)
@@ -166,6 +166,7 @@ class PodRuntime:
             vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows)
         self.block_size = self.engine.cache_config.block_size
         self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = self.engine.scheduler_config.max_num_batched_tokens
         self.snapshot = self.engine.stats()
 
     # ------------------------------------------------------------------ engine thread hooks
@@ -304,6 +305,7 @@ class PodRuntime:
             prefill_tokens_per_second=s.prefill_tokens_per_second, timestamp=time.time(),
             draining=self.draining, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held, max_loras=s.max_loras,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             step_samples=[cbserve_pb2.StepSample(num_seqs=x.num_seqs, num_context_tokens=x.num_context_tokens,
                                                  num_prefill_tokens=x.num_prefill_tokens, seconds=x.seconds)
                           for x in samples[-32:]])

@@ -97,7 +97,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("pod_id", "role", "num_waiting", "num_running", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "step_seconds_ewma", "prefill_tokens_per_second", "step_samples", "timestamp", "draining", "block_size", "max_num_seqs", "num_held_kv", "lora_adapters", "max_loras")
+    __slots__ = ("pod_id", "role", "num_waiting", "num_running", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "step_seconds_ewma", "prefill_tokens_per_second", "step_samples", "timestamp", "draining", "block_size", "max_num_seqs", "num_held_kv", "max_num_batched_tokens", "lora_adapters", "max_loras")
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_KV_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     pod_id: str
@@ -130,9 +131,10 @@ class LoadReport(_message.Message):
     block_size: int
     max_num_seqs: int
     num_held_kv: int
+    max_num_batched_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterState]
     max_loras: int
-    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., timestamp: _Optional[float] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_held_kv: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., timestamp: _Optional[float] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_held_kv: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapterState(_message.Message):
     __slots__ = ("name", "identity", "registered", "resident", "num_running", "num_waiting")
@@ -545,14 +547,16 @@ class CoreStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., num_held_kv: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class CoreReady(_message.Message):
-    __slots__ = ("model", "block_size", "max_num_seqs")
+    __slots__ = ("model", "block_size", "max_num_seqs", "max_num_batched_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     block_size: int
     max_num_seqs: int
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class CoreEvents(_message.Message):
     __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids", "replies", "pull_chunks", "lease_expiries", "structured_outputs")

@@ -102,7 +102,8 @@ class RoutingDecision:
 
 @dataclass(frozen=True)
 class NoRoute:
-    """Why nothing was chosen: "no_pods" (none routable) or "slo" (none predicted to meet it)."""
+    """Why nothing was chosen: "no_pods" (none routable) or "slo" (none predicted to meet it);
+    the dispatcher turns "no_pods" into "starting" when a pod that could serve is on its way."""
 
     reason: str
     retry_after_seconds: float = 1.0

@@ -53,6 +53,12 @@ class PrefixIndex:
             matched += 1
         return matched
 
+    def uncached_tokens(self, request: RoutingRequest, address: str) -> int:
+        """The prompt tokens `address` probably has to compute for `request`: all but its cached
+        leading blocks, and always the last one (its logits give the first token)."""
+        matched = self.matched_blocks(request.block_hashes, address)
+        return max(1, request.num_prompt_tokens - matched * request.block_size)
+
     def __len__(self) -> int:
         return len(self._pods_by_hash)
 
