@@ -90,17 +90,6 @@ def identity_mismatch(request_id: str, theirs: str, ours: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- runtime loading
-async def lora_rpc(runtime, kind: str, request, context) -> cbserve_pb2.LoRAAdapterResponse:
-    """Server process: a Load/UnloadLoRAAdapter call, answered by the engine core."""
-    command = cbserve_pb2.CoreCommand()
-    getattr(command, kind).CopyFrom(request)
-    reply = await asyncio.wrap_future(runtime.loop.call(command))
-    if reply.code:
-        from pod.core_client import STATUS_CODES
-        await context.abort(STATUS_CODES.get(reply.code, grpc.StatusCode.INTERNAL), reply.message)
-    return cbserve_pb2.LoRAAdapterResponse(identity=reply.message)
-
-
 def lora_command(core, kind: str, command: cbserve_pb2.CoreCommand) -> None:
     """Engine core, event loop: run a load/unload command without blocking the loop."""
     asyncio.get_running_loop().create_task(_lora_command(core, kind, command))

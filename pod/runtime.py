@@ -40,6 +40,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, from_pro
 from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
+from pod.lora_rpc import lora_rpc
 from pod.security import ClusterSecurity, advertise_address
 from pod.stall import DEFAULT_STALL_SECONDS, stall_threshold, watch_engine
 
@@ -439,11 +440,9 @@ class CommonRPCs:
         return await self.rt.abort(request, context)
 
     async def LoadLoRAAdapter(self, request, context):
-        from pod.lora import lora_rpc   # pod.lora builds on this module
         return await lora_rpc(self.rt, "load_lora_adapter", request, context)
 
     async def UnloadLoRAAdapter(self, request, context):
-        from pod.lora import lora_rpc
         return await lora_rpc(self.rt, "unload_lora_adapter", request, context)
 
 
