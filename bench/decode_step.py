@@ -175,7 +175,8 @@ def build_engine(args, path: Path, batches: list[int]) -> tuple[Engine, list[str
     cache = CacheConfig(block_size=block_size, kv_cache_memory_bytes=blocks * bytes_per_block(cfg, block_size, kv_dtype),
                         enable_prefix_caching=False, **kv_option)
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(batches))
-    options = {"enforce_eager": True} if args.enforce_eager else {}
+    # No text is read here: the detokenizer would only add host time to every step (as in the pods).
+    options = {"detokenize": False, **({"enforce_eager": True} if args.enforce_eager else {})}
     if args.quantization:
         options["quantization"] = args.quantization
     fields, missing = engine_config_fields(EngineConfig, **options)

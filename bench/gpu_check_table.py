@@ -117,12 +117,15 @@ def section_rows(section: dict) -> list[tuple[str, str, str, str]]:
     if status == "skipped":
         return [("", "not run", "", f"skipped ({_tail(log)})")]
     rows: list[tuple[str, str, str, str]] = []
-    if kind == "tests":
+    if kind == "preflight":
+        summary = [ln for ln in log.splitlines() if ln.startswith(("preflight:", "FAILED "))]
+        rows.append(("imports", " / ".join(summary[-3:]).replace("|", "/")[:300] or _tail(log), "", status))
+    elif kind == "tests":
         counts = pytest_counts(log)
         if counts:
             result = ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "failed", "error", "skipped")
                                if counts.get(k) or k in ("passed", "failed"))
-            rows.append(("pytest -m gpu", result, "", status))
+            rows.append(("pytest", result, "", status))
     elif kind == "kernels":
         copy = _copy_gbs(section)
         for r in kernel_rows(log):
@@ -174,7 +177,7 @@ def section_rows(section: dict) -> list[tuple[str, str, str, str]]:
                          f"goodput {r['goodput_rps']:.2f} req/s, attainment {r['slo_attainment']:.0%}, "
                          f"p95 TTFT {_ms(ttft)}, p95 TPOT {_ms(tpot)}, errors {r['error_rate']:.0%}",
                          f"offered {r['offered_rps']:.2f} req/s", status))
-    if not rows or status != "ok":
+    if (not rows or status != "ok") and kind != "preflight":
         failed = [ln.strip() for ln in log.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
         rows.append(("", " / ".join(failed[:4]).replace("|", "/")[:300] if failed else _tail(log), "", status))
     return rows
@@ -209,7 +212,8 @@ def build_table(work: Path) -> str:
 
 
 def _number(sid: str) -> str:
-    return {"tests": "1", "kernels": "2", "decode": "3", "throughput": "4", "goodput": "5"}.get(sid.split("-")[0], "")
+    return {"preflight": "0", "tests": "1", "kernels": "2", "decode": "3", "throughput": "4",
+            "goodput": "5"}.get(sid.split("-")[0], "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@
 # relaxed so admission control queues rather than sheds, as vLLM does. Prints one line per run.
 # CONFIGS="colocated 1p1d" (default) picks cbserve's configurations; VLLM=0 skips vLLM.
 set -u
-MODEL=${MODEL:-$HOME/.cache/cbserve/models/tiny-v1}
+MODEL=${MODEL:-$HOME/.cache/cbserve/models/tiny-v2}
 PEER=${PEER:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/vllm_cpu.sh}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=$HERE/.venv/bin/python

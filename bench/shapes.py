@@ -3,8 +3,9 @@
 `tiny` is the built-in preset (engine/presets.py). `1b` and `8b` have the shapes of Llama-3.2-1B
 and Llama-3.1-8B (GQA 32/8 heads, vocab 128256, untied head) with random bf16 weights. Their
 config.json and byte-level tokenizer come from engine/presets.py (the shape is registered as a
-preset), so they land in `~/.cache/cbserve/models/<name>-v1` like any preset. The weights do not:
-the preset writer draws fp32 on the CPU, minutes and 32 GB for 8B, so here they are drawn on the
+preset: its tokenizer has the shape's vocabulary, so every id decodes to text), so they land in
+`~/.cache/cbserve/models/<name>-v2` like any preset. The weights do not: the preset writer draws
+fp32 on the CPU, minutes and 32 GB for 8B, so here they are drawn on the
 benchmark's device and written in bf16 shards, named and shaped by transformers' own Llama (a
 meta-device model), so that both cbserve's loader and `from_pretrained` read the directory.
 

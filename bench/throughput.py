@@ -51,6 +51,7 @@ def run_cbserve(args, prompts, outputs) -> tuple[float, int]:
     kv = {"kv_cache_memory_bytes": args.kv_cache_mb << 20} if args.kv_cache_mb else {}   # 0: the engine's default
     engine = Engine(EngineConfig(
         model=str(args.model), device=args.device, dtype=args.dtype, quantization=args.quantization,
+        detokenize=False,      # tokens are counted, text is never read (transformers' side decodes none)
         cache=CacheConfig(enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **kv),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
     ))

@@ -21,6 +21,8 @@ import grpc
 from wire import cbserve_pb2, cbserve_pb2_grpc
 from decode_pod.open_request import Job
 from engine.engine import Engine
+from engine.grammar.backend import GrammarCompileError
+from engine.grammar.structured_outputs import FirstTokenRejected
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
@@ -29,6 +31,7 @@ from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
 from kvtransfer.pair_setup import open_pair
 from pod.core import EngineCore
+from pod.lora import lora_request, with_adapter
 from pod.runtime import RequestFailed, logprobs_from_pb, logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,7 @@ class DecodeCore(EngineCore):
             req = engine.scheduler.get_request(req_id)
             if req is not None:
                 self.rt.loop.loop.call_soon_threadsafe(self._start_pull, req_id, tuple(req.block_ids),
-                                                       req.num_prompt_tokens)
+                                                       req.num_prompt_tokens, req.lora.identity if req.lora else "")
         self.rt.after_step(engine)
 
     def fill_outputs(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], extra) -> None:
@@ -93,6 +96,7 @@ class DecodeCore(EngineCore):
         rt, req_id = self.rt, request.request_id
         try:
             prompt, params = rt.validate(request)
+            lora = lora_request(rt, request)
         except RequestFailed as e:
             self.failure(req_id, e)
             return
@@ -101,13 +105,27 @@ class DecodeCore(EngineCore):
                                       time.monotonic() + timeout)
         job.local_prefill = not request.prefill_from
         job.kv_handle = request.kv_handle if request.HasField("kv_handle") else None
+        job.structured = params.structured
         remote = bool(request.prefill_from)
-        added = rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority, remote_kv=remote))
 
         def on_added(future) -> None:   # engine thread
             if future.exception() is not None:
                 self.failure(req_id, refused(future.exception()))
-        added.add_done_callback(on_added)
+            elif remote and params.structured is not None:
+                rt.engine.structured.compile_future(params.structured).add_done_callback(on_compiled)
+
+        def on_compiled(compiled) -> None:   # compile thread
+            # A grammar this pod cannot compile fails the request now, not after the pull.
+            if compiled.exception() is not None:
+                error = RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(compiled.exception()))
+                rt.loop.loop.call_soon_threadsafe(self._fail, req_id, error)
+
+        def add() -> None:   # the adapter, if any, is in host memory now
+            if self.jobs.get(req_id) is not job:   # aborted while its adapter was read
+                return
+            rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority, remote_kv=remote,
+                                                 lora=lora)).add_done_callback(on_added)
+        with_adapter(rt, lora, add, lambda error: self.failure(req_id, error))
 
     def forget(self, req_id: str) -> None:
         job = self.jobs.pop(req_id, None)
@@ -119,10 +137,11 @@ class DecodeCore(EngineCore):
             self._add(command.add)
 
     # ------------------------------------------------------------------ KV pull (event loop)
-    def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
+    def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int,
+                    lora_identity: str = "") -> None:
         job = self.jobs.get(req_id)
         if job is not None and job.task is None and job.prefill_from:
-            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens))
+            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens, lora_identity))
 
     def _stub(self, address: str) -> cbserve_pb2_grpc.PrefillServiceStub:
         stub = self._stubs.get(address)
@@ -149,7 +168,8 @@ class DecodeCore(EngineCore):
             self._groups[address] = group
             return group
 
-    async def _pull(self, req_id: str, job: Job, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
+    async def _pull(self, req_id: str, job: Job, block_ids: tuple[int, ...], num_prompt_tokens: int,
+                    lora_identity: str = "") -> None:
         rt = self.rt
         try:
             group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
@@ -158,15 +178,23 @@ class DecodeCore(EngineCore):
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,
                                                 nccl_group=group.group_name if group else "",
-                                                kv_handle=job.kv_handle)
+                                                kv_handle=job.kv_handle, lora_identity=lora_identity)
             result = await pull_kv(self._stub(job.prefill_from), request, sink, timeout=job.remaining())
             job.kv_pulled_at = time.monotonic()
             job.kv_transfer_seconds = result.seconds
             job.kv_bytes = result.num_bytes
             first_lp = logprobs_from_pb(result.first_token_logprobs)
-            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp))
+            if job.structured is not None:   # compiled while P prefilled; landing must not wait for it
+                await asyncio.wrap_future(rt.engine.structured.compile_future(job.structured))
+            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp,
+                                                   result.grammar_fingerprint))
         except asyncio.CancelledError:
             raise
+        except FirstTokenRejected as e:
+            # Never an unconstrained token: this pod samples token 0 itself, under its own grammar.
+            await self._fall_back(req_id, job, f"prefill pod {job.prefill_from}'s first token refused: {e}")
+        except GrammarCompileError as e:
+            self._fail(req_id, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except (SourceLostError, SourceAbortedError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
             await self._fall_back(req_id, job, f"prefill pod {job.prefill_from} lost: {e}")
         except ChecksumError as e:
@@ -177,10 +205,11 @@ class DecodeCore(EngineCore):
         except KVTransferError as e:
             self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
 
-    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp) -> None:
+    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp, grammar_fingerprint: str) -> None:
         """Engine thread: the request joins the batch; its first token is published from here, so
-        it goes out before anything the next step produces for it."""
-        out = engine.land_remote_kv(req_id, first_token_id, first_lp)
+        it goes out before anything the next step produces for it. A structured request's token
+        must come from the same grammar and be accepted by this pod's (else `FirstTokenRejected`)."""
+        out = engine.land_remote_kv(req_id, first_token_id, first_lp, grammar_fingerprint)
         if out is not None:
             self.rt.loop.publish([out])
 

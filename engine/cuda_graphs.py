@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one per (padded batch size, block-table width) bucket.
+"""Decode steps replayed from CUDA graphs, one per padded batch size.
 
 Why: a decode step launches ~200 small kernels from Python; at small batches the GPU finishes each
 faster than the host launches the next, so the step is host-bound. A graph replays them all with
@@ -8,23 +8,32 @@ What makes a step capturable (vLLM's recipe, read from the kernels here):
 - Inputs live at fixed addresses: `StepInputs` lays every field out from (tokens, seqs, width)
   alone, so a bucket's replay writes its inputs where the capture read them.
 - Kernel grids depend only on shapes: the batch is padded to the bucket's size (padding rows are
-  harmless decodes of the null block, `engine.step_inputs`), and the block table to the bucket's
-  width, which also fixes the split-K partition count. Triton specialises integer arguments
-  (== 1, % 16), so every bucket runs eagerly once before its capture.
+  harmless decodes of the null block, `engine.step_inputs`), and the block table to one width for
+  every graph, the longest graph context (`graph_width`), which also fixes the split-K partition
+  count. So the graphs are keyed by batch size alone (as in vLLM, SGLang and nano-vllm), every
+  graph runs the same kernel variants, and the kernels read each row's real length on the device
+  (partitions past it exit at once). Triton specialises integer arguments (== 1, % 16) unless
+  told not to: the batch-dependent ones are in the kernels' `do_not_specialize`, and every bucket
+  runs eagerly once before its capture anyway.
 - The head runs inside the graph and writes into one persistent logits buffer shared by all
   buckets (the graphs replay one at a time), so graphs do not each hold a logits tensor.
-- Buckets are captured widest and largest first into one memory pool, so smaller ones reuse it.
+- Buckets are captured largest first into one memory pool, so smaller ones reuse it.
+- The kernels must be Triton's: the torch reference reads lengths back to the host, which a
+  capture cannot do, so graphs refuse to start on another backend (`check_graph_backend`).
 
-Contexts past `MAX_GRAPH_CONTEXT` tokens and mixed prefill/decode steps run eagerly. On CPU the
-same padded path runs eagerly (`DecodeBuckets(capture=False)`), which is how its padding logic
-is tested without a GPU.
+Contexts past `MAX_GRAPH_CONTEXT` tokens and mixed prefill/decode steps run eagerly, and so does
+every step of a prefill-role engine (`wants_decode_graphs`): its requests end at their first
+token, so it never runs the decode steps graphs are for. On CPU the same padded path runs eagerly
+(`DecodeBuckets(capture=False)`), which is how its padding logic is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import time
 
+import numpy as np
 import torch
 
 from engine.progress import progress
@@ -33,7 +42,7 @@ from engine.step_inputs import StepInputs, max_layout_bytes
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_CONTEXT = 8192     # tokens; longer decodes are weight-read-bound enough to run eagerly
-MIN_GRAPH_CONTEXT = 256
+_TOKENS, _BLOCKS = operator.itemgetter(1), operator.itemgetter(3)     # ScheduledSeq fields
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:
@@ -42,16 +51,9 @@ def batch_size_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
-def width_buckets(max_model_len: int, block_size: int) -> list[int]:
-    """Block-table widths (in blocks): contexts of 256, 512, ... tokens up to
-    min(max_model_len, MAX_GRAPH_CONTEXT)."""
-    limit = min(max_model_len, MAX_GRAPH_CONTEXT)
-    tokens, widths = MIN_GRAPH_CONTEXT, []
-    while tokens < limit:
-        widths.append(-(-tokens // block_size))
-        tokens *= 2
-    widths.append(-(-limit // block_size))
-    return sorted(set(widths))
+def graph_width(max_model_len: int, block_size: int) -> int:
+    """The block-table width (in blocks) of every graph: min(max_model_len, MAX_GRAPH_CONTEXT) tokens."""
+    return -(-min(max_model_len, MAX_GRAPH_CONTEXT) // block_size)
 
 
 def smallest_at_least(buckets: list[int], value: int) -> int | None:
@@ -61,6 +63,32 @@ def smallest_at_least(buckets: list[int], value: int) -> int | None:
     return None
 
 
+def wants_decode_graphs(device: torch.device, role: str, enforce_eager: bool, tensor_parallel_size: int) -> bool:
+    """Whether an engine captures decode graphs: on CUDA, one rank, not `--enforce-eager`, and not the
+    prefill role (which never runs a decode step it could replay: its requests end at their first
+    token), so a prefill engine neither captures them nor keeps memory back for them."""
+    return device.type == "cuda" and not enforce_eager and tensor_parallel_size == 1 and role != "prefill"
+
+
+def check_graph_backend(device: torch.device) -> None:
+    """Refuse CUDA graphs over the torch reference kernels (CBSERVE_KERNEL_BACKEND=torch, or triton
+    failing to import): they read sequence lengths back to the host, which stops a capture with an
+    error far from its cause."""
+    from kernels import backend
+
+    chosen = backend.select_backend(torch.empty(0, device=device))
+    if chosen != backend.TRITON:
+        if backend.forced_backend() is not None:
+            why = f"{backend.ENV_VAR}={backend.forced_backend()}"
+        elif not backend.triton_available():
+            why = "triton cannot be imported"
+        else:
+            why = f"the torch kernels serve {device.type} tensors"
+        raise RuntimeError(f"CUDA graphs need the Triton kernels, but the kernel backend on {device} is "
+                           f"{chosen} ({why}): install triton, set {backend.ENV_VAR}=triton, or pass "
+                           f"--enforce-eager to run without CUDA graphs")
+
+
 class DecodeBuckets:
     """Runs decode-only steps padded to a bucket; replays a CUDA graph per bucket once captured.
 
@@ -68,43 +96,43 @@ class DecodeBuckets:
     writes logits `[bs, vocab]` into `out` (the runner supplies it)."""
 
     def __init__(self, forward, vocab_size: int, dtype: torch.dtype, block_size: int, device: torch.device,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, lora: bool = False) -> None:
+        """`lora`: every step stages its tokens' LoRA slots (engine/lora/), so graphs include the
+        LoRA kernels (rows without an adapter skip them on the device)."""
+        if device.type == "cuda":
+            check_graph_backend(device)
         self.forward = forward
+        self._no_lora = np.empty(0, np.int32) if lora else None
         self.device = device
         self.batch_sizes = batch_size_buckets(max_num_seqs)
-        self.widths = width_buckets(max_model_len, block_size)
-        self.inputs = StepInputs(max_layout_bytes(self.batch_sizes[-1], self.batch_sizes[-1], self.widths[-1]),
+        self.width = graph_width(max_model_len, block_size)
+        self.inputs = StepInputs(max_layout_bytes(self.batch_sizes[-1], self.batch_sizes[-1], self.width),
                                  block_size, device, growable=False)
         self.logits = torch.empty(self.batch_sizes[-1], vocab_size, dtype=dtype, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def bucket(self, scheduled) -> tuple[int, int] | None:
-        """(batch size, width) for a decode-only batch that fits a bucket, else None."""
+    def bucket(self, scheduled) -> int | None:
+        """The padded batch size for a decode-only batch that fits the graphs' width, else None."""
         bs = smallest_at_least(self.batch_sizes, len(scheduled))
         if bs is None:
             return None
-        max_blocks = 0
-        for seq in scheduled:
-            if len(seq[1]) != 1:          # a prefill chunk: not a decode-only step
-                return None
-            n = len(seq[3])
-            if n > max_blocks:
-                max_blocks = n
-        width = smallest_at_least(self.widths, max_blocks)
-        return None if width is None else (bs, width)
+        # C-level passes: every seq has one new token, and no table is wider than the graphs'.
+        if sum(map(len, map(_TOKENS, scheduled))) != len(scheduled) or \
+                max(map(len, map(_BLOCKS, scheduled)), default=0) > self.width:
+            return None
+        return bs
 
-    def run(self, scheduled, bucket: tuple[int, int], prev=None) -> torch.Tensor:
-        """Logits `[len(scheduled), vocab]` of a decode-only batch, padded to `bucket`."""
-        bs, width = bucket
-        t = self.inputs.prepare(scheduled, pad_to=bs, width=width,
-                                prev_rows=None if prev is None else prev.rows)
-        if t.fill_dst.numel():
-            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+    def run(self, scheduled, bucket: int, prev=None, lora_slots=None) -> torch.Tensor:
+        """Logits `[len(scheduled), vocab]` of a decode-only batch, padded to `bucket` sequences."""
+        t = self.inputs.prepare(scheduled, pad_to=bucket, width=self.width,
+                                prev_rows=None if prev is None else prev.rows, lora_slots=lora_slots)
+        if prev is not None:
+            t.fill_from(prev.token_ids)
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph.replay()
         else:
-            self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
+            self.forward(t.input_ids, t.positions, t.meta, self.logits[:bucket])
         return self.logits[:t.num_seqs]
 
     @torch.inference_mode()
@@ -113,28 +141,28 @@ class DecodeBuckets:
         if self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()   # capture runs on a side stream, as torch requires
-        bar = progress(desc="capturing decode CUDA graphs", total=len(self.widths) * len(self.batch_sizes),
-                       unit="graph")
-        for width in sorted(self.widths, reverse=True):
+        with torch.cuda.device(self.device):   # the pool, the streams and the capture: this engine's device
+            pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(self.device)   # warm-ups run on a side stream, as torch requires
+            current = torch.cuda.current_stream(self.device)
+            bar = progress(desc="capturing decode CUDA graphs", total=len(self.batch_sizes), unit="graph")
             for bs in sorted(self.batch_sizes, reverse=True):
-                t = self.inputs.prepare([], pad_to=bs, width=width)   # all padding: harmless
-                stream.wait_stream(torch.cuda.current_stream())
+                t = self.inputs.prepare([], pad_to=bs, width=self.width, lora_slots=self._no_lora)   # all padding
+                stream.wait_stream(current)
                 with torch.cuda.stream(stream):
                     for _ in range(2):   # compile and specialise every kernel for this shape
                         self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
-                torch.cuda.current_stream().wait_stream(stream)
+                current.wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
-                self.graphs[(bs, width)] = graph
+                self.graphs[bs] = graph
                 bar.update(1)
-        bar.close()
-        torch.cuda.synchronize()
+            bar.close()
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         log.info("captured %d decode CUDA graphs (batch sizes up to %d, contexts up to %d blocks) in %.1f s",
-                 len(self.graphs), self.batch_sizes[-1], self.widths[-1], seconds)
+                 len(self.graphs), self.batch_sizes[-1], self.width, seconds)
         return seconds
 
 

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +22,17 @@ from typing import Iterable, Sequence
 import torch
 
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig
-from engine.cuda_graphs import graph_memory_estimate
+from engine.cuda_graphs import graph_memory_estimate, wants_decode_graphs
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtypes import DTYPES
 from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quantization
+from engine.grammar.structured_outputs import StructuredOutputs
 from engine.kv_cache import allocate_kv_cache
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
+from engine.lora.config import LoRAConfig
+from engine.lora.request import LoRARequest
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PrevSample
 from engine.outputs import EngineStats, RequestOutput, StepSample
@@ -35,9 +40,11 @@ from engine.presets import resolve_model_dir
 from engine.progress import progress
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
+from engine.runner.inference import inference_mode
 from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
+from engine.scheduler_output import sampled_requests
 from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
@@ -46,7 +53,8 @@ from engine.tp_shard import TensorParallelError, TPShard, check_divisible
 from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_PARAMS = operator.attrgetter("sampling_params")
+_STRUCTURED = operator.attrgetter("structured")
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     detokenize: bool = True             # False: text only for requests with stop strings (pods: the
                                         # router detokenizes; the engine must, to stop on a string)
+    lora: LoRAConfig | None = None      # multi-LoRA (--enable-lora; engine/lora/); None: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -97,6 +106,10 @@ class Engine:
         self.model_dir: Path = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # streams, events, graph pools: this device's
+        self.decode_graphs = wants_decode_graphs(self.device, self.role, config.enforce_eager,
+                                                 config.tensor_parallel_size)
         dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else self.model_config.torch_dtype)
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
@@ -129,6 +142,11 @@ class Engine:
             self.fingerprint += f"+{self.quantization}"
         if self.kv_dtype is FP8_KV_DTYPE:  # pods exchanging fp8 KV must dequantize with the same scales
             self.fingerprint += kv_scales_suffix(self.model)
+        # Adapter slots before the KV cache is sized: their memory is the model's, fixed at start.
+        self.lora = None
+        if config.lora is not None:
+            from engine.lora.manager import LoRAManager
+            self.lora = LoRAManager(config.lora, self.model, self.model_config, self.tp)
         # After loading: on CUDA the cache takes what the weights and one worst-case step leave.
         cache_cfg = size_cache(config.cache, self.model, self.kv_dtype, self.device,
                                ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
@@ -137,6 +155,8 @@ class Engine:
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
+        # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
+        cache_cfg = dataclasses.replace(cache_cfg, sliding_window=self.model_config.kv_free_window)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
@@ -146,15 +166,21 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-                                  max_model_len=max_len, enforce_eager=True if config.enforce_eager else None,
-                                  tp=self.tp)
+                                  max_model_len=max_len, enforce_eager=None if self.decode_graphs else True,
+                                  tp=self.tp, lora_slot_of=None if self.lora is None else self.lora.slots.slot_of_request)
+        self.runner.warm_up()               # every kernel variant compiled now, not while serving
         self.runner.capture_cuda_graphs()
         # The prefill role ends a request at its first token: there is no next step to overlap.
         self.async_scheduling = self.role != "prefill" and (
             self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling)
         self._in_flight: _InFlight | None = None
         self.sampler = Sampler(self.eos_token_ids)
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids)
+        # Constrained decoding: grammars compile off this thread; masks are filled here (rank 0).
+        self.structured = StructuredOutputs.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids, self.device)
+        self.failed: dict[str, Exception] = {}   # requests ended by an error since `take_failures`
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
+                                   lora_slots=None if self.lora is None else self.lora.slots)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.step_stats = StepStats()
@@ -165,8 +191,8 @@ class Engine:
                  config.tensor_parallel_size, cache_cfg.num_blocks, cache_cfg.block_size)
 
     def _graph_memory_estimate(self, config: EngineConfig, sched_cfg: SchedulerConfig) -> int:
-        """What the decode CUDA graphs will take after the KV cache is sized (0 when eager)."""
-        if self.device.type != "cuda" or config.enforce_eager or config.tensor_parallel_size > 1:
+        """What the decode CUDA graphs will take after the KV cache is sized (0 without graphs)."""
+        if not self.decode_graphs:
             return 0
         cfg = self.model_config
         return graph_memory_estimate(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
@@ -188,12 +214,15 @@ class Engine:
             quantization=self.quantization, cache=dataclasses.asdict(config.cache),
             max_num_batched_tokens=sched_cfg.max_num_batched_tokens, max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=max_len, eos_token_ids=tuple(self.eos_token_ids),
-            headroom_bytes=headroom_bytes(self._graph_memory_estimate(config, sched_cfg)), size=size)
+            headroom_bytes=headroom_bytes(self._graph_memory_estimate(config, sched_cfg)), size=size,
+            lora_slots=0 if config.lora is None else config.lora.max_loras,
+            lora_rank=0 if config.lora is None else config.lora.slot_rank)
         log.info("tensor parallel: %d ranks on %s", size, self.device.type)
         return TPDriver.launch(spec, self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (idempotent; also runs at interpreter exit)."""
+        self.structured.close()
         if self.tp is not None:
             self.tp.close()
 
@@ -209,8 +238,11 @@ class Engine:
         return self.scheduler_config.max_model_len
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validates and builds a `Request` (raises `EngineRequestError`); does not queue it."""
+                     priority: int = 0, arrival_time: float | None = None,
+                     lora: str | LoRARequest | None = None) -> Request:
+        """Validates and builds a `Request` (raises `EngineRequestError`, or a `LoRAError` for
+        `lora`: an adapter name or handle, read from disk here if its host copy is not there:
+        pods load it off the engine thread first); does not queue it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineRequestError("this model has no tokenizer: send token ids")
@@ -226,29 +258,43 @@ class Engine:
             raise EngineRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum context length of {self.max_model_len} tokens")
+        if params.structured is not None and not self.structured.available:
+            raise EngineRequestError("structured outputs need the model's tokenizer (tokenizer.json)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.scheduler.get_request(rid) is not None:
             raise EngineRequestError(f"request id {rid!r} is already in use")
+        if lora is not None:
+            if self.lora is None:
+                raise EngineRequestError("LoRA adapters are not enabled on this engine (--enable-lora)")
+            lora = self.lora.request(lora)
         return Request(rid, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                       priority)
+                       priority, lora=lora)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, remote_kv: bool = False) -> Request:
-        """Queues a request. `remote_kv` (decode role): its KV comes from a prefill pod."""
-        req = self.make_request(prompt, params or SamplingParams(), request_id, priority)
+                    request_id: str | None = None, priority: int = 0, remote_kv: bool = False,
+                    lora: str | LoRARequest | None = None) -> Request:
+        """Queues a request. `remote_kv` (decode role): its KV comes from a prefill pod. `lora`:
+        its adapter (see `make_request`)."""
+        req = self.make_request(prompt, params or SamplingParams(), request_id, priority, lora=lora)
         # Two tokenizer decodes per token: only where the text is read (offline, or to find a stop).
         if self.tokenizer is not None and (self.config.detokenize or req.sampling_params.stop):
             self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                                   req.sampling_params)
-        if remote_kv:
-            self.scheduler.add_remote_request(req)
-        else:
-            self.scheduler.add_request(req)
+        self.structured.add(req)   # its compile starts now, beside its prefill
+        try:
+            if remote_kv:
+                self.scheduler.add_remote_request(req)
+            else:
+                self.scheduler.add_request(req)
+        except BaseException:
+            self.structured.forget([req.request_id])
+            raise
         return req
 
     def abort(self, request_id: str) -> bool:
         """Idempotent at every stage; frees the request's blocks (held prefill KV included)."""
         self._detok.pop(request_id, None)
+        self.structured.forget([request_id])
         aborted = self.scheduler.abort_request(request_id)
         in_flight = self._in_flight
         if aborted and in_flight is not None and all(
@@ -267,6 +313,7 @@ class Engine:
         return [] if in_flight is None else [r.request_id for r in in_flight.requests]
 
     # ------------------------------------------------------------------ the step
+    @inference_mode      # once per step: the runner and the sampler inside take it as given
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs that became known in it.
 
@@ -280,22 +327,22 @@ class Engine:
         if not self.async_scheduling:
             return self._step_sync()
         t0 = time.perf_counter()
-        out = self.last_schedule = self.scheduler.schedule()
+        out = self._schedule()
         prev, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         if out.scheduled:
             scheduled = self.scheduler.scheduled_requests
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
-            to_sample = [i for i, seq in enumerate(out.scheduled) if seq.sample]
-            requests = [scheduled[i] for i in to_sample]
-            if prev is not None and any(has_penalty(r.sampling_params) for r in requests):
+            requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
+            if prev is not None and (any(map(has_penalty, map(_PARAMS, requests)))
+                                     or any(map(_STRUCTURED, map(_PARAMS, requests)))):
                 outputs, prev = self._resolve(prev), None
-            sample = self.sampler.sample_on_device(logits, requests) if requests else None
+            sample = self._sample(logits, requests) if requests else None
             if prev is not None:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
             if sample is not None:
-                rows = {out.scheduled[i].request_id: row for row, i in enumerate(to_sample)}
+                rows = dict(zip(sampled_ids, range(len(sampled_ids))))
                 self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, rows))
             self._record_step(out, time.perf_counter() - t0)
         elif prev is not None:
@@ -305,16 +352,62 @@ class Engine:
     def _resolve(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Read a launched step's sampled ids back, write them into its requests, emit."""
         result = in_flight.sample.resolve()
-        rows = in_flight.device.rows
-        row_of = [rows[r.request_id] for r in in_flight.requests]
-        tokens = [result.token_ids[i] for i in row_of]
-        resolved = self.scheduler.resolve_placeholders(in_flight.requests, tokens)
-        logprobs = {in_flight.requests[j].request_id: result.logprobs[i] for j, i in enumerate(row_of)}
-        return [self._emit(req, [req.output_token_ids[-1]], [logprobs[req.request_id]]) for req in resolved]
+        requests = in_flight.requests
+        if len(requests) == len(result.token_ids):   # nobody left the batch: rows in order
+            tokens, logprobs = result.token_ids, result.logprobs
+        else:
+            rows = in_flight.device.rows
+            row_of = [rows[r.request_id] for r in requests]
+            tokens, logprobs = [result.token_ids[i] for i in row_of], [result.logprobs[i] for i in row_of]
+        resolved = self._settle_grammars(self.scheduler.resolve_placeholders(requests, tokens))
+        if len(resolved) != len(requests):           # aborted meanwhile, or failed its grammar: not emitted
+            kept = {id(r) for r in resolved}
+            logprobs = [lp for r, lp in zip(requests, logprobs) if id(r) in kept]
+        emit = self._emit
+        return [emit(req, [req.output_token_ids[-1]], [lp]) for req, lp in zip(resolved, logprobs)]
+
+    def _sample(self, logits, requests: list[Request]) -> DeviceSample:
+        """One step's tokens, on the device, under the requests' grammars (their masks are filled
+        here, while the forward pass runs); a request whose grammar failed ends first."""
+        mask, failed = self.structured.prepare(requests)
+        if failed:
+            self._fail(failed)
+        return self.sampler.sample_on_device(logits, requests, mask)
+
+    def _settle_grammars(self, requests: list[Request]) -> list[Request]:
+        """Each request's new token into its grammar: a complete grammar stops its request (the
+        grammar wins over min_tokens and ignore_eos), a rejected token fails it (dropped here)."""
+        if not self.structured.states:
+            return requests
+        done, failed = self.structured.advance(requests)
+        for req in done:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_GRAMMAR)
+        if failed:
+            self._fail(failed)
+            gone = {req.request_id for req, _ in failed}
+            requests = [req for req in requests if req.request_id not in gone]
+        return requests
+
+    def _fail(self, failed: list[tuple[Request, Exception]]) -> None:
+        for req, error in failed:
+            self.abort(req.request_id)
+            self.failed[req.request_id] = error
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """Requests the engine ended with an error since the last call (a grammar that does not
+        compile or fails): their callers must be told, no output will come."""
+        failed, self.failed = self.failed, {}
+        return list(failed.items())
+
+    def _schedule(self):
+        out = self.last_schedule = self.scheduler.schedule()
+        if self.lora is not None:
+            self.lora.activate_loads()   # adapters given a slot by this schedule, before its forward
+        return out
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        out = self.last_schedule = self.scheduler.schedule()
+        out = self._schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
@@ -322,11 +415,11 @@ class Engine:
             to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
                 scheduled = self.scheduler.scheduled_requests
-                result = self.sampler.sample(logits, [scheduled[i] for i in to_sample])
+                result = self._sample(logits, [scheduled[i] for i in to_sample]).resolve()
                 for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
                     sampled[out.scheduled[i].request_id] = token
                     logprobs[out.scheduled[i].request_id] = lp
-        updated = self.scheduler.update(out, sampled)
+        updated = self._settle_grammars(self.scheduler.update(out, sampled))
         outputs = [self._emit(req, [req.output_token_ids[-1]], [logprobs.get(req.request_id)])
                    for req in updated]
         if out.scheduled:
@@ -334,24 +427,35 @@ class Engine:
         return outputs
 
     # ------------------------------------------------------------------ decode role edges
-    def land_remote_kv(self, request_id: str, first_token_id: int,
-                       first_logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+    def land_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                       grammar_fingerprint: str = "") -> RequestOutput | None:
         """The prompt's KV was written into the reserved blocks: the request joins the batch with
-        its first token (sampled by the prefill pod). None if it was aborted meanwhile."""
+        its first token (sampled by the prefill pod). None if it was aborted meanwhile.
+
+        A structured request continues only from a token sampled under the same grammar
+        (`grammar_fingerprint`) that its own grammar accepts; otherwise this raises
+        `FirstTokenRejected` with nothing changed (prefill locally), or `GrammarCompileError`."""
         req = self.scheduler.get_request(request_id)
         if req is None:
             return None
+        if req.sampling_params.structured is not None:
+            self.structured.accept_first_token(req, first_token_id, grammar_fingerprint)
         self.scheduler.remote_kv_landed(request_id, first_token_id)
+        self._settle_grammars([req])
         return self._emit(req, [first_token_id], [first_logprobs])
 
     def fall_back_to_local_prefill(self, request_id: str) -> bool:
         """The pull failed: prefill the prompt here (same tokens: seeded sampling is positional)."""
+        self.structured.reset(request_id)
         return self.scheduler.remote_kv_failed(request_id)
 
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
         text_delta = ""
+        if req.is_finished and self.structured.states:
+            self.structured.forget([req.request_id])
         detok = self._detok.get(req.request_id) if self._detok else None
+        status = req.status
         if detok is not None:
             # A stop token's own text is dropped (vLLM), even with skip_special_tokens=False.
             delta = detok.update(new_ids, stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
@@ -363,13 +467,13 @@ class Engine:
                 text_delta += detok.flush().text
             if req.is_finished:
                 del self._detok[req.request_id]
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
-            text_delta=text_delta, finished=req.is_finished, finish_reason=req.status.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            output_token_ids=req.output_token_ids, text=detok.output_text if detok else "",
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time, stop_reason=req.stop_reason)
+            status = req.status
+        # Positional (one per request per step: keywords cost twice as much; the field order is
+        # pinned by tests/engine/test_engine_outputs.py).
+        return RequestOutput(req.request_id, new_ids, new_logprobs, text_delta, status.is_finished,
+                             status.finish_reason, len(req.prompt_token_ids), req.num_cached_tokens,
+                             req.output_token_ids, detok.output_text if detok else "", req.first_token_time,
+                             req.arrival_time, req.first_scheduled_time, req.stop_reason)
 
     def _record_step(self, out, seconds: float) -> None:
         self.step_stats.record(out, seconds)
@@ -390,14 +494,17 @@ class Engine:
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: Iterable[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress_desc: str | None = None) -> list[RequestOutput]:
+                 progress_desc: str | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Runs the prompts to completion (continuous batching) and returns one output each, in order.
 
-        `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks)."""
+        `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks).
+        `lora`: one adapter name for every prompt, or one per prompt (None: the base model)."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        reqs = [self.add_request(p, sp, lora=a) for p, sp, a in zip(prompts, params, loras)]
         final: dict[str, RequestOutput] = {}
         bar = progress(desc=progress_desc or "", total=len(reqs), unit="req", leave=True,
                        quiet=progress_desc is None)
@@ -407,8 +514,14 @@ class Engine:
                     final[o.request_id] = o
                     bar.update(1)
         bar.close()
+        failures = dict(self.take_failures())
+        for r in reqs:
+            if r.request_id in failures:
+                raise failures[r.request_id]
         return [final[r.request_id] for r in reqs]
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
-        return self.step_stats.snapshot(self.scheduler)
+        return self.step_stats.snapshot(
+            self.scheduler, lora_adapters=() if self.lora is None else self.lora.stats(self.scheduler),
+            max_loras=0 if self.lora is None else self.lora.config.max_loras)

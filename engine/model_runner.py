@@ -5,7 +5,7 @@ step (`engine.step_inputs`: numpy into one staging buffer, one copy to the devic
 every layer in `AttentionMetadata`. Decode-only steps run padded to a bucket and replay a CUDA
 graph on GPUs (`engine.cuda_graphs`).
 
-CPU runtime: the runner packs the model's weights for oneDNN (`LlamaForCausalLM.pack_weights`)
+CPU runtime: the runner packs the model's weights for oneDNN (`CausalLM.pack_weights`)
 and keeps glibc from returning freed activation memory to the kernel (`keep_freed_memory`):
 every step allocates and frees the same few MB-sized activations, and when glibc serves those
 with fresh mmaps, page faults on first touch cost more than the attention math itself.
@@ -19,10 +19,13 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeBuckets
-from engine.model import LlamaForCausalLM
+from engine.runner.inference import inference_mode
+from engine.runner.warmup import warm_up
+from engine.models.causal_lm import CausalLM
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -65,13 +68,17 @@ class ModelRunner:
     padded to a bucket and, on CUDA unless `enforce_eager`, replay a captured graph
     (`engine.cuda_graphs`); other steps run eagerly."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
-                 max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None) -> None:
+                 max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None,
+                 lora_slot_of: dict[str, int] | None = None) -> None:
         """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
-        inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs)."""
+        inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs).
+        `lora_slot_of` (LoRA enabled): request id -> its adapter's slot, kept current by the
+        scheduler (`engine.lora.slots`); each step stages its tokens' slots from it."""
         self.model = model
         self.tp = tp
+        self.lora_slot_of = lora_slot_of
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, KVH, D]
         self.block_size = block_size
         self.device = device
@@ -79,6 +86,8 @@ class ModelRunner:
             keep_freed_memory()
             model.pack_weights()
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         max_width = -(-max_model_len // block_size)
         self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width),
                                  block_size, device)
@@ -87,17 +96,33 @@ class ModelRunner:
         use_buckets = (device.type == "cuda" if enforce_eager is None else not enforce_eager) and tp is None
         self.decode_buckets = DecodeBuckets(
             self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
-            min(max_num_seqs, max_num_batched_tokens), max_model_len) if use_buckets else None
+            min(max_num_seqs, max_num_batched_tokens), max_model_len,
+            lora=lora_slot_of is not None) if use_buckets else None
 
     def capture_cuda_graphs(self) -> float:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
         return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
 
+    def warm_up(self) -> float:
+        """Compile every kernel variant an eager step can need now, not while serving (CUDA; a no-op
+        elsewhere: `engine.runner.warmup`). Call after the KV cache exists."""
+        return warm_up(self) if self.device.type == "cuda" else 0.0
+
     def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
-        return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows)
+        return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows,
+                                   lora_slots=self._lora_slots(scheduled))
 
-    @torch.inference_mode()
+    def _lora_slots(self, scheduled, graphs: bool = False) -> np.ndarray | None:
+        """Each seq's adapter slot (-1: none), or None when no seq has one (no LoRA work in the
+        step); `graphs`: an array whenever LoRA is on (a captured graph's layout includes it)."""
+        slot_of = self.lora_slot_of
+        if slot_of is None or not (slot_of or graphs):
+            return None
+        slots = np.fromiter((slot_of.get(seq[0], -1) for seq in scheduled), np.int32, len(scheduled))
+        return slots if graphs or (slots >= 0).any() else None
+
+    @inference_mode
     def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
         rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens
@@ -108,10 +133,10 @@ class ModelRunner:
         if self.decode_buckets is not None:
             bucket = self.decode_buckets.bucket(scheduled)
             if bucket is not None:
-                return self.decode_buckets.run(scheduled, bucket, prev)
+                return self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
         t = self.prepare(scheduled, prev)
-        if t.fill_dst.numel():
-            t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
+        if prev is not None:
+            t.fill_from(prev.token_ids)
         if self.tp is None:
             return self._forward(t)
         with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids

@@ -9,9 +9,10 @@ if TYPE_CHECKING:   # torch-free at run time: the capacity planner builds these 
     from engine.sampler import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """The tokens a request gained in one step (and everything so far, for offline use)."""
+    """The tokens a request gained in one step (and everything so far, for offline use). Slots:
+    one is built per request per step."""
 
     request_id: str
     new_token_ids: list[int]
@@ -27,6 +28,7 @@ class RequestOutput:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
+    grammar_fingerprint: str = ""      # prefill role: the grammar the first token was sampled under
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,5 @@ class EngineStats:
     step_seconds_ewma: float
     prefill_tokens_per_second: float
     num_steps: int
+    lora_adapters: tuple = ()          # engine.lora.stats.LoRAAdapterStats, by name (LoRA enabled)
+    max_loras: int = 0                 # adapters one batch can hold (0: LoRA disabled)

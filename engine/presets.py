@@ -21,7 +21,9 @@ PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, seed=1),
 }
-FORMAT_VERSION = 1
+# 2: a preset with its own vocab_size (`small`, the bench shapes) gets a tokenizer of that size,
+# so every id the model can emit decodes to text (filler tokens past the 260 bytes and specials).
+FORMAT_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -76,7 +78,7 @@ def resolve_model_dir(name_or_path: str | Path, create_weights: bool = True) -> 
             from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
 
             path.mkdir(parents=True, exist_ok=True)
-            build_byte_level_tokenizer(path)
+            build_byte_level_tokenizer(path, vocab_size=PRESETS[name].get("vocab_size"))
             vocab = Tokenizer.from_pretrained(path).vocab_size
             tmp = path / "config.json.tmp"
             tmp.write_text(json.dumps(hf_config(name, vocab), indent=2))

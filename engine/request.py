@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -23,19 +24,19 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"        # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_PREFILLED = "finished_prefilled"  # prefill role: first token sampled, KV handed off
+    FINISHED_GRAMMAR = "finished_grammar"      # structured output complete: its grammar allows no more
 
-    @property
-    def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+    # Set on every member below: `is_finished: bool` and `finish_reason: str | None`. Plain member
+    # attributes, not properties: the engine reads them for every request every step.
+    is_finished: bool
+    finish_reason: str | None
 
-    @property
-    def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_PREFILLED: "prefilled",
-        }.get(self)
+
+_FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort",
+                   "finished_prefilled": "prefilled", "finished_grammar": "stop"}
+for _status in RequestStatus:
+    _status.is_finished = _status.value.startswith("finished")
+    _status.finish_reason = _FINISH_REASONS.get(_status.value)
 
 
 @dataclass(eq=False)
@@ -45,6 +46,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value is served first under the `priority` policy
+    lora: LoRARequest | None = None   # its LoRA adapter (engine/lora/), None: the base model
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """Turn one step's logits into one token per sequence, honouring each request's `SamplingParams`.
 
-Order (as vLLM): logprobs are taken from the raw logits first; then repetition/presence/frequency
+Order (as vLLM): a structured-output mask first (`engine.grammar.mask`: rows with a grammar
+only); logprobs are taken from the (masked) raw logits; then repetition/presence/frequency
 penalties, the min_tokens mask, and for non-greedy rows temperature, top-k, top-p, min-p and a draw
 (`engine.random_sampling`). Every stage runs once over all the rows that need it, so the cost does
 not grow with the number of distinct settings in the batch; an all-greedy batch is one argmax.
@@ -22,6 +23,7 @@ already queued; `DeviceSample.resolve()` is the step's one device-to-host read. 
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -30,9 +32,13 @@ import torch
 from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_random, seeded_first, \
     sort_descending, to_device, upload
 from engine.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, TokenLogprobs, device_logprobs
+from engine.grammar.mask import GrammarMask
+from engine.runner.inference import inference_mode
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_PARAMS = operator.attrgetter("sampling_params")
+_LOGPROBS, _TEMPERATURE, _MIN_TOKENS = (operator.attrgetter(name) for name in ("logprobs", "temperature", "min_tokens"))
 
 
 class SamplingRequest(Protocol):
@@ -63,28 +69,39 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._pinned = PinnedBuffers()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
+               grammar: GrammarMask | None = None) -> SamplerOutput:
         """One token per request; `requests[i]` owns row `i` of `logits` (never modified).
-        The same as `sample_on_device(logits, requests).resolve()`."""
-        return self.sample_on_device(logits, requests).resolve()
+        The same as `sample_on_device(logits, requests, grammar).resolve()`."""
+        return self.sample_on_device(logits, requests, grammar).resolve()
 
-    @torch.inference_mode()
-    def sample_on_device(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> DeviceSample:
+    @inference_mode
+    def sample_on_device(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
+                         grammar: GrammarMask | None = None) -> DeviceSample:
         """`sample` without reading anything back: the ids stay on `logits.device` and the host
         moves on. Every decision comes from the requests' `SamplingParams` on the host, and the
         per-row knobs go up in one copy. On CUDA the ids (and logprobs) are already being copied
-        into pinned memory when this returns; `DeviceSample.resolve()` waits for that copy only."""
+        into pinned memory when this returns; `DeviceSample.resolve()` waits for that copy only.
+        `grammar`: structured-output masks of some rows, applied before every other step."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_seqs={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [num_seqs, vocab]
-        params = [r.sampling_params for r in requests]
+        if grammar is not None:
+            raw_logits = grammar.apply(raw_logits.clone() if raw_logits is logits else raw_logits)
+        # Per-request screens are C-level passes (map/attrgetter), and the Python comprehensions
+        # below run only for the rows a screen says need them: this runs for every request every step.
+        params = list(map(_PARAMS, requests))
         logits = self._apply_penalties(raw_logits, requests)
-        logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_min_tokens(logits, requests, params,
+                                        grammar.end_only_rows if grammar is not None else ())
 
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        wanted = list(map(_LOGPROBS, params))
+        logprob_rows = [] if wanted.count(None) == len(wanted) else [i for i, n in enumerate(wanted) if n is not None]
         # Logprobs of only some rows need those rows' indices on the device: they ride along.
         some_logprobs = logprob_rows if 0 < len(logprob_rows) < len(params) else []
-        random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE_EPS]
+        temperatures = list(map(_TEMPERATURE, params))
+        random_rows = [] if max(temperatures, default=0.0) < GREEDY_TEMPERATURE_EPS else [
+            i for i, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE_EPS]
         if random_rows:
             token_ids, device_logprob_rows = self._sample_random(
                 logits, requests, random_rows, some_logprobs, in_place=logits is not raw_logits)
@@ -106,9 +123,9 @@ class Sampler:
 
         Works on flat `row * vocab + token` keys of the tokens that occur, so the cost follows the
         number of tokens, not `rows x vocab`. The keys go up in one copy, the factors in another."""
-        rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling_params)]
-        if not rows:
+        if not any(map(has_penalty, map(_PARAMS, requests))):
             return logits
+        rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling_params)]
         device = logits.device
         vocab = logits.shape[1]
         params = [r.sampling_params for r in requests]
@@ -142,13 +159,17 @@ class Sampler:
             flat[counted] = flat[counted] - frequency[row_of] * counts.to(flat.dtype) - presence[row_of]
         return logits
 
-    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-        """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced."""
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
+                          params: list[SamplingParams], exempt_rows: frozenset[int] | tuple = ()) -> torch.Tensor:
+        """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced;
+        not in `exempt_rows`, whose grammar allows nothing else (the grammar wins)."""
+        if not any(map(_MIN_TOKENS, params)):      # the usual batch: nobody asks for a minimum
+            return logits
         vocab = logits.shape[1]
         keys: list[int] = []    # row * vocab + token
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if len(r.output_token_ids) >= p.min_tokens:
+            if len(r.output_token_ids) >= p.min_tokens or i in exempt_rows:
                 continue
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
 # With async scheduling, a request's newest token is still on the device when the next step is
@@ -45,3 +46,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+_SAMPLES, _REQUEST_ID = itemgetter(4), itemgetter(0)
+
+
+def sampled_requests(seqs: tuple[ScheduledSeq, ...], requests: list) -> tuple[list, list[str]]:
+    """(the requests that sample this step, their ids), in batch order; `requests[i]` owns
+    `seqs[i]` (returned as is when every seq samples: read it, do not change it). The usual step
+    samples every seq, and then this is two C-level passes, not a Python loop over the batch."""
+    if all(map(_SAMPLES, seqs)):
+        return requests, list(map(_REQUEST_ID, seqs))
+    rows = [i for i, seq in enumerate(seqs) if seq[4]]
+    return [requests[i] for i in rows], [seqs[i][0] for i in rows]

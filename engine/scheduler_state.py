@@ -43,19 +43,24 @@ class SchedulerState:
     ready `KVCacheManager`. `eos_token_ids` end a request unless its `ignore_eos` is set.
     `reserve_watermark` (decode role) is the fraction of blocks kept free, when anything is running
     or reserved, so that running decodes can still grow after remote prompts are reserved.
+    `lora_slots` (`engine.lora.slots.LoRASlots`, LoRA enabled): a request with an adapter holds a
+    slot from admission (or reservation) until it leaves the batch; none free: it waits.
     `clock` stamps requests' scheduling, token and finish times; the capacity planner passes its
     virtual clock (`cbserve.planner`), so the same scheduler runs on simulated time.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv: CacheConfig | KVCacheManager,
                  role: str = "colocated", eos_token_ids: Iterable[int] = (),
-                 reserve_watermark: float = 0.01, clock: Callable[[], float] = time.monotonic) -> None:
+                 reserve_watermark: float = 0.01, lora_slots=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if isinstance(kv, CacheConfig):
             if kv.num_blocks is None:
                 raise ValueError("CacheConfig.num_blocks must be set (dataclasses.replace it once sized)")
-            kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size)
+            # The prefill role keeps every prompt block for the pull: no freeing behind a window.
+            kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size,
+                                None if role == "prefill" else kv.sliding_window)
         if not 0.0 <= reserve_watermark < 1.0:
             raise ValueError(f"reserve_watermark must be in [0, 1), got {reserve_watermark}")
         self.config = scheduler_config
@@ -64,6 +69,7 @@ class SchedulerState:
         self.role = role
         self.clock = clock
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.lora_slots = lora_slots
         self._watermark_blocks = max(1, int(reserve_watermark * kv.block_pool.num_usable_blocks))
 
         self.requests: dict[str, Request] = {}   # every request this scheduler still tracks
@@ -109,8 +115,12 @@ class SchedulerState:
         if max_len > self.config.max_model_len:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
                              f"max_tokens exceeds max_model_len ({self.config.max_model_len})")
-        max_blocks = self.kv_manager.num_blocks_for(
-            request.num_prompt_tokens if self.role == "prefill" else max_len)
+        kv = self.kv_manager
+        if self.role == "prefill":
+            max_blocks = kv.num_blocks_for(request.num_prompt_tokens)
+        else:   # a decode pod reserves the whole prompt before it frees what falls behind a window
+            max_blocks = max(kv.max_blocks_held(max_len, self.config.max_num_batched_tokens),
+                             kv.num_blocks_for(request.num_prompt_tokens) if self.role == "decode" else 0)
         if max_blocks > self.kv_manager.block_pool.num_usable_blocks:
             raise ValueError(f"request {request.request_id!r} needs {max_blocks} KV blocks, the pool has "
                              f"{self.kv_manager.block_pool.num_usable_blocks}")
@@ -213,12 +223,18 @@ class SchedulerState:
             del self.waiting_for_remote_kv[request_id]
         elif old is RequestStatus.FINISHED_PREFILLED:
             del self.held[request_id]
+        self._release_lora(request)
         self.kv_manager.free(request)
         del self.requests[request_id]
         if not old.is_finished:      # a held request already reported its end
             request.status = status
             request.finished_time = self.clock()
             self._finished_ids.append(request_id)
+
+    def _release_lora(self, request: Request) -> None:
+        """The request left the batch: its adapter's slot is free for others once unused."""
+        if request.lora is not None:
+            self.lora_slots.release(request.request_id)
 
     # ------------------------------------------------------------------ decode role
     def _reserve_remote(self) -> list[str]:
@@ -233,8 +249,12 @@ class SchedulerState:
             spare = kv.num_free_blocks - kv.num_blocks_for(request.num_prompt_tokens)
             if spare < (self._watermark_blocks if busy else 0):
                 break
+            if request.lora is not None and not self.lora_slots.can_acquire(request):
+                break          # every slot serves other adapters' requests: wait for one
             reserved_ok = kv.reserve(request, request.num_prompt_tokens)
             assert reserved_ok
+            if request.lora is not None:
+                self.lora_slots.acquire(request)
             queue.popleft()
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
             if request.first_scheduled_time is None:
@@ -262,6 +282,7 @@ class SchedulerState:
         request.first_token_time = now
         if self._check_stop(request, first_token_id):
             request.finished_time = now
+            self._release_lora(request)
             self.kv_manager.free(request)
             del self.requests[request_id]
             self._finished_ids.append(request_id)
@@ -282,6 +303,7 @@ class SchedulerState:
             self.waiting_for_blocks.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_remote_kv[request_id]
+            self._release_lora(request)
             self.kv_manager.free(request)
         else:
             return False
@@ -365,5 +387,8 @@ class SchedulerState:
                     assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
                 for block_id in request.block_ids:
                     refs[block_id] += 1
+        # The null block stands in a table only for blocks freed behind a sliding window.
+        assert refs[0] == 0 or self.kv_manager.sliding_window is not None, "a table holds the null block"
+        refs[0] = 0
         assert refs == pool.ref_cnt, "block refcounts differ from the block tables holding them"
         assert len(self.running) + len(self.waiting_for_remote_kv) <= self.config.max_num_seqs

@@ -11,7 +11,16 @@ On CPU the device buffer *is* the host buffer: no copy at all.
 
 The layout depends only on (num_tokens, num_seqs, block-table width): fixed-size fields first,
 variable ones (`logits_indices`, `fill_*`) last. So a CUDA graph captured for a padded decode
-bucket reads its inputs at the same addresses every replay (`engine.cuda_graphs`).
+bucket reads its inputs at the same addresses every replay (`engine.cuda_graphs`). Every field
+starts 16-byte aligned: Triton keys each compiled kernel on whether every pointer argument is
+16-byte aligned, so 8-byte alignment would make the kernels' variants depend on the batch's
+shape (a compile, seconds, in the middle of serving).
+
+Host cost (this runs before every launch): a layout's offsets are computed once (`_offsets`,
+memoised, in plain ints), the typed views over both buffers once per (buffer, layout), the block
+table only in rows whose table changed (`_fill_block_table`), and a steady decode batch (same
+layout and rows as the buffer's previous step) rewrites only what moved: ids, positions, slots,
+lengths and the fill rows. The host buffer keeps what it was given, so this is exact.
 
 Padding rows (decode buckets larger than the batch) get token 0, position 0, slot -1 (the KV
 write skips it), context length 1 and block row 0 (the null block): the kernels run them
@@ -20,8 +29,11 @@ harmlessly and the runner drops their logits.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,49 +41,64 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.scheduler_output import PLACEHOLDER_TOKEN_ID
 
-_ALIGN = 8
+ALIGN = 16    # bytes: Triton's pointer-alignment specialisation (module docstring)
+_VIEW_CACHE = 512    # layouts whose views a buffer keeps (decode buckets need a few dozen)
 
 
 def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill)."""
+class Layout(NamedTuple):
+    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill, lora).
+    A NamedTuple: hashed and compared in C, several times a step (the memoised offsets, the
+    cached views, the steady-batch check)."""
 
     num_tokens: int
     num_seqs: int
     width: int
     num_sampled: int
     num_fill: int
+    lora: int = 0      # 1: the step carries each token's LoRA adapter slot (engine/lora/)
 
     @property
     def fields(self) -> tuple[tuple[str, np.dtype, tuple[int, ...]], ...]:
         t, s, w = self.num_tokens, self.num_seqs, self.width
         return (("input_ids", np.int64, (t,)), ("positions", np.int64, (t,)),
-                ("slot_mapping", np.int64, (t,)), ("query_start_loc", np.int32, (s + 1,)),
+                ("slot_mapping", np.int64, (t,)), ("lora_slots", np.int32, (t if self.lora else 0,)),
+                ("query_start_loc", np.int32, (s + 1,)),
                 ("seq_lens", np.int32, (s,)), ("block_tables", np.int32, (s, w)),
                 ("logits_indices", np.int64, (self.num_sampled,)),
                 ("fill_dst", np.int64, (self.num_fill,)), ("fill_src", np.int64, (self.num_fill,)))
 
-    def offsets(self) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
-        """(name, dtype, shape, byte offset, byte size) per field, each offset 8-byte aligned."""
-        out, offset = [], 0
-        for name, dtype, shape in self.fields:
-            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            out.append((name, dtype, shape, offset, size))
-            offset = _aligned(offset + size)
-        return out
+    def offsets(self) -> tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]:
+        """(name, dtype, shape, byte offset, byte size) per field, each offset `ALIGN`-aligned."""
+        return _offsets(self)
 
     @property
     def nbytes(self) -> int:
-        name, dtype, shape, offset, size = self.offsets()[-1]
+        name, dtype, shape, offset, size = _offsets(self)[-1]
         return offset + size
 
 
+_ITEMSIZE = {np.int64: 8, np.int32: 4}
+
+
+@functools.lru_cache(maxsize=4096)
+def _offsets(layout: Layout) -> tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]:
+    # Plain ints: np.prod per field cost more than the rest of a decode step's planning.
+    out, offset = [], 0
+    for name, dtype, shape in layout.fields:
+        size = _ITEMSIZE[dtype]
+        for n in shape:
+            size *= n
+        out.append((name, dtype, shape, offset, size))
+        offset = _aligned(offset + size)
+    return tuple(out)
+
+
 def max_layout_bytes(max_num_tokens: int, max_num_seqs: int, max_width: int) -> int:
-    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs).nbytes + 64
+    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs, 1).nbytes + 64
 
 
 @dataclass
@@ -86,6 +113,19 @@ class StepTensors:
     fill_src: torch.Tensor          # [P] int64: ...in row fill_src of the previous step's sample
     num_seqs: int                   # real sequences (rows past it are padding)
     layout: Layout
+    fill_in_order: bool = False     # fill_dst == fill_src == 0..P-1: the previous sample, as it is
+
+    def fill_from(self, prev_token_ids: torch.Tensor) -> None:
+        """Write the tokens still on the device (async scheduling: `prev_token_ids`, the previous
+        step's sampled ids) into this step's input ids. A steady batch (same requests, same order)
+        takes them with one copy, without the gather's index tensors."""
+        num_fill = self.layout.num_fill
+        if not num_fill:
+            return
+        if self.fill_in_order:
+            self.input_ids[:num_fill].copy_(prev_token_ids[:num_fill])
+        else:
+            self.input_ids.index_copy_(0, self.fill_dst, prev_token_ids.index_select(0, self.fill_src))
 
 
 class StepInputs:
@@ -104,88 +144,139 @@ class StepInputs:
     def _allocate(self, capacity_bytes: int) -> None:
         self.host = torch.zeros(capacity_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.host_np = self.host.numpy()
+        self._capacity = capacity_bytes
         self.device_buf = self.host if self.on_cpu else torch.zeros(capacity_bytes, dtype=torch.uint8,
                                                                     device=self.device)
+        # Views over the buffers just made (the old ones' views die with them), and no table rows.
+        self._table_key: tuple | None = None
+        self._table_rows: list = []
+        self._signature: tuple | None = None
+        self._host_cache: dict[Layout, dict[str, np.ndarray]] = {}
+        self._device_cache: dict[Layout, tuple[dict[str, torch.Tensor], AttentionMetadata]] = {}
 
     @property
     def capacity(self) -> int:
-        return self.host.numel()
+        return self._capacity
 
     def views(self, layout: Layout) -> dict[str, torch.Tensor]:
-        """Device views of every field (the same addresses for the same layout)."""
-        buf = self.device_buf
-        return {name: buf[off:off + size].view(_TORCH[np.dtype(dtype)]).view(shape)
-                for name, dtype, shape, off, size in layout.offsets()}
+        """Device views of every field (the same addresses for the same layout; do not modify
+        the dict: it is cached)."""
+        return self._device_views(layout)[0]
+
+    def _device_views(self, layout: Layout) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+        cached = self._device_cache.get(layout)
+        if cached is None:
+            if len(self._device_cache) >= _VIEW_CACHE:    # eager mixed steps: layouts without end
+                self._device_cache.clear()
+            buf = self.device_buf
+            dev = {name: buf[off:off + size].view(_TORCH[dtype]).view(shape)
+                   for name, dtype, shape, off, size in _offsets(layout)}
+            meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
+                                     seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
+                                     lora_slots=dev["lora_slots"] if layout.lora else None)
+            cached = self._device_cache[layout] = (dev, meta)
+        return cached
 
     def _host_views(self, layout: Layout) -> dict[str, np.ndarray]:
-        buf = self.host_np
-        return {name: buf[off:off + size].view(dtype).reshape(shape)
-                for name, dtype, shape, off, size in layout.offsets()}
+        cached = self._host_cache.get(layout)
+        if cached is None:
+            if len(self._host_cache) >= _VIEW_CACHE:
+                self._host_cache.clear()
+            buf = self.host_np
+            cached = self._host_cache[layout] = {name: buf[off:off + size].view(dtype).reshape(shape)
+                                                 for name, dtype, shape, off, size in _offsets(layout)}
+        return cached
 
     def prepare(self, scheduled, pad_to: int | None = None, width: int | None = None,
-                prev_rows: dict[str, int] | None = None) -> StepTensors:
+                prev_rows: dict[str, int] | None = None, lora_slots: np.ndarray | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's device tensors.
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
         (default: the widest table of the batch). `prev_rows` maps the request id of every seq
         whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids.
+        `lora_slots` ([num seqs] int32): each seq's LoRA adapter slot (-1: none); None: no adapter.
 
-        Host-side planning is numpy: `np.fromiter` reads Python ints ~3x faster than
-        `torch.tensor(list)`, and numpy's per-op overhead is a fraction of torch's on small arrays."""
+        Host-side planning is numpy, fed by C-level iteration (`zip(*scheduled)`, `map(len, ...)`,
+        `np.fromiter`): a Python-level pass over the batch costs ~50 ns a request, and a decode
+        step of 256 requests would otherwise spend more time here than the GPU spends on it."""
         num_real = len(scheduled)
-        q_lens = np.fromiter((len(seq.token_ids) for seq in scheduled), np.int64, num_real)        # [S]
-        n_blocks = np.fromiter((len(seq.block_ids) for seq in scheduled), np.int64, num_real)      # [S]
-        start_pos = np.fromiter((seq.start_position for seq in scheduled), np.int64, num_real)    # [S]
-        sample = np.fromiter((seq.sample for seq in scheduled), np.bool_, num_real)               # [S]
-        num_real_tokens = int(q_lens.sum())
-        max_blocks = max(int(n_blocks.max()) if num_real else 0, 1)
-        width = max_blocks if width is None else width
+        if num_real:
+            request_ids, token_lists, starts, block_lists, samples = zip(*scheduled)
+        else:
+            request_ids = token_lists = starts = block_lists = samples = ()
+        num_real_tokens = sum(map(len, token_lists))
+        decode_only = num_real_tokens == num_real                   # one token per sequence
+        if width is None:
+            width = max(max(map(len, block_lists), default=0), 1)
         num_seqs = num_real if pad_to is None else pad_to
         num_tokens = num_real_tokens + (num_seqs - num_real)        # padding rows are decodes
-        ids = np.fromiter(itertools.chain.from_iterable(seq.token_ids for seq in scheduled),
-                          np.int64, num_real_tokens)                                            # [T]
+        ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, num_real_tokens)  # [T]
         fill_dst = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
-        num_sampled = int(sample.sum()) if pad_to is None else num_seqs
-        layout = Layout(num_tokens, num_seqs, width, num_sampled, len(fill_dst))
+        num_fill = len(fill_dst)
+        every_seq_samples = pad_to is not None or all(samples)
+        if every_seq_samples:
+            num_sampled = num_seqs
+        else:
+            sample = np.array(samples, dtype=np.bool_)                                           # [S]
+            num_sampled = int(sample.sum())
+        layout = Layout(num_tokens, num_seqs, width, num_sampled, num_fill, int(lora_slots is not None))
         self._wait_for_last_copy()
         if layout.nbytes > self.capacity:
             if not self.growable:
                 raise ValueError(f"step inputs need {layout.nbytes} bytes, staging holds {self.capacity}")
             self._allocate(2 * layout.nbytes)   # the old device buffer stays alive while in use
         h = self._host_views(layout)
+        # A steady decode batch: this buffer's previous step had the same layout and real rows, all
+        # decodes, so the fields that depend on nothing else (offsets, sampled rows, padding rows,
+        # and with every token on the device the zeroed ids and their rows) still hold its values.
+        signature = (layout, num_real, num_fill == num_real) if decode_only and every_seq_samples else None
+        steady = signature is not None and signature == self._signature
+        self._signature = signature
 
         input_ids, positions, slots = h["input_ids"], h["positions"], h["slot_mapping"]
         qsl, seq_lens, table = h["query_start_loc"], h["seq_lens"], h["block_tables"]
-        input_ids[:num_real_tokens] = ids
-        if fill_dst.size:
-            input_ids[fill_dst] = 0
-            h["fill_dst"][:] = fill_dst
-            tokens_seq = np.searchsorted(np.cumsum(q_lens), fill_dst, side="right")
-            h["fill_src"][:] = [prev_rows[scheduled[i].request_id] for i in tokens_seq.tolist()]
+        if not (steady and num_fill == num_real):
+            input_ids[:num_real_tokens] = ids
+            if num_fill:
+                input_ids[fill_dst] = 0
+                h["fill_dst"][:] = fill_dst
+        fill_in_order = False
+        if num_fill:
+            if decode_only and num_fill == num_real:     # async decode: every token is on the device
+                waiting = request_ids
+            else:
+                q_lens = np.fromiter(map(len, token_lists), np.int64, num_real)
+                seq_of = fill_dst if decode_only else np.searchsorted(np.cumsum(q_lens), fill_dst, side="right")
+                waiting = [request_ids[i] for i in seq_of.tolist()]
+            fill_src = list(map(prev_rows.__getitem__, waiting))
+            h["fill_src"][:] = fill_src
+            fill_in_order = decode_only and num_fill == num_real and fill_src == list(range(num_fill))
 
-        # Block table [S, width]: the ragged block lists, left-aligned, zero-padded.
-        table.fill(0)
-        flat_blocks = np.fromiter(itertools.chain.from_iterable(seq.block_ids for seq in scheduled),
-                                  np.int32, int(n_blocks.sum()))
-        table[:num_real][np.arange(width) < n_blocks[:, None]] = flat_blocks  # row-major = concat order
-
-        qsl[0] = 0
-        np.cumsum(q_lens, out=qsl[1:num_real + 1])
-        if num_tokens == num_seqs:  # decode-only step: one token per sequence
-            seq_index = np.arange(num_real)
+        self._fill_block_table(table, block_lists, num_seqs, (num_tokens, num_seqs, width))
+        start_pos = np.array(starts, dtype=np.int64)                                             # [S]
+        if decode_only:
             pos = start_pos
+            block_of_token = table[np.arange(num_real), pos // self.block_size].astype(np.int64)
+            seq_lens[:num_real] = pos + 1
+            if not steady:
+                qsl[:] = np.arange(num_seqs + 1)           # padding rows included: one token each
+                h["logits_indices"][:] = np.arange(num_sampled) if every_seq_samples else np.flatnonzero(sample)
         else:
+            q_lens = np.fromiter(map(len, token_lists), np.int64, num_real)                      # [S]
+            qsl[0] = 0
+            np.cumsum(q_lens, out=qsl[1:num_real + 1])
             seq_index = np.repeat(np.arange(num_real), q_lens)                                   # [T]
             pos = start_pos[seq_index] + (np.arange(num_real_tokens) - qsl[seq_index])           # [T]
+            block_of_token = table[seq_index, pos // self.block_size].astype(np.int64)
+            seq_lens[:num_real] = start_pos + q_lens                                             # [S]
+            last = qsl[1:num_real + 1] - 1            # the last token of each sequence
+            h["logits_indices"][:] = last if every_seq_samples else last[sample]
         positions[:num_real_tokens] = pos
-        block_of_token = table[seq_index, pos // self.block_size].astype(np.int64)
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
-        seq_lens[:num_real] = start_pos + q_lens                                             # [S]
-        if pad_to is None:
-            h["logits_indices"][:] = qsl[1:][sample] - 1  # the last token of each sampling sequence
-        else:
-            h["logits_indices"][:] = np.arange(num_seqs)
-        if num_seqs > num_real:   # padding rows: harmless decodes of the null block
+        if lora_slots is not None:   # each token takes its sequence's adapter slot (any step: rows move)
+            h["lora_slots"][:num_real_tokens] = lora_slots if decode_only else lora_slots[seq_index]
+            h["lora_slots"][num_real_tokens:] = -1
+        if num_seqs > num_real and not steady:   # padding rows: harmless decodes of the null block
             input_ids[num_real_tokens:] = 0
             positions[num_real_tokens:] = 0
             slots[num_real_tokens:] = -1
@@ -194,22 +285,50 @@ class StepInputs:
 
         if not self.on_cpu:
             self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
-            self._copied.record()
-        return self.tensors(layout, num_real)
+            self._copied.record(torch.cuda.current_stream(self.device))
+        t = self.tensors(layout, num_real)
+        t.fill_in_order = fill_in_order
+        return t
+
+    def _fill_block_table(self, table: np.ndarray, block_lists: tuple, num_seqs: int, key: tuple) -> None:
+        """table [S, width]: each sequence's blocks left-aligned and zero after; padding rows zero.
+
+        Incremental: a row whose block tuple is the very object this buffer's previous step of the
+        same shape wrote there still holds it (the scheduler hands out a request's table as one
+        tuple until the request gains a block), so a steady decode batch rewrites only the rows
+        that grew. Any other step, or a new buffer, rewrites the whole table."""
+        rows = list(block_lists)
+        rows += [None] * (num_seqs - len(rows))          # padding rows
+        last = self._table_rows if self._table_key == key else None
+        self._table_key, self._table_rows = key, rows
+        changed = None if last is None else list(itertools.compress(itertools.count(), map(operator.is_not, rows, last)))
+        if changed is None or 4 * len(changed) > len(rows):
+            table.fill(0)
+            n_blocks = np.fromiter(map(len, block_lists), np.int64, len(block_lists))
+            flat = np.fromiter(itertools.chain.from_iterable(block_lists), np.int32, int(n_blocks.sum()))
+            width = table.shape[1]
+            table[:len(block_lists)][np.arange(width) < n_blocks[:, None]] = flat  # row-major = concat order
+            return
+        for i in changed:
+            blocks, row = rows[i], table[i]
+            if blocks is None:
+                row[:] = 0
+            else:
+                row[:len(blocks)] = blocks
+                row[len(blocks):] = 0
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the device buffer, grown if needed: where a tensor-parallel rank
         receives rank 0's staged step (`engine.tp_comm`)."""
         if nbytes > self.capacity:
             self._allocate(2 * nbytes)
+        self._table_key = self._signature = None      # someone else writes the buffer now
         return self.device_buf[:nbytes]
 
     def tensors(self, layout: Layout, num_seqs: int | None = None) -> StepTensors:
         """The step tensors over the device buffer as it holds `layout` now."""
-        dev = self.views(layout)
+        dev, meta = self._device_views(layout)
         num_real = layout.num_seqs if num_seqs is None else num_seqs
-        meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
-                                 seq_lens=dev["seq_lens"], block_tables=dev["block_tables"])
         return StepTensors(dev["input_ids"], dev["positions"], meta, dev["logits_indices"],
                            dev["fill_dst"], dev["fill_src"], num_real, layout)
 
@@ -219,4 +338,4 @@ class StepInputs:
             self._copied.synchronize()
 
 
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+_TORCH = {np.int64: torch.int64, np.int32: torch.int32}

@@ -145,6 +145,11 @@ class Tokenizer:
         longest = max((len(token) for token in self._backend.get_vocab(with_added_tokens=True)), default=1)
         return max(1, longest) * (4 if self._backend.normalizer is not None else 1)
 
+    def to_json(self) -> str:
+        """The backend's `tokenizer.json` text, the named special tokens included (grammar
+        backends build their token tables from it)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (`len(hf_tokenizer)`)."""
@@ -159,8 +164,9 @@ class Tokenizer:
     # -- chat --------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """Render a conversation to the prompt text (HF's `apply_chat_template(..., tokenize=False)`)."""
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        """Render a conversation to the prompt text (HF's `apply_chat_template(..., tokenize=False)`);
+        `template_kwargs` are extra template variables (vLLM's `chat_template_kwargs`)."""
         if self._template is None:
             raise TokenizerError("this tokenizer has no chat_template; use the completions API")
         if not isinstance(messages, Sequence) or not all(isinstance(m, Mapping) for m in messages):
@@ -170,7 +176,8 @@ class Tokenizer:
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages], tools=list(tools) if tools is not None else None,
-                documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                documents=None, add_generation_prompt=add_generation_prompt,
+                **{**template_kwargs, **self.special_tokens})
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
 
@@ -274,8 +281,10 @@ def build_byte_level_tokenizer(out_dir: str | Path, vocab_size: int | None = Non
     """Write a deterministic byte-level tokenizer directory that `AutoTokenizer` also loads.
 
     Ids: `<unk>`=0, `<s>`=1 (bos, added on encode), `</s>`=2 (eos), `<pad>`=3, byte `b` = 4 + b.
-    With `vocab_size` > 260 the rest are filler added tokens `<|extra_N|>` (not special, so a
-    dummy-weight model that emits them still produces visible text). The chat template is
+    With `vocab_size` > 260 the rest are filler tokens `<|extra_N|>`, entries of the BPE vocabulary
+    that no merge produces (so encoding never emits them) and that decode to their own name (so a
+    dummy-weight model that emits them still produces visible text). Vocabulary entries, not added
+    tokens: 128k added tokens take seconds to load, 128k vocabulary entries a fraction of one. The chat template is
     Zephyr-style: `<|role|>\\n{content}</s>\\n` per message, then `<|assistant|>\\n`.
     """
     from tokenizers import decoders, models, pre_tokenizers
@@ -285,13 +294,12 @@ def build_byte_level_tokenizer(out_dir: str | Path, vocab_size: int | None = Non
         raise TokenizerError(f"vocab_size must be >= {num_base} for a byte-level tokenizer, got {vocab_size}")
     vocab = {token: i for i, token in enumerate(BYTE_LEVEL_SPECIAL_TOKENS)}
     vocab.update({char: len(BYTE_LEVEL_SPECIAL_TOKENS) + b for b, char in sorted(_byte_to_unicode().items())})
+    # Printable ASCII is its own byte-level character: "<|extra_N|>" decodes to itself.
+    vocab.update({f"<|extra_{i}|>": num_base + i for i in range(max(0, (vocab_size or 0) - num_base))})
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_LEVEL_SPECIAL_TOKENS])
-    if vocab_size is not None and vocab_size > num_base:
-        backend.add_tokens([AddedToken(f"<|extra_{i}|>", special=False, normalized=False)
-                            for i in range(vocab_size - num_base)])
     backend.post_processor = processors.TemplateProcessing(
         single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 1)])
 

@@ -43,8 +43,11 @@ import grpc
 
 from wire import cbserve_pb2
 from engine.engine import Engine
+from engine.grammar.stats import structured_stats_to_pb
 from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
+from engine.lora.stats import stats_to_pb as lora_stats_to_pb
+from pod.lora import LORA_COMMANDS, lora_command
 from pod.runtime import PodRuntime, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -142,6 +145,8 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats, num_held: 
     message.step_seconds_ewma = stats.step_seconds_ewma
     message.prefill_tokens_per_second = stats.prefill_tokens_per_second
     message.num_held_kv = num_held
+    message.max_loras = stats.max_loras
+    lora_stats_to_pb(stats.lora_adapters, message.lora_adapters)
     message.first_sample_step = samples[0][0] if samples else 0
     for _, s in samples:
         message.samples.add(num_seqs=s.num_seqs, num_context_tokens=s.num_context_tokens,
@@ -212,7 +217,8 @@ class EngineCore:
             stats = (rt.snapshot, rt._samples, rt.num_held)
         iteration_at = rt.loop.last_iteration_at
         extra = self.step_extras()
-        self.outbox.put(lambda events: self._fill(events, outputs, steps, stats, iteration_at, extra))
+        structured = engine.structured.take_stats()
+        self.outbox.put(lambda events: self._fill(events, outputs, steps, stats, iteration_at, extra, structured))
 
     def step_extras(self):
         """Engine thread: anything else this step's message carries (passed to `fill_outputs`)."""
@@ -225,16 +231,19 @@ class EngineCore:
 
     def send_error(self, request_id: str, error: BaseException) -> None:
         """End `request_id`'s call at the server with `error` (either thread)."""
-        code = error.code if isinstance(error, RequestFailed) else grpc.StatusCode.INTERNAL
+        # A ValueError here is the request's own (a grammar that does not compile): INVALID_ARGUMENT.
+        code = error.code if isinstance(error, RequestFailed) else (
+            grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL)
 
         def fill(events: cbserve_pb2.CoreEvents) -> None:
             events.errors.add(request_id=request_id, code=code.value[0], message=str(error))
         self.outbox.put(fill)
 
     def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], steps: list[float],
-              stats, iteration_at: float, extra) -> None:
+              stats, iteration_at: float, extra, structured) -> None:
         """Writer thread: one step's message."""
         self.fill_outputs(events, outputs, extra)
+        structured_stats_to_pb(structured, events)
         events.step_seconds.extend(steps)
         if stats is not None:
             stats_to_pb(*stats[:2], events.stats, num_held=stats[2])
@@ -275,6 +284,7 @@ class EngineCore:
         ready = cbserve_pb2.CoreEvents()
         ready.ready.model.CopyFrom(rt.model_info)
         ready.ready.block_size, ready.ready.max_num_seqs = rt.block_size, rt.max_num_seqs
+        ready.ready.max_num_batched_tokens = rt.max_num_batched_tokens
         stats_to_pb(rt.snapshot, [], ready.stats)
         ready.iteration_at = time.monotonic()
         self.outbox.put(lambda events: events.MergeFrom(ready))
@@ -309,6 +319,8 @@ class EngineCore:
             self.abort(command.abort_request_id, command.call_id)
         elif kind == "stop":
             self._stopped.set()
+        elif kind in LORA_COMMANDS:
+            lora_command(self, kind, command)
         else:
             self.command(kind, command)
 

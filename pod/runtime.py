@@ -40,6 +40,7 @@ from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
 from pod.load_report import REFRESH_SECONDS, build_load_report
+from pod.lora_rpc import lora_rpc
 from pod.security import ClusterSecurity, advertise_address
 from pod.stall import DEFAULT_STALL_SECONDS, stall_threshold, watch_engine
 
@@ -129,7 +130,7 @@ class PodRuntime:
         self.engine_config = engine_config
         self.engine: Engine | None = None
         self.model_info: cbserve_pb2.ModelInfo | None = None
-        self.block_size = self.max_num_seqs = 0
+        self.block_size = self.max_num_seqs = self.max_num_batched_tokens = 0
         self.snapshot: EngineStats | None = None
         if self.owns_engine:
             self._load_engine(engine_config)
@@ -162,9 +163,10 @@ class PodRuntime:
             self.layout = dataclasses.replace(self.layout, num_kv_heads=self.engine.model_config.num_kv_heads)
         self.model_info = self.layout.to_model_info(
             engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.model_config.vocab_size)
+            vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows)
         self.block_size = self.engine.cache_config.block_size
         self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = self.engine.scheduler_config.max_num_batched_tokens
         self.snapshot = self.engine.stats()
 
     # ------------------------------------------------------------------ engine thread hooks
@@ -297,7 +299,7 @@ class PodRuntime:
         last = self._samples[-1][0] if self._samples else since_step
         report = build_load_report(self.pod_id, self.role_label, self.snapshot, samples, draining=self.draining,
                                    block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-                                   num_held_kv=self.num_held)
+                                   max_num_batched_tokens=self.max_num_batched_tokens, num_held_kv=self.num_held)
         return report, last
 
     async def get_load(self, request, context) -> cbserve_pb2.LoadReport:
@@ -425,6 +427,12 @@ class CommonRPCs:
 
     async def Abort(self, request, context):
         return await self.rt.abort(request, context)
+
+    async def LoadLoRAAdapter(self, request, context):
+        return await lora_rpc(self.rt, "load_lora_adapter", request, context)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        return await lora_rpc(self.rt, "unload_lora_adapter", request, context)
 
 
 class _Inflight:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import grpc
@@ -32,10 +33,15 @@ from kvtransfer.leases import HeldKVTable
 from kvtransfer.pair_setup import accept_pair
 from kvtransfer.progress import KVProgress
 from pod.core import EngineCore
+from pod.lora import identity_mismatch, lora_request, with_adapter
 from pod.runtime import RequestFailed, logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
 NOT_PREFILLED_SECONDS = 30.0   # a pull waits at most this long for its request to arrive
+# TEST FAULT HOOK, never set in production: while this variable is set, the first token handed to
+# the decode pod is forged for request ids "forge-fingerprint-*" (a wrong grammar fingerprint) and
+# "forge-token-N-*" (token N). Tests drive a decode pod's refusal of a first token with real processes.
+FAULT_FIRST_TOKEN_ENV = "CBSERVE_TEST_FAULT_FIRST_TOKEN"
 
 
 class _PullEnded(Exception):
@@ -52,6 +58,7 @@ class PrefillCore(EngineCore):
         self.progress: dict[str, KVProgress] = {}         # request id -> prefill progress
         self.arrived: dict[str, asyncio.Event] = {}       # pulls that came before their Prefill
         self.pulling: dict[str, asyncio.Task] = {}        # requests with an open pull
+        self.lora_identity: dict[str, str] = {}           # request id -> its adapter's identity ("": none)
         self.held = HeldKVTable(runtime.pod.kv_ttl_seconds)
         self.groups: dict[str, PairGroup] = {}
         self._expired = 0
@@ -60,6 +67,7 @@ class PrefillCore(EngineCore):
         # release between the engine's check and its hold, leaving a stale hold that expires 30 s
         # later as a spurious "KV not pulled" (reliability probe, issue 11 case 8).
         self._lease_lock = threading.Lock()
+        self._forge = os.environ.get(FAULT_FIRST_TOKEN_ENV) or None
 
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -74,19 +82,34 @@ class PrefillCore(EngineCore):
             if progress is None or request is None:
                 continue
             lp = out.new_logprobs[0] if out.new_logprobs else None
+            spec = request.sampling_params.structured
+            out.grammar_fingerprint = engine.structured.fingerprint(spec) if spec is not None else ""
             # Hold *before* publishing the first token: no pull can complete before `finish`, so
             # every pull that ends after this point finds the hold and releases it (`_forget`).
             with self._lease_lock:
                 if self.progress.get(req_id) is progress and req_id not in self.pulling:
                     self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
-            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
+            token, fingerprint = out.new_token_ids[0], out.grammar_fingerprint
+            if self._forge is not None and req_id.startswith("forge-"):
+                token, fingerprint = self._forged(req_id, token, fingerprint)
+            progress.finish(token, request.block_ids, logprobs_to_pb(lp), fingerprint)
         self.rt.after_step(engine, self.held.num_held)
+
+    @staticmethod
+    def _forged(req_id: str, token: int, fingerprint: str) -> tuple[int, str]:
+        """TEST FAULT HOOK (see FAULT_FIRST_TOKEN_ENV)."""
+        if req_id.startswith("forge-fingerprint-"):
+            return token, "0" * 64
+        if req_id.startswith("forge-token-"):
+            return int(req_id.split("-")[2]), fingerprint
+        return token, fingerprint
 
     def on_idle(self, engine: Engine) -> None:
         for req_id in self.held.expire():
             engine.scheduler.release_request(req_id)
             self._expired += 1
             progress = self.progress.pop(req_id, None)
+            self.lora_identity.pop(req_id, None)
             if progress is not None:
                 progress.fail("KV lease expired before a decode pod pulled it")
             log.info("request %s: KV not pulled within %.0fs, released", req_id, self.rt.pod.kv_ttl_seconds)
@@ -105,7 +128,8 @@ class PrefillCore(EngineCore):
                                    finished=out.finished, finish_reason=out.finish_reason or "",
                                    num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                                    queue_seconds=scheduled - out.arrival_time,
-                                   prefill_seconds=out.first_token_time - scheduled)
+                                   prefill_seconds=out.first_token_time - scheduled,
+                                   grammar_fingerprint=out.grammar_fingerprint)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
         events.lease_expiries = expired
@@ -135,18 +159,25 @@ class PrefillCore(EngineCore):
             return
         try:
             prompt, params = rt.validate(request)
+            lora = lora_request(rt, request)
         except RequestFailed as e:
             self.failure(req_id, e)
             return
-        self.progress[req_id] = KVProgress(len(prompt))
+        progress = self.progress[req_id] = KVProgress(len(prompt))
+        self.lora_identity[req_id] = lora.identity if lora else ""
         if req_id in self.arrived:
             self.arrived[req_id].set()
-        added = rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority))
 
         def on_added(future) -> None:   # engine thread
             if future.exception() is not None:
                 self.failure(req_id, refused(future.exception()))
-        added.add_done_callback(on_added)
+
+        def add() -> None:   # the adapter, if any, is in host memory now
+            if self.progress.get(req_id) is not progress:   # aborted while its adapter was read
+                return
+            rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority,
+                                                 lora=lora)).add_done_callback(on_added)
+        with_adapter(rt, lora, add, lambda error: self.failure(req_id, error))
 
     def forget(self, request_id: str) -> None:
         """A failed request (refused, step failed): nothing will be pulled."""
@@ -155,6 +186,7 @@ class PrefillCore(EngineCore):
 
     def _forget(self, req_id: str, reason: str) -> None:
         self.held.release(req_id)
+        self.lora_identity.pop(req_id, None)
         progress = self.progress.pop(req_id, None)
         if progress is not None:
             progress.fail(reason)
@@ -183,6 +215,9 @@ class PrefillCore(EngineCore):
     async def _stream(self, request: cbserve_pb2.PullKVRequest, group: PairGroup | None, timeout: float) -> int:
         req_id, rt = request.request_id, self.rt
         progress = await self._wait_for_prefill(req_id, timeout)
+        mismatch = identity_mismatch(req_id, request.lora_identity, self.lora_identity.get(req_id, ""))
+        if mismatch:
+            raise _PullEnded(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         self.held.take(req_id)  # the stream holds the lease from now on
         source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens,
                           max_chunk_bytes=request.max_chunk_bytes, group=group, **rt.kv_source_args())

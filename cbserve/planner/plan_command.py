@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from cbserve.goodput.configs import config_name
+from cbserve.planner.search import SEARCH_CONFIGS
 
-SEARCH_CONFIGS = ("colocated-1", "colocated-2", "colocated-3", "colocated-4", "1P1D", "1P2D", "2P1D", "2P2D")
 DEFAULT_CONFIGS = ("pd-goodput", "pd-round-robin", "colocated-2")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cbserve.goodput.configs import is_disaggregated, num_pods, parse_config
 from cbserve.planner.helm_values import render, values
-from cbserve.planner.search import Capacity, Criterion, Probe, find_capacity, recommend
+from cbserve.planner.search import SEARCH_CONFIGS, Capacity, Criterion, Probe, find_capacity, recommend
 from cbserve.planner.simulate import NestedWorkload, at_rate, sim_model
 from cbserve.planner.step_shape import StepShape
 
@@ -119,8 +119,6 @@ def per_pod_guess(model, workload, seed: int) -> float:
 
 
 def run_search(args, profile, model, workload, slo, caching, log) -> dict:
-    from cbserve.planner.plan_command import SEARCH_CONFIGS
-
     criterion = Criterion(slo, args.attainment, args.percentile)
     configs = args.configs or list(SEARCH_CONFIGS)
     workload = NestedWorkload(workload)

@@ -65,7 +65,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from cbserve.cli import engine_config_from_args
     from cbserve.goodput.workloads import MIXES
     from cbserve.planner.in_situ import InSituSettings, run_in_situ
     from cbserve.planner.profile import build_profile
@@ -76,7 +75,7 @@ def _profile(args: argparse.Namespace) -> int:
     if args.calibration_mix not in MIXES:
         print(f"error: --calibration-mix must be one of {', '.join(MIXES)}", file=sys.stderr)
         return 2
-    config = engine_config_from_args(args, "decode")
+    config = args.engine_config_from_args(args, "decode")
     # The grid builds its shapes from cached prefixes; caching changes no step's cost.
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=True))
     started = time.monotonic()

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 from cbserve.goodput.stats import Slo, percentile
 
+# `cbserve plan --search`'s configurations when --configs names none.
+SEARCH_CONFIGS = ("colocated-1", "colocated-2", "colocated-3", "colocated-4", "1P1D", "1P2D", "2P1D", "2P2D")
+
 
 @dataclass(frozen=True)
 class Criterion:

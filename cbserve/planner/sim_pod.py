@@ -175,6 +175,7 @@ class SimPod:
         config = self.scheduler.config
         self._report = build_load_report(self.name, self.role, self.snapshot, samples, draining=False,
                                          block_size=self.scheduler.block_size, max_num_seqs=config.max_num_seqs,
+                                         max_num_batched_tokens=config.max_num_batched_tokens,
                                          num_held_kv=self.num_held, timestamp=self.clock())
         self._reported_snapshot = self.snapshot
         return self._report

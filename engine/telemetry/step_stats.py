@@ -8,6 +8,7 @@ steps here; the capacity planner records its simulated ones, so the router sees 
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 
 from engine.outputs import EngineStats, StepSample
@@ -15,6 +16,7 @@ from engine.scheduler_output import SchedulerOutput
 from engine.scheduler_state import SchedulerState
 
 EWMA_ALPHA = 0.1
+_START = operator.itemgetter(2)      # ScheduledSeq.start_position (a NamedTuple: C-level read)
 
 
 class StepStats:
@@ -27,9 +29,13 @@ class StepStats:
         self.num_steps = 0
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:
-        num_prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)
-        context = sum(s.start_position + len(s.token_ids) for s in out.scheduled)
-        self.samples.append(StepSample(len(out.scheduled), context, num_prefill, seconds))
+        # Once per step on the engine thread: decode-only steps skip the prefill sum, the context
+        # is summed at C level.
+        seqs = out.scheduled
+        num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
+            len(s.token_ids) for s in seqs if len(s.token_ids) > 1)
+        context = sum(map(_START, seqs)) + out.num_batched_tokens
+        self.samples.append(StepSample(len(seqs), context, num_prefill, seconds))
         alpha = EWMA_ALPHA
         self.step_seconds_ewma = seconds if self.num_steps == 0 else (
             (1 - alpha) * self.step_seconds_ewma + alpha * seconds)
@@ -45,8 +51,9 @@ class StepStats:
         self.num_steps = 0
         self.samples.clear()
 
-    def snapshot(self, scheduler: SchedulerState) -> EngineStats:
-        """The engine's statistics now: the scheduler's queues and pool, and these timings."""
+    def snapshot(self, scheduler: SchedulerState, lora_adapters: tuple = (), max_loras: int = 0) -> EngineStats:
+        """The engine's statistics now: the scheduler's queues and pool, these timings, and the
+        LoRA adapters' (`engine.lora.stats`; none without LoRA)."""
         pool = scheduler.kv_manager.block_pool
         return EngineStats(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
@@ -54,4 +61,4 @@ class StepStats:
             num_total_blocks=pool.num_usable_blocks, kv_cache_usage=pool.usage,
             prefix_cache_hit_ratio=scheduler.kv_manager.hit_ratio, num_preemptions=scheduler.num_preemptions,
             step_seconds_ewma=self.step_seconds_ewma, prefill_tokens_per_second=self.prefill_tokens_per_second,
-            num_steps=self.num_steps)
+            num_steps=self.num_steps, lora_adapters=lora_adapters, max_loras=max_loras)

@@ -14,12 +14,68 @@ import pytest
 
 from bench import gpu_check_table as table
 from bench import shapes
+from engine import presets
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], check=True)
+
+
+SECTIONS = ROOT / "bench" / "gpu_check_sections.txt"
+KILL_GRACE = 10      # gpu_check.sh: timeout's -k
+
+
+def _plans() -> dict[str, dict]:
+    """bench/gpu_check_sections.txt, as the script reads it (`IFS='|' read -r ...`)."""
+    plans: dict[str, dict] = {}
+    for line in SECTIONS.read_text().splitlines():
+        fields = line.split("|", 7)
+        if fields[0] == "budget":
+            _, plan, budget, reserve = fields
+            plans.setdefault(plan, {"sections": []}).update(budget=int(budget), reserve=int(reserve))
+        elif fields[0] == "section":
+            _, plan, sid, cap, minimum, artifact, name, command = fields
+            plans.setdefault(plan, {"sections": []})["sections"].append(
+                dict(id=sid, cap=int(cap), min=int(minimum), artifact=artifact, name=name, command=command))
+        else:
+            assert not line.strip() or line.startswith("#"), line
+    return plans
+
+
+@pytest.mark.parametrize("plan", ["full", "fp8", "smoke"])
+def test_every_plan_fits_its_budget(plan):
+    """The caps add up to at most the budget less the reserve kept for the table and the copies:
+    each section gets its whole cap even if every one before it runs to its own."""
+    p = _plans()[plan]
+    caps = sum(s["cap"] for s in p["sections"])
+    assert caps <= p["budget"] - p["reserve"], f"{plan}: caps {caps} s > budget {p['budget']} - reserve {p['reserve']}"
+    ids = [s["id"] for s in p["sections"]]
+    assert len(ids) == len(set(ids))
+    for s in p["sections"]:
+        assert 0 < s["min"] <= s["cap"] and "|" not in s["command"], s
+        assert table._number(s["id"]), f"{s['id']}: the table has no row kind for it"
+        assert s["artifact"] == "-" or s["artifact"].endswith((".log", ".json")), s
+
+
+def test_the_full_plan_runs_the_graph_test_first_and_goodput_last():
+    sections = _plans()["full"]["sections"]
+    ids = [s["id"] for s in sections]
+    assert ids[0] == "preflight" and "test_cuda_graphs_gpu.py" in sections[1]["command"]
+    assert ids[2].startswith("decode-1b") and ids[-1].startswith("goodput")
+    kinds = [table._number(sid) for sid in ids]
+    assert "fp8" in " ".join(ids) and {"1", "2", "3", "4", "5"} <= set(kinds)
+    # The one GPU pod-path goodput section keeps to one config and one rate.
+    goodput = sections[-1]["command"]
+    assert goodput.count("--rates") == 1 and len(goodput.split("--rates")[1].split("--")[0].split()) == 1
+
+
+def test_the_script_reads_the_plan_file_and_interrupts_with_sigint():
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    assert "bench/gpu_check_sections.txt" in script and 'timeout -s INT -k "$KILL_GRACE"' in script
+    assert f"KILL_GRACE={KILL_GRACE} " in script and "TRITON_CACHE_DIR" in script
+    assert "-v -rA --continue-on-collection-errors" in script
 
 
 def test_decode_step_tiny_on_cpu_prints_its_json(tmp_path):
@@ -84,7 +140,7 @@ def test_shape_checkpoint_loads_in_cbserve_and_transformers(tmp_path, monkeypatc
                  num_key_value_heads=2, vocab_size=600, max_position_embeddings=256, seed=5)
     monkeypatch.setitem(PRESETS, "test-shape", shape)   # removed again after the test
     path = shapes.build_checkpoint("test-shape", shape)
-    assert path == tmp_path / "models" / "test-shape-v1"
+    assert path == tmp_path / "models" / f"test-shape-v{presets.FORMAT_VERSION}"
     assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert shapes.build_checkpoint("test-shape", shape) == path          # cached: not written again
     prompt = [5, 9, 200, 7]

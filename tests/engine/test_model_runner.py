@@ -7,7 +7,7 @@ import torch
 
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
-from engine.model import Linear, onednn_linear_available
+from engine.models.linear import Linear, onednn_linear_available
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
@@ -126,7 +126,7 @@ def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
     batch = [ScheduledSeq(f"r{i}", (int(torch.randint(0, cfg.vocab_size, (1,), generator=g)),), start,
                           tuple(range(1 + 3 * i, 1 + 3 * i + start // BLOCK + 1)), True)
              for i, start in enumerate([0, 5, 9, 2, 11])]
-    assert padded.decode_buckets.bucket(batch) == (8, 16)   # 5 seqs -> 8; 3 blocks -> 64 tokens
+    assert padded.decode_buckets.bucket(batch) == 8 and padded.decode_buckets.width == 16   # 5 seqs -> 8; 64 tokens
     got, want = padded.run(batch), eager.run(batch)
     assert got.shape == want.shape == (5, cfg.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
@@ -134,14 +134,14 @@ def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
 
 
 def test_bucket_tables():
-    from engine.cuda_graphs import batch_size_buckets, smallest_at_least, width_buckets
+    from engine.cuda_graphs import batch_size_buckets, graph_width, smallest_at_least
 
     assert batch_size_buckets(1) == [1]
     assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert batch_size_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert width_buckets(64, 4) == [16]
-    assert width_buckets(131072, 16) == [16, 32, 64, 128, 256, 512]
-    assert width_buckets(1000, 16) == [16, 32, 63]
+    assert graph_width(64, 4) == 16
+    assert graph_width(131072, 16) == 512      # one width for every graph: contexts up to 8192 tokens
+    assert graph_width(1000, 16) == 63
     assert smallest_at_least([1, 2, 4], 3) == 4 and smallest_at_least([1, 2, 4], 5) is None
 
 
@@ -186,7 +186,7 @@ def test_half_precision_linear_is_left_plain():
 
 @pytest.mark.skipif(not onednn_linear_available(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 def test_bf16_linear_prefill_rows_take_the_fp32_path():
-    from engine.model import BF16_UPCAST_ROWS
+    from engine.models.linear import BF16_UPCAST_ROWS
 
     torch.manual_seed(0)
     layer = Linear(32, 48, bias=True, dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ from router.config import RouterConfig
 from router.discovery.base import PodEndpoint
 from router.dispatch import SequenceSpec, SequenceTrace, build_dispatcher
 from router.errors import APIError
-from router.load import PodState
+from router.load import LOAD_SILENCE_SECONDS, PodState
 from router.metrics import RouterMetrics
 from router.policy import RoutingRequest
 
@@ -41,12 +41,12 @@ def test_pod_state_reads_its_clock():
     now = [0.0]
     pod = PodState(PodEndpoint("p", "decode"), client=None, healthy=True, clock=lambda: now[0])
     pod.report_time = 0.0
-    now[0] = 2.9
+    now[0] = LOAD_SILENCE_SECONDS - 0.1
     assert not pod.silent
-    now[0] = 3.1
+    now[0] = LOAD_SILENCE_SECONDS + 0.1
     assert pod.silent
     pod.on_dispatch(100)
-    assert list(pod.unreported) == [(3.1, 100)]
+    assert list(pod.unreported) == [(LOAD_SILENCE_SECONDS + 0.1, 100, 100)]
 
 
 def test_admission_waits_on_the_virtual_clock_and_the_dispatcher_is_wired_as_the_app_wires_it():
@@ -77,6 +77,7 @@ def test_load_report_carries_the_snapshot_and_the_newest_samples():
                         step_seconds_ewma=0.02, prefill_tokens_per_second=5000.0, num_steps=40)
     samples = [StepSample(i, 100 * i, 0, 0.01 * i) for i in range(40)]
     report = build_load_report("p0", "decode", stats, samples, draining=False, block_size=16, max_num_seqs=64,
-                               num_held_kv=0, timestamp=12.5)
+                               max_num_batched_tokens=512, num_held_kv=0, timestamp=12.5)
     assert (report.num_running, report.num_waiting, report.prefill_queue_tokens, report.num_free_blocks) == (3, 2, 900, 10)
+    assert report.max_num_batched_tokens == 512
     assert report.timestamp == 12.5 and [s.num_seqs for s in report.step_samples] == list(range(8, 40))

@@ -70,7 +70,7 @@ def test_cancelled_and_timed_out_requests_free_both_pods(model):
 
 
 def test_overload_is_refused_by_the_routers_admission(model):
-    requests = [RequestSpec(i, 0.001 * i, "z" * 400, 64) for i in range(60)]
+    requests = [RequestSpec(i, 0.001 * i, f"{i:03d}" + "z" * 400, 64) for i in range(60)]   # no shared prefix
     router = RouterConfig(admission="reject")
     cluster, results, _ = _play(model, "1P1D", requests, slo=(0.2, 0.02), router=router)
     rejected = [r for r in results if r.outcome == "rejected"]

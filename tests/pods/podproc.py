@@ -8,6 +8,7 @@ a `GenerateRequest` only through `vouched(request)`, which adds the router's KV 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -40,6 +41,13 @@ def vouched(request: pb.GenerateRequest, ttl: float = 300.0) -> pb.GenerateReque
     """`request` with the router's KV handle for its `prefill_from` (what `PodClient.vouch` adds)."""
     request.kv_handle.CopyFrom(HANDLES.issue(request.request_id, request.prefill_from, time.time() + ttl))
     return request
+
+
+def get_load(address: str, role: str, metadata=AUTH) -> pb.LoadReport:
+    """One GetLoad from the pod at `address` (`metadata`: its cluster's secret)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = (pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub)(channel)
+        return stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=metadata)
 
 
 def free_port() -> int:
@@ -97,9 +105,7 @@ class Pod:
         raise TimeoutError(f"{self.role} pod not ready after {timeout}s:\n{self.log_tail()}")
 
     def load(self) -> pb.LoadReport:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = (pb_grpc.PrefillServiceStub if self.role == "prefill" else pb_grpc.DecodeServiceStub)(channel)
-            return stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=AUTH)
+        return get_load(self.address, self.role)
 
     def wait_free_blocks(self, expected: int, timeout: float) -> float:
         """Seconds until the pod reports `expected` free blocks; raises after `timeout`."""
@@ -136,6 +142,17 @@ class Pod:
             except subprocess.TimeoutExpired:
                 self.kill(signal.SIGKILL)
                 self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def pod_pair(*args: str):
+    """A ready prefill pod and decode pod started with the same `args`; both stopped on exit."""
+    prefill, decode = Pod("prefill", *args), Pod("decode", *args)
+    try:
+        yield prefill.wait_ready(), decode.wait_ready()
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def sampling(**kw) -> pb.SamplingParams:

@@ -52,11 +52,15 @@ class Script:
     down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
     watch_broken: bool = False              # WatchLoad raises (UNKNOWN); GetLoad still works
     eos_at: int | None = None               # output index that is EOS
+    output_token_ids: list[int] | None = None   # the model's output instead of the fake function (ends in EOS)
+    grammar_fingerprint: str = ""           # prefill: what a constrained first token was sampled under
     logprob: float = -0.5
     max_model_len: int = 256
     vocab_size: int = 260
     block_size: int = 16
-    load: pb.LoadReport = field(default_factory=pb.LoadReport)
+    load: pb.LoadReport = field(default_factory=pb.LoadReport)   # LoRA adapters: load.lora_adapters
+    # LoadLoRAAdapter of this adapter name fails with (code, details); and as a whole.
+    lora_refusals: dict[str, tuple[grpc.StatusCode, str]] = field(default_factory=dict)
 
 
 class _Records:
@@ -66,6 +70,7 @@ class _Records:
         self.cancelled: list[str] = []
         self.aborted: list[str] = []
         self.cancel_seen = asyncio.Event()
+        self.lora_calls: list[tuple[str, str]] = []     # ("load" | "unload", adapter name)
 
     @property
     def num_requests(self) -> int:
@@ -195,6 +200,30 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
         self.records.aborted.append(request.request_id)
         return pb.AbortResponse(found=True)
 
+    # -- LoRA adapters (the registry is the reported list) ---------------------------------------------
+    async def LoadLoRAAdapter(self, request, context):
+        await self._check_up(context)
+        self.records.lora_calls.append(("load", request.lora_name))
+        refusal = self.script.lora_refusals.get(request.lora_name)
+        if refusal is not None:
+            await context.abort(*refusal)
+        adapters = self.script.load.lora_adapters
+        if any(a.name == request.lora_name for a in adapters):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
+        adapters.add(name=request.lora_name, identity=f"id-{request.lora_path}", registered=True)
+        return pb.LoRAAdapterResponse(identity=f"id-{request.lora_path}")
+
+    async def UnloadLoRAAdapter(self, request, context):
+        await self._check_up(context)
+        self.records.lora_calls.append(("unload", request.lora_name))
+        adapters = self.script.load.lora_adapters
+        kept = [a for a in adapters if a.name != request.lora_name]
+        if len(kept) == len(adapters):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not loaded")
+        del adapters[:]
+        adapters.extend(kept)
+        return pb.LoRAAdapterResponse()
+
     # -- prefill ----------------------------------------------------------------------------------------
     async def Prefill(self, request, context):
         self.records.prefill_requests.append(request)
@@ -203,17 +232,24 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             await asyncio.sleep(self.script.first_token_delay)
             if self.script.fail_prefill is not None:
                 await context.abort(self.script.fail_prefill, "scripted prefill failure")
-            token = expected_tokens(request.prompt_token_ids, 1, self.script.eos_at)[0]
+            token = self._tokens(request, 1, self.script.eos_at)[0]
             finished = request.sampling.max_tokens == 1 or token == EOS_ID
             reason = ("stop" if token == EOS_ID else "length") if finished else ""
             return pb.PrefillResponse(
                 request_id=request.request_id, first_token_id=token, finished=finished, finish_reason=reason,
                 first_token_logprobs=self._logprobs(token, request.sampling),
+                grammar_fingerprint=self.script.grammar_fingerprint if request.sampling.HasField("structured") else "",
                 queue_seconds=0.001, prefill_seconds=self.script.first_token_delay)
         except asyncio.CancelledError:
             self.records.cancelled.append(request.request_id)
             self.records.cancel_seen.set()
             raise
+
+    def _tokens(self, request, max_tokens: int, eos_at: int | None) -> list[int]:
+        """The output of `request`: the scripted ids (then EOS), else the fake model's."""
+        if self.script.output_token_ids is not None:
+            return [*self.script.output_token_ids, EOS_ID][:max_tokens]
+        return expected_tokens(request.prompt_token_ids, max_tokens, eos_at)
 
     def _logprobs(self, token: int, sampling: pb.SamplingParams) -> pb.TokenLogprobs:
         top = []
@@ -246,8 +282,8 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             # local prefill takes as long.
             await self._until_prefill_arrived(request)
             await asyncio.sleep(s.first_token_delay)
-            tokens = expected_tokens(request.prompt_token_ids, request.sampling.max_tokens,
-                                     None if request.sampling.ignore_eos else s.eos_at)
+            tokens = self._tokens(request, request.sampling.max_tokens,
+                                  None if request.sampling.ignore_eos else s.eos_at)
             for i in range(0, len(tokens), s.tokens_per_message):
                 if i > 0:
                     await asyncio.sleep(s.token_delay)

@@ -1,0 +1,22 @@
+"""bench/host_step.py's measurement runs: a steady decode batch through the engine with an instant
+model, on the padded bucket path (no timings asserted)."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import host_step
+
+
+def test_one_measurement_runs_a_steady_decode_batch():
+    args = argparse.Namespace(warmup=2, steps=5, model="tiny", temperature=0.0, top_p=1.0, detokenize=False)
+    result = host_step.measure(args, 3)
+    assert result["batch"] == 3 and result["steps"] == 5
+    assert 0 < result["p10_us"] <= result["median_us"] <= result["p90_us"] and result["cpu_us"] > 0
+
+
+def test_the_table_puts_trees_side_by_side():
+    rows = {"base": {1: [dict(median_us=500, p10_us=400, p90_us=700, cpu_us=480)]},
+            "new": {1: [dict(median_us=200, p10_us=150, p90_us=260, cpu_us=190)]}}
+    table = host_step.table(rows, [1])
+    assert "| 1 | 500, 400 / 700 (480) | 200, 150 / 260 (190) | x0.40 |" in table
