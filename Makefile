@@ -20,8 +20,10 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/cbserve up --demo
 
+# One pytest worker per core (at most 4), a whole file at a time, so module-scoped clusters stay in
+# one worker: much of the suite waits on processes and sockets rather than computing.
 test: install
-	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/pytest -q --durations=40
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=40
 
 image: install
 	$(PY) .ci/build_image.py
