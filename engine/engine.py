@@ -42,6 +42,8 @@ from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.decoder import SpecDecoder
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
 from engine.tp_launch import TPDriver
@@ -80,6 +82,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     detokenize: bool = True             # False: text only for requests with stop strings (pods: the
                                         # router detokenizes; the engine must, to stop on a string)
+    speculative: SpeculativeConfig | None = None   # --speculative-config (engine/spec_decode/)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -137,18 +140,26 @@ class Engine:
             self.fingerprint += f"+{self.quantization}"
         if self.kv_dtype is FP8_KV_DTYPE:  # pods exchanging fp8 KV must dequantize with the same scales
             self.fingerprint += kv_scales_suffix(self.model)
+        # Before sizing: a draft model's weights take memory the KV cache must leave it.
+        self.spec = SpecDecoder.create(config.speculative, self.role, self.model_dir, self.model_config, self.dtype,
+                                       self.device, max_len, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
         # After loading: on CUDA the cache takes what the weights and one worst-case step leave.
         cache_cfg = size_cache(config.cache, self.model, self.kv_dtype, self.device,
-                               ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
-                                                       max_len),
+                               ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs *
+                                                       (1 + (config.speculative.num_speculative_tokens
+                                                             if self.spec else 0)), max_len),
                                Sampler(self.eos_token_ids), startup_memory,
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
+        if self.spec is not None:   # a draft model's KV has the same blocks: both caches share the memory
+            cache_cfg = self.spec.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.kv_dtype, self.device)
+        if self.spec is not None:
+            self.spec.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
         # Tensor parallel: whole-model KV blocks for P/D transfers, gathered from / scattered to the ranks.
         self.tp_kv = None if self.tp is None else TPKVBlocks(self.tp, self.kv_cache, self.model_config)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
@@ -289,7 +300,10 @@ class Engine:
         launch model and sampler for N -> resolve N-1 (the one device->host read: its ids; stop
         checks; detokenize; emit) -> update(N) with placeholders. A request whose stop shows up
         in resolve(N-1) was already in batch N: that row's work is dropped (`update` skips it).
-        Batches that need the previous token's value on the host (penalties) resolve first."""
+        Batches that need the previous token's value on the host (penalties) resolve first, and so
+        does a speculative step (`_step_speculative`)."""
+        if self.spec is not None and self.spec.wants_step(self.scheduler):
+            return self._step_speculative()
         if not self.async_scheduling:
             return self._step_sync()
         t0 = time.perf_counter()
@@ -352,6 +366,31 @@ class Engine:
             self._record_step(out, time.perf_counter() - t0)
         return outputs
 
+    def _step_speculative(self) -> list[RequestOutput]:
+        """A step whose decodes carry drafts, verified in one target forward (`engine.spec_decode`).
+        Synchronous: the drafts continue each request's newest token, which must be on the host,
+        so a step still in flight (async scheduling) is resolved first."""
+        t0 = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        outputs = self._resolve(prev) if prev is not None else []
+        spec, scheduler = self.spec, self.scheduler
+        out = self.last_schedule = scheduler.schedule(spec.propose(scheduler))
+        if not out.scheduled:
+            return outputs
+        requests = scheduler.scheduled_requests
+        seqs = spec.fill(out.scheduled, requests)
+        verified = spec.verify(self.sampler, self.runner.run(seqs), seqs, requests)
+        before = {r.request_id: len(r.output_token_ids) for r in requests}
+        updated = scheduler.update(out, verified.tokens)
+        spec.settle(requests)
+        num_emitted = 0
+        for req in updated:
+            num = len(req.output_token_ids) - before[req.request_id]
+            num_emitted += num
+            outputs.append(self._emit(req, req.output_token_ids[-num:], verified.logprobs[req.request_id][:num]))
+        self._record_step(out, time.perf_counter() - t0, num_emitted)
+        return outputs
+
     # ------------------------------------------------------------------ decode role edges
     def land_remote_kv(self, request_id: str, first_token_id: int,
                        first_logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
@@ -376,6 +415,8 @@ class Engine:
             # A stop token's own text is dropped (vLLM), even with skip_special_tokens=False.
             delta = detok.update(new_ids, stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
             text_delta = delta.text
+            if delta.stopped and len(new_ids) > 1:   # verified drafts: the stop string may end it early
+                new_ids, new_logprobs = self._cut_after_stop_string(req, detok, new_ids, new_logprobs)
             if delta.stopped and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = delta.stop_reason
@@ -391,10 +432,29 @@ class Engine:
                              req.output_token_ids, detok.output_text if detok else "", req.first_token_time,
                              req.arrival_time, req.first_scheduled_time, req.stop_reason)
 
-    def _record_step(self, out, seconds: float) -> None:
+    def _cut_after_stop_string(self, req: Request, detok: IncrementalDetokenizer, new_ids: list[int],
+                               new_logprobs: list) -> tuple[list[int], list]:
+        """Several tokens in one step (speculative decoding) and a stop string in them: the tokens
+        after the one that completed it are dropped, and the request ends on the string, as it
+        would have one token per step."""
+        keep = detok.num_output_tokens - (len(req.output_token_ids) - len(new_ids))
+        if keep >= len(new_ids):
+            return new_ids, new_logprobs
+        drop = len(new_ids) - keep
+        del req.output_token_ids[-drop:], req.token_ids[-drop:]
+        if req.is_finished:          # on its length or a stop token, both among the dropped tokens
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = detok.stop_reason
+        return new_ids[:keep], new_logprobs[:keep]
+
+    def _record_step(self, out, seconds: float, num_emitted: int | None = None) -> None:
+        """`num_emitted`: the tokens a speculative step emitted (None: a plain step)."""
         seqs = out.scheduled
-        num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
-            len(s.token_ids) for s in seqs if len(s.token_ids) > 1)        # decode-only steps: none
+        num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(   # decode-only steps: none
+            len(s.token_ids) for s in seqs if len(s.token_ids) > 1 and not s.sample > 1)   # (not drafts)
+        if self.spec is not None:
+            self.spec.observe_step(out, seconds, len(seqs) if num_emitted is None else num_emitted,
+                                   speculative=num_emitted is not None)
         context = sum(map(_START, seqs)) + out.num_batched_tokens
         self.step_samples.append(StepSample(len(out.scheduled), context, num_prefill, seconds))
         alpha = 0.1
@@ -441,4 +501,5 @@ class Engine:
             num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_usable_blocks,
             kv_cache_usage=pool.usage, prefix_cache_hit_ratio=s.kv_manager.hit_ratio,
             num_preemptions=s.num_preemptions, step_seconds_ewma=self._step_ewma,
-            prefill_tokens_per_second=self._prefill_rate, num_steps=self.num_steps)
+            prefill_tokens_per_second=self._prefill_rate, num_steps=self.num_steps,
+            spec_decode=None if self.spec is None else self.spec.stats.copy())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.outputs import EngineStats
+from engine.spec_decode.metrics import SpecDecodeMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
                    3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
@@ -58,6 +59,7 @@ class EngineMetrics:
         self.local_prefill_fallbacks = Counter(
             "cbserve_local_prefill_fallbacks", "Decode-pod local prefills after a failed KV pull", labels,
             registry=r).labels(role)
+        self.spec_decode = SpecDecodeMetrics(role, r)   # cbserve_spec_decode_* (engine/spec_decode/metrics.py)
         self._last_preemptions = 0
 
     def request_finished(self, status: str) -> None:
@@ -73,6 +75,7 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_hit.set(stats.prefix_cache_hit_ratio)
         self.held_kv.set(num_held)
+        self.spec_decode.update(stats.spec_decode)
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampler import TokenLogprobs
+from engine.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -51,3 +52,4 @@ class EngineStats:
     step_seconds_ewma: float
     prefill_tokens_per_second: float
     num_steps: int
+    spec_decode: SpecDecodeStats | None = None    # speculative decoding's counts (None: not speculating)

@@ -45,6 +45,7 @@ from wire import cbserve_pb2
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
+from engine.spec_decode.metrics import stats_to_pb as spec_stats_to_pb
 from pod.runtime import PodRuntime, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats, num_held: 
     message.step_seconds_ewma = stats.step_seconds_ewma
     message.prefill_tokens_per_second = stats.prefill_tokens_per_second
     message.num_held_kv = num_held
+    if stats.spec_decode is not None:
+        spec_stats_to_pb(stats.spec_decode, message.spec_decode)
     message.first_sample_step = samples[0][0] if samples else 0
     for _, s in samples:
         message.samples.add(num_seqs=s.num_seqs, num_context_tokens=s.num_context_tokens,

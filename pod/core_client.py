@@ -33,6 +33,7 @@ from wire import cbserve_pb2
 from pod.core import FrameReader, frame
 from engine.loop import Subscribers
 from engine.outputs import EngineStats
+from engine.spec_decode.metrics import stats_from_pb as spec_stats_from_pb
 from pod.runtime import PodRuntime, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ class CoreRuntime(PodRuntime):
             num_total_blocks=stats.num_total_blocks, kv_cache_usage=stats.kv_cache_usage,
             prefix_cache_hit_ratio=stats.prefix_cache_hit_ratio, num_preemptions=stats.num_preemptions,
             step_seconds_ewma=stats.step_seconds_ewma, prefill_tokens_per_second=stats.prefill_tokens_per_second,
-            num_steps=stats.num_steps)
+            num_steps=stats.num_steps,
+            spec_decode=spec_stats_from_pb(stats.spec_decode) if stats.HasField("spec_decode") else None)
         self.num_held = stats.num_held_kv
         self.metrics.update(self.snapshot, self.num_held)
         # StepSample messages read like engine.outputs.StepSample (load reports, the stall threshold)
