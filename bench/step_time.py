@@ -5,6 +5,8 @@ uses, and times whole steps (prepare + forward + lm_head of the sampled rows) on
 batches: `decode Bx<ctx>` is B sequences with `ctx - 1` cached tokens each computing one more,
 `prefill N` one sequence computing N prompt tokens from scratch. The KV cache holds zeros: the
 timings do not depend on its values. Prints one table; min and median over `--iters` runs.
+`--clock cpu` times the thread's CPU time instead of the wall clock (one torch thread: the step
+runs inline in this thread), which a loaded shared machine disturbs far less.
 
     .venv/bin/python bench/step_time.py                        # fp32, bf16, int8; 1 and 2 threads
     .venv/bin/python bench/step_time.py --dtypes float32 --threads 1 --decode 8 --prefill 0
@@ -50,14 +52,15 @@ def prefill_batch(tokens: int, block_size: int, vocab: int) -> list[ScheduledSeq
     return [ScheduledSeq("p0", ids, 0, tuple(range(1, 1 + -(-tokens // block_size))), True)]
 
 
-def time_step(runner: ModelRunner, scheduled: list[ScheduledSeq], iters: int) -> tuple[float, float]:
+def time_step(runner: ModelRunner, scheduled: list[ScheduledSeq], iters: int,
+              clock=time.perf_counter) -> tuple[float, float]:
     """(min, median) ms of `runner.run(scheduled)` after one warm-up run."""
     runner.run(scheduled)
     times = []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         runner.run(scheduled)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     return min(times), statistics.median(times)
 
 
@@ -72,7 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", default="512", help="comma list of prefill chunk sizes (0: none)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="cpu: this thread's CPU time (with --threads 1 only)")
     args = ap.parse_args(argv)
+    if args.clock == "cpu" and args.threads != "1":
+        ap.error("--clock cpu needs --threads 1 (other threads' work would not count)")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     model_dir = resolve_model_dir(args.model)
     cfg = ModelConfig.from_dir(model_dir)
@@ -97,13 +105,13 @@ def main(argv: list[str] | None = None) -> None:
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             for name, scheduled in progress(cases, desc=f"{dtype_name}, {n_threads} threads", unit="case"):
-                best, median = time_step(runner, scheduled, args.iters)
+                best, median = time_step(runner, scheduled, args.iters, clock)
                 rows.append((dtype_name, n_threads, name, best, median))
                 print(f"  {dtype_name:9s} threads={n_threads} {name:16s} {best:9.1f} ms", file=sys.stderr)
         del runner, model, kv
 
-    print(f"\nmodel={args.model} ({model_dir.name}), torch {torch.__version__}, ms per step (min / median "
-          f"of {args.iters})")
+    print(f"\nmodel={args.model} ({model_dir.name}), torch {torch.__version__}, {args.clock}-clock ms per step "
+          f"(min / median of {args.iters})")
     print(f"{'dtype':10s} {'threads':>7s}  {'case':18s} {'min ms':>9s} {'median ms':>10s}")
     for dtype_name, n_threads, name, best, median in rows:
         print(f"{dtype_name:10s} {n_threads:7d}  {name:18s} {best:9.1f} {median:10.1f}")

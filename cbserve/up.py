@@ -28,6 +28,7 @@ from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.spec_decode.config import speculative_config_arg
+from router.structured.flags import add_up_arguments, up_router_args
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo", "add_up_command", "cmd_up"]
 
@@ -79,6 +80,7 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--drain-seconds", type=float, default=10.0)
     p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
+    add_up_arguments(p)
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
     p.add_argument("--demo", action="store_true",
@@ -106,7 +108,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         enforce_eager=args.enforce_eager,
         speculative_config=None if args.speculative_config is None else args.speculative_config.to_json(),
         threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
-        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args))
+        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args), router_args=up_router_args(args))
 
 
 def describe(cluster: LocalCluster) -> str:

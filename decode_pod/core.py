@@ -21,6 +21,8 @@ import grpc
 from wire import cbserve_pb2, cbserve_pb2_grpc
 from decode_pod.open_request import Job
 from engine.engine import Engine
+from engine.grammar.backend import GrammarCompileError
+from engine.grammar.structured_outputs import FirstTokenRejected
 from engine.outputs import RequestOutput
 from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
@@ -101,12 +103,21 @@ class DecodeCore(EngineCore):
                                       time.monotonic() + timeout)
         job.local_prefill = not request.prefill_from
         job.kv_handle = request.kv_handle if request.HasField("kv_handle") else None
+        job.structured = params.structured
         remote = bool(request.prefill_from)
         added = rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority, remote_kv=remote))
 
         def on_added(future) -> None:   # engine thread
             if future.exception() is not None:
                 self.failure(req_id, refused(future.exception()))
+            elif remote and params.structured is not None:
+                rt.engine.structured.compile_future(params.structured).add_done_callback(on_compiled)
+
+        def on_compiled(compiled) -> None:   # compile thread
+            # A grammar this pod cannot compile fails the request now, not after the pull.
+            if compiled.exception() is not None:
+                error = RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(compiled.exception()))
+                rt.loop.loop.call_soon_threadsafe(self._fail, req_id, error)
         added.add_done_callback(on_added)
 
     def forget(self, req_id: str) -> None:
@@ -164,9 +175,17 @@ class DecodeCore(EngineCore):
             job.kv_transfer_seconds = result.seconds
             job.kv_bytes = result.num_bytes
             first_lp = logprobs_from_pb(result.first_token_logprobs)
-            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp))
+            if job.structured is not None:   # compiled while P prefilled; landing must not wait for it
+                await asyncio.wrap_future(rt.engine.structured.compile_future(job.structured))
+            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp,
+                                                   result.grammar_fingerprint))
         except asyncio.CancelledError:
             raise
+        except FirstTokenRejected as e:
+            # Never an unconstrained token: this pod samples token 0 itself, under its own grammar.
+            await self._fall_back(req_id, job, f"prefill pod {job.prefill_from}'s first token refused: {e}")
+        except GrammarCompileError as e:
+            self._fail(req_id, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except (SourceLostError, SourceAbortedError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
             await self._fall_back(req_id, job, f"prefill pod {job.prefill_from} lost: {e}")
         except ChecksumError as e:
@@ -177,10 +196,11 @@ class DecodeCore(EngineCore):
         except KVTransferError as e:
             self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
 
-    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp) -> None:
+    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp, grammar_fingerprint: str) -> None:
         """Engine thread: the request joins the batch; its first token is published from here, so
-        it goes out before anything the next step produces for it."""
-        out = engine.land_remote_kv(req_id, first_token_id, first_lp)
+        it goes out before anything the next step produces for it. A structured request's token
+        must come from the same grammar and be accepted by this pod's (else `FirstTokenRejected`)."""
+        out = engine.land_remote_kv(req_id, first_token_id, first_lp, grammar_fingerprint)
         if out is not None:
             self.rt.loop.publish([out])
 

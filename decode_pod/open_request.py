@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from wire import cbserve_pb2
+from engine.grammar.spec import StructuredSpec
 from pod.runtime import RequestFailed
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class Job:
     kv_handle: cbserve_pb2.KVHandle | None = None   # the router's voucher, forwarded to the prefill pod
     kv_bytes: int = 0
     reported: bool = False              # engine core: how the KV got here went out with the first output
+    structured: StructuredSpec | None = None   # engine core: its grammar (checked at the KV's landing)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

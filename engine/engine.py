@@ -26,6 +26,8 @@ from engine.cuda_graphs import graph_memory_estimate, wants_decode_graphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import DTYPES
 from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quantization
+from engine.grammar.mask import GrammarMask
+from engine.grammar.structured_outputs import StructuredOutputs
 from engine.kv_cache import allocate_kv_cache
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
@@ -52,6 +54,7 @@ from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 _PARAMS = operator.attrgetter("sampling_params")
+_STRUCTURED = operator.attrgetter("structured")
 _START = operator.itemgetter(2)      # ScheduledSeq.start_position
 
 
@@ -154,6 +157,8 @@ class Engine:
             cache_cfg = self.spec.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
+        # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
+        cache_cfg = dataclasses.replace(cache_cfg, sliding_window=self.model_config.kv_free_window)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
@@ -174,6 +179,10 @@ class Engine:
             self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling)
         self._in_flight: _InFlight | None = None
         self.sampler = Sampler(self.eos_token_ids)
+        # Constrained decoding: grammars compile off this thread; masks are filled here (rank 0).
+        self.structured = StructuredOutputs.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids, self.device)
+        self.failed: dict[str, Exception] = {}   # requests ended by an error since `take_failures`
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -217,6 +226,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (idempotent; also runs at interpreter exit)."""
+        self.structured.close()
         if self.tp is not None:
             self.tp.close()
 
@@ -249,6 +259,8 @@ class Engine:
             raise EngineRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum context length of {self.max_model_len} tokens")
+        if params.structured is not None and not self.structured.available:
+            raise EngineRequestError("structured outputs need the model's tokenizer (tokenizer.json)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.scheduler.get_request(rid) is not None:
             raise EngineRequestError(f"request id {rid!r} is already in use")
@@ -263,15 +275,21 @@ class Engine:
         if self.tokenizer is not None and (self.config.detokenize or req.sampling_params.stop):
             self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                                   req.sampling_params)
-        if remote_kv:
-            self.scheduler.add_remote_request(req)
-        else:
-            self.scheduler.add_request(req)
+        self.structured.add(req)   # its compile starts now, beside its prefill
+        try:
+            if remote_kv:
+                self.scheduler.add_remote_request(req)
+            else:
+                self.scheduler.add_request(req)
+        except BaseException:
+            self.structured.forget([req.request_id])
+            raise
         return req
 
     def abort(self, request_id: str) -> bool:
         """Idempotent at every stage; frees the request's blocks (held prefill KV included)."""
         self._detok.pop(request_id, None)
+        self.structured.forget([request_id])
         aborted = self.scheduler.abort_request(request_id)
         in_flight = self._in_flight
         if aborted and in_flight is not None and all(
@@ -314,9 +332,10 @@ class Engine:
             scheduled = self.scheduler.scheduled_requests
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
             requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
-            if prev is not None and any(map(has_penalty, map(_PARAMS, requests))):
+            if prev is not None and (any(map(has_penalty, map(_PARAMS, requests)))
+                                     or any(map(_STRUCTURED, map(_PARAMS, requests)))):
                 outputs, prev = self._resolve(prev), None
-            sample = self.sampler.sample_on_device(logits, requests) if requests else None
+            sample = self._sample(logits, requests) if requests else None
             if prev is not None:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
@@ -338,12 +357,50 @@ class Engine:
             rows = in_flight.device.rows
             row_of = [rows[r.request_id] for r in requests]
             tokens, logprobs = [result.token_ids[i] for i in row_of], [result.logprobs[i] for i in row_of]
-        resolved = self.scheduler.resolve_placeholders(requests, tokens)
-        if len(resolved) != len(requests):           # aborted meanwhile: not emitted
+        resolved = self._settle_grammars(self.scheduler.resolve_placeholders(requests, tokens))
+        if len(resolved) != len(requests):           # aborted meanwhile, or failed its grammar: not emitted
             kept = {id(r) for r in resolved}
             logprobs = [lp for r, lp in zip(requests, logprobs) if id(r) in kept]
         emit = self._emit
         return [emit(req, [req.output_token_ids[-1]], [lp]) for req, lp in zip(resolved, logprobs)]
+
+    def _sample(self, logits, requests: list[Request]) -> DeviceSample:
+        """One step's tokens, on the device, under the requests' grammars (their masks are filled
+        here, while the forward pass runs); a request whose grammar failed ends first."""
+        return self.sampler.sample_on_device(logits, requests, self._grammar_masks(requests))
+
+    def _grammar_masks(self, rows: list) -> GrammarMask | None:
+        """The masks of a step's sampler rows (`rows[i]` samples row i; also a speculative step's,
+        `engine.spec_decode`); a request whose grammar failed ends first."""
+        mask, failed = self.structured.prepare(rows)
+        if failed:
+            self._fail(failed)
+        return mask
+
+    def _settle_grammars(self, requests: list[Request]) -> list[Request]:
+        """Each request's new token into its grammar: a complete grammar stops its request (the
+        grammar wins over min_tokens and ignore_eos), a rejected token fails it (dropped here)."""
+        if not self.structured.states:
+            return requests
+        done, failed = self.structured.advance(requests)
+        for req in done:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_GRAMMAR)
+        if failed:
+            self._fail(failed)
+            gone = {req.request_id for req, _ in failed}
+            requests = [req for req in requests if req.request_id not in gone]
+        return requests
+
+    def _fail(self, failed: list[tuple[Request, Exception]]) -> None:
+        for req, error in failed:
+            self.abort(req.request_id)
+            self.failed[req.request_id] = error
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """Requests the engine ended with an error since the last call (a grammar that does not
+        compile or fails): their callers must be told, no output will come."""
+        failed, self.failed = self.failed, {}
+        return list(failed.items())
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -355,11 +412,11 @@ class Engine:
             to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
                 scheduled = self.scheduler.scheduled_requests
-                result = self.sampler.sample(logits, [scheduled[i] for i in to_sample])
+                result = self._sample(logits, [scheduled[i] for i in to_sample]).resolve()
                 for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
                     sampled[out.scheduled[i].request_id] = token
                     logprobs[out.scheduled[i].request_id] = lp
-        updated = self.scheduler.update(out, sampled)
+        updated = self._settle_grammars(self.scheduler.update(out, sampled))
         outputs = [self._emit(req, [req.output_token_ids[-1]], [logprobs.get(req.request_id)])
                    for req in updated]
         if out.scheduled:
@@ -379,9 +436,9 @@ class Engine:
             return outputs
         requests = scheduler.scheduled_requests
         seqs = spec.fill(out.scheduled, requests)
-        verified = spec.verify(self.sampler, self.runner.run(seqs), seqs, requests)
+        verified = spec.verify(self.sampler, self.runner.run(seqs), seqs, requests, self._grammar_masks)
         before = {r.request_id: len(r.output_token_ids) for r in requests}
-        updated = scheduler.update(out, verified.tokens)
+        updated = self._settle_grammars(scheduler.update(out, verified.tokens))
         spec.settle(requests)
         num_emitted = 0
         for req in updated:
@@ -392,23 +449,33 @@ class Engine:
         return outputs
 
     # ------------------------------------------------------------------ decode role edges
-    def land_remote_kv(self, request_id: str, first_token_id: int,
-                       first_logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+    def land_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                       grammar_fingerprint: str = "") -> RequestOutput | None:
         """The prompt's KV was written into the reserved blocks: the request joins the batch with
-        its first token (sampled by the prefill pod). None if it was aborted meanwhile."""
+        its first token (sampled by the prefill pod). None if it was aborted meanwhile.
+
+        A structured request continues only from a token sampled under the same grammar
+        (`grammar_fingerprint`) that its own grammar accepts; otherwise this raises
+        `FirstTokenRejected` with nothing changed (prefill locally), or `GrammarCompileError`."""
         req = self.scheduler.get_request(request_id)
         if req is None:
             return None
+        if req.sampling_params.structured is not None:
+            self.structured.accept_first_token(req, first_token_id, grammar_fingerprint)
         self.scheduler.remote_kv_landed(request_id, first_token_id)
+        self._settle_grammars([req])
         return self._emit(req, [first_token_id], [first_logprobs])
 
     def fall_back_to_local_prefill(self, request_id: str) -> bool:
         """The pull failed: prefill the prompt here (same tokens: seeded sampling is positional)."""
+        self.structured.reset(request_id)
         return self.scheduler.remote_kv_failed(request_id)
 
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
         text_delta = ""
+        if req.is_finished and self.structured.states:
+            self.structured.forget([req.request_id])
         detok = self._detok.get(req.request_id) if self._detok else None
         status = req.status
         if detok is not None:
@@ -490,6 +557,10 @@ class Engine:
                     final[o.request_id] = o
                     bar.update(1)
         bar.close()
+        failures = dict(self.take_failures())
+        for r in reqs:
+            if r.request_id in failures:
+                raise failures[r.request_id]
         return [final[r.request_id] for r in reqs]
 
     # ------------------------------------------------------------------ stats

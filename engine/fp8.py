@@ -17,7 +17,11 @@ product is `(x_q @ w_q^T) * x_scale * w_scale`, accumulated in fp32:
 
 Only the decoder's projections are quantized: the embedding and the lm_head stay in the model
 dtype (Hugging Face FP8 checkpoints keep them so, and quantize-at-load does the same, so both give
-the same model). The KV cache is separate (`--kv-cache-dtype`, engine/kv_dtype.py).
+the same model), and so do the routers of a mixture of experts (`mlp.gate`, `shared_expert_gate`:
+a top-k choice flips on small errors, and they are tiny). The experts themselves are quantized
+the same way, per output channel, in their 3-D stacks (`quantize_experts_fp8`); they run as
+weight-only fp8 (activations in the model dtype) inside `kernels.fused_moe`. The KV cache is
+separate (`--kv-cache-dtype`, engine/kv_dtype.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.models.moe import Experts
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,11 @@ SCALED_MM_CAPABILITY = (8, 9)
 
 
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[out, in]` float -> (`[out, in]` float8_e4m3fn, `[out]` fp32 scales), per output channel."""
+    """`[..., out, in]` float -> (`[..., out, in]` float8_e4m3fn, `[..., out]` fp32 scales), per
+    output channel (of each expert, for a stack of experts)."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=_MIN_SCALE) / FP8_MAX
-    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = w.abs().amax(dim=-1).clamp(min=_MIN_SCALE) / FP8_MAX
+    return (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_rows_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None
@@ -156,15 +162,29 @@ class Fp8Linear(nn.Module):
 
 
 def is_quantized_projection(name: str) -> bool:
-    """The linears fp8 quantizes: every decoder projection, not the lm_head."""
-    return name != "lm_head" and not name.endswith(".lm_head")
+    """The linears fp8 quantizes: every decoder projection, not the lm_head nor an MoE router."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf not in ("lm_head", "shared_expert_gate") and not name.endswith(".mlp.gate")
+
+
+def quantize_experts_fp8(experts: nn.Module) -> None:
+    """An MoE layer's `Experts` (engine/models/moe.py): both weight stacks to e4m3 in place, with
+    their per-channel scales beside them (`gate_up_scale [E, 2I]`, `down_scale [E, H]`)."""
+    for name, scale_name in (("gate_up_proj", "gate_up_scale"), ("down_proj", "down_scale")):
+        weight, scale = quantize_weight_fp8(getattr(experts, name))
+        setattr(experts, name, nn.Parameter(weight, requires_grad=False))
+        setattr(experts, scale_name, scale)
 
 
 def quantize_model_fp8(model: nn.Module) -> int:
-    """Swap every decoder projection (not the lm_head) for an `Fp8Linear`, in place; returns how
-    many. Call after the weights are loaded and before the runner packs them."""
+    """Swap every decoder projection (not the lm_head, not a router) for an `Fp8Linear`, and
+    quantize every expert stack, in place; returns how many projections (an expert stack counts
+    as two). Call after the weights are loaded and before the runner packs them."""
     swapped = 0
     for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, Experts):
+            quantize_experts_fp8(parent)
+            swapped += 2
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, nn.Linear) and is_quantized_projection(full):

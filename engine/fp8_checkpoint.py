@@ -29,9 +29,10 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.fp8 import FP8, Fp8Linear
-from engine.loader import FUSED, CheckpointError, _slices, _target, checkpoint_files, load_weights
-from engine.model import LlamaForCausalLM
+from engine.loader import CheckpointError, build_model, checkpoint_files, load_weights
 from engine.model_config import ModelConfig
+from engine.models.causal_lm import CausalLM
+from engine.models.weights import FUSED, map_name, num_parts, part_sizes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def read_fp8_config(path: Path) -> Fp8CheckpointConfig | None:
     if not qcfg:
         return None
     method = qcfg.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None   # its MXFP4 experts are dequantized at load (engine/models/gpt_oss.py)
     if method != "fp8":
         raise CheckpointError(f"{path}: quantization_config.quant_method {method!r} is not supported; cbserve "
                               "loads unquantized checkpoints and 'fp8' ones (e4m3 weights, per-tensor or "
@@ -101,15 +104,11 @@ def _module_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0]
 
 
-def _num_parts(module_name: str) -> int:
-    return 3 if module_name.endswith("qkv_proj") else 2 if module_name.endswith("gate_up_proj") else 1
-
-
 def _rows(cfg: ModelConfig, param_name: str, index: int | None, out_features: int) -> tuple[int, int]:
     """(first row, row count) of fused part `index` in the module's output channels."""
     if index is None:
         return 0, out_features
-    sizes = _slices(cfg, param_name)
+    sizes = part_sizes(cfg, param_name, out_features)
     return sum(sizes[:index]), sizes[index]
 
 
@@ -158,7 +157,7 @@ def _attach_loaders(layer: Fp8Linear, module_name: str, cfg: ModelConfig) -> Non
         layer.input_scale.weight_loader = load_input_scale
 
 
-def _register_kv_scales(model: LlamaForCausalLM, names: set[str]) -> dict[str, float]:
+def _register_kv_scales(model: CausalLM, names: set[str]) -> dict[str, float]:
     """Temporary parameters for the checkpoint's `self_attn.k_scale` / `v_scale` tensors; their
     loaders record the values in the returned dict (our parameter name -> scale)."""
     found: dict[str, float] = {}
@@ -182,22 +181,26 @@ def _register_kv_scales(model: LlamaForCausalLM, names: set[str]) -> dict[str, f
 
 
 def load_fp8_model(path: Path, cfg: ModelConfig, fp8: Fp8CheckpointConfig, dtype: torch.dtype,
-                   device: torch.device, max_position: int | None = None) -> LlamaForCausalLM:
+                   device: torch.device, max_position: int | None = None) -> CausalLM:
     """Build the model and load an FP8 checkpoint into it as stored (see the module docstring).
 
     Each attention module's `kv_scales` is set from the checkpoint's k_scale / v_scale (else it
     stays (1.0, 1.0)); they matter only with `--kv-cache-dtype fp8`."""
+    if cfg.num_experts:
+        raise CheckpointError(f"{path}: FP8 checkpoints of mixture-of-experts models ({cfg.architecture}) are not "
+                              "supported: serve the bf16 checkpoint (with --quantization fp8 to quantize it at load)")
     dtypes = _stored_dtypes(path)
     bad = sorted(n for n, d in dtypes.items() if d.startswith("F8") and d != "F8_E4M3")
     if bad:
         raise CheckpointError(f"tensors {bad[:3]} are {dtypes[bad[0]]}; only F8_E4M3 (float8_e4m3fn) is supported")
+    model = build_model(cfg, dtype, device, max_position)
     parts: dict[str, set[int | None]] = {}
     kv_scale_names: set[str] = set()
     for hf_name, stored in dtypes.items():
-        target = _target(hf_name, cfg)
+        target = map_name(hf_name, cfg, model.hf_renames, model.hf_ignored)
         if target is None:
             continue
-        ours, index = target
+        ours, index = target.param, target.part
         if stored == "F8_E4M3" and ours.endswith(".weight"):
             parts.setdefault(_module_of(ours), set()).add(index)
         elif ours.rsplit(".", 1)[-1] in KV_SCALE_NAMES and ".self_attn." in ours:
@@ -205,10 +208,9 @@ def load_fp8_model(path: Path, cfg: ModelConfig, fp8: Fp8CheckpointConfig, dtype
     if not parts:
         raise CheckpointError(f"{path}: quantization_config says fp8 but no weight is stored as F8_E4M3")
 
-    model = LlamaForCausalLM(cfg, dtype, device, max_position)
     static = fp8.activation_scheme == "static"
     for module_name, indices in sorted(parts.items()):
-        expected = _num_parts(module_name)
+        expected = num_parts(module_name + ".weight")
         if len(indices) != expected:
             fused = [hf for hf, (ours, _) in FUSED.items() if module_name.endswith(ours)]
             raise CheckpointError(f"only some of {fused} are stored in FP8 for {module_name}: a fused projection "

@@ -29,7 +29,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_memory
-from engine.model import LlamaForCausalLM
+from engine.models.causal_lm import CausalLM
 from engine.progress import stage
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -172,7 +172,7 @@ _WORST_CASE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=1000, seed
 
 
 @torch.inference_mode()
-def run_profile_step(model: LlamaForCausalLM, kv_cache: torch.Tensor, batch: ProfileBatch,
+def run_profile_step(model: CausalLM, kv_cache: torch.Tensor, batch: ProfileBatch,
                      sampler: Sampler) -> SamplerOutput:
     """One forward of `batch` and one worst-case sample of every sequence's last token.
 
@@ -207,7 +207,7 @@ class Profile:
     memory: MemorySnapshot | None     # right after the step (peak over it); None off CUDA
 
 
-def profile_peak_memory(model: LlamaForCausalLM, batch: ProfileBatch, block_size: int, dtype: torch.dtype,
+def profile_peak_memory(model: CausalLM, batch: ProfileBatch, block_size: int, dtype: torch.dtype,
                         device: torch.device, sampler: Sampler) -> Profile:
     """Run the profiling step on `device` (with a one-block scratch KV cache) and, on CUDA, the
     peak torch allocation over it and the memory left after it. Off CUDA the step still runs (the
@@ -242,7 +242,7 @@ def measure_startup_memory(cache: CacheConfig, device: torch.device) -> MemorySn
     return startup
 
 
-def size_cache(cache: CacheConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
+def size_cache(cache: CacheConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,
                batch: ProfileBatch, sampler: Sampler, startup: MemorySnapshot | None,
                headroom: int | None = None) -> CacheConfig:
     """`cache` with `num_blocks` set (a new object), by the precedence in the module docstring.

@@ -199,6 +199,8 @@ class EngineLoop(Subscribers):
             if self.post_step is not None:
                 self._guard(self.post_step, self.engine, outputs)
             self.publish(outputs)
+            for request_id, error in self.engine.take_failures():   # e.g. a grammar that failed
+                self.fail(request_id, error)
 
     def _fault_stall(self) -> None:
         """TEST FAULT HOOK (see FAULT_STALL_FILE_ENV): hang while the file exists."""

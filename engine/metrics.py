@@ -13,6 +13,7 @@ from engine.spec_decode.metrics import SpecDecodeMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
                    3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.5, 1.0, 2.5)
 
@@ -60,10 +61,35 @@ class EngineMetrics:
             "cbserve_local_prefill_fallbacks", "Decode-pod local prefills after a failed KV pull", labels,
             registry=r).labels(role)
         self.spec_decode = SpecDecodeMetrics(role, r)   # cbserve_spec_decode_* (engine/spec_decode/metrics.py)
+        # Structured outputs (vLLM has no names for these; the cbserve_structured_output_ family).
+        self._structured_requests = Counter("cbserve_structured_output_requests",
+                                            "Requests with a structured-output spec, by kind", ["role", "kind"],
+                                            registry=r)
+        self.grammar_compile = hist("cbserve_structured_output_compile_seconds",
+                                    "Grammar compile time (cache misses)", COMPILE_BUCKETS)
+        self.grammar_cache_hits = Counter("cbserve_structured_output_compile_cache_hits",
+                                          "Grammar compiles served from the cache", labels, registry=r).labels(role)
+        self._first_token_rejected = Counter(
+            "cbserve_structured_output_first_token_rejected",
+            "Decode pod: prefill pod first tokens refused (grammar fingerprint or token), prefilled locally",
+            ["role", "reason"], registry=r)
         self._last_preemptions = 0
 
     def request_finished(self, status: str) -> None:
         self._requests.labels(self.role, status).inc()
+
+    def structured_outputs(self, msg) -> None:
+        """A `cbserve_pb2.StructuredOutputStats` from the engine core."""
+        for kind in msg.request_kinds:
+            self._structured_requests.labels(self.role, kind).inc()
+        for seconds in msg.compile_seconds:
+            self.grammar_compile.observe(seconds)
+        if msg.compile_cache_hits:
+            self.grammar_cache_hits.inc(msg.compile_cache_hits)
+        for reason, count in (("fingerprint", msg.first_token_rejected_fingerprint),
+                              ("token", msg.first_token_rejected_token)):
+            if count:
+                self._first_token_rejected.labels(self.role, reason).inc(count)
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.role, reason).inc()

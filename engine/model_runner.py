@@ -5,7 +5,7 @@ step (`engine.step_inputs`: numpy into one staging buffer, one copy to the devic
 every layer in `AttentionMetadata`. Decode-only steps run padded to a bucket and replay a CUDA
 graph on GPUs (`engine.cuda_graphs`).
 
-CPU runtime: the runner packs the model's weights for oneDNN (`LlamaForCausalLM.pack_weights`)
+CPU runtime: the runner packs the model's weights for oneDNN (`CausalLM.pack_weights`)
 and keeps glibc from returning freed activation memory to the kernel (`keep_freed_memory`):
 every step allocates and frees the same few MB-sized activations, and when glibc serves those
 with fresh mmaps, page faults on first touch cost more than the attention math itself.
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeBuckets
-from engine.model import LlamaForCausalLM
 from engine.runner.inference import inference_mode
 from engine.runner.warmup import warm_up
+from engine.models.causal_lm import CausalLM
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class ModelRunner:
     padded to a bucket and, on CUDA unless `enforce_eager`, replay a captured graph
     (`engine.cuda_graphs`); other steps run eagerly."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
                  max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None) -> None:
         """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's

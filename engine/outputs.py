@@ -27,6 +27,7 @@ class RequestOutput:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
+    grammar_fingerprint: str = ""      # prefill role: the grammar the first token was sampled under
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS
 from engine.fp8 import quantize_model_fp8
+from engine.models.moe import Experts
 
 _QMAX = 127.0
 
@@ -131,6 +132,11 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device) ->
     if device.type != "cpu":
         raise ValueError("int8 quantization runs on CPU only (it targets oneDNN's VNNI kernels); "
                          "on a GPU serve bfloat16")
+    moe = next((m for m in model.modules() if isinstance(m, Experts)), None)
+    if moe is not None:
+        family = getattr(getattr(model, "cfg", None), "architecture", "this model")
+        raise ValueError(f"--quantization int8 does not cover mixture-of-experts layers ({family}, "
+                         f"{moe.gate_up_proj.shape[0]} experts): serve it unquantized or with --quantization fp8")
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"        # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_PREFILLED = "finished_prefilled"  # prefill role: first token sampled, KV handed off
+    FINISHED_GRAMMAR = "finished_grammar"      # structured output complete: its grammar allows no more
 
     # Set on every member below: `is_finished: bool` and `finish_reason: str | None`. Plain member
     # attributes, not properties: the engine reads them for every request every step.
@@ -31,7 +32,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort",
-                   "finished_prefilled": "prefilled"}
+                   "finished_prefilled": "prefilled", "finished_grammar": "stop"}
 for _status in RequestStatus:
     _status.is_finished = _status.value.startswith("finished")
     _status.finish_reason = _FINISH_REASONS.get(_status.value)

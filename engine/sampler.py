@@ -1,6 +1,7 @@
 """Turn one step's logits into one token per sequence, honouring each request's `SamplingParams`.
 
-Order (as vLLM): logprobs are taken from the raw logits first; then repetition/presence/frequency
+Order (as vLLM): a structured-output mask first (`engine.grammar.mask`: rows with a grammar
+only); logprobs are taken from the (masked) raw logits; then repetition/presence/frequency
 penalties, the min_tokens mask, and for non-greedy rows temperature, top-k, top-p, min-p and a draw
 (`engine.random_sampling`). Every stage runs once over all the rows that need it, so the cost does
 not grow with the number of distinct settings in the batch; an all-greedy batch is one argmax.
@@ -31,6 +32,7 @@ import torch
 from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_random, seeded_first, \
     sort_descending, to_device, upload
 from engine.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, TokenLogprobs, device_logprobs
+from engine.grammar.mask import GrammarMask
 from engine.runner.inference import inference_mode
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -67,25 +69,31 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._pinned = PinnedBuffers()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
+               grammar: GrammarMask | None = None) -> SamplerOutput:
         """One token per request; `requests[i]` owns row `i` of `logits` (never modified).
-        The same as `sample_on_device(logits, requests).resolve()`."""
-        return self.sample_on_device(logits, requests).resolve()
+        The same as `sample_on_device(logits, requests, grammar).resolve()`."""
+        return self.sample_on_device(logits, requests, grammar).resolve()
 
     @inference_mode
-    def sample_on_device(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> DeviceSample:
+    def sample_on_device(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
+                         grammar: GrammarMask | None = None) -> DeviceSample:
         """`sample` without reading anything back: the ids stay on `logits.device` and the host
         moves on. Every decision comes from the requests' `SamplingParams` on the host, and the
         per-row knobs go up in one copy. On CUDA the ids (and logprobs) are already being copied
-        into pinned memory when this returns; `DeviceSample.resolve()` waits for that copy only."""
+        into pinned memory when this returns; `DeviceSample.resolve()` waits for that copy only.
+        `grammar`: structured-output masks of some rows, applied before every other step."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_seqs={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [num_seqs, vocab]
+        if grammar is not None:
+            raw_logits = grammar.apply(raw_logits.clone() if raw_logits is logits else raw_logits)
         # Per-request screens are C-level passes (map/attrgetter), and the Python comprehensions
         # below run only for the rows a screen says need them: this runs for every request every step.
         params = list(map(_PARAMS, requests))
         logits = self._apply_penalties(raw_logits, requests)
-        logits = self._apply_min_tokens(logits, requests, params)
+        logits = self._apply_min_tokens(logits, requests, params,
+                                        grammar.end_only_rows if grammar is not None else ())
 
         wanted = list(map(_LOGPROBS, params))
         logprob_rows = [] if wanted.count(None) == len(wanted) else [i for i, n in enumerate(wanted) if n is not None]
@@ -152,15 +160,16 @@ class Sampler:
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
-                          params: list[SamplingParams]) -> torch.Tensor:
-        """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced."""
+                          params: list[SamplingParams], exempt_rows: frozenset[int] | tuple = ()) -> torch.Tensor:
+        """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced;
+        not in `exempt_rows`, whose grammar allows nothing else (the grammar wins)."""
         if not any(map(_MIN_TOKENS, params)):      # the usual batch: nobody asks for a minimum
             return logits
         vocab = logits.shape[1]
         keys: list[int] = []    # row * vocab + token
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if len(r.output_token_ids) >= p.min_tokens:
+            if len(r.output_token_ids) >= p.min_tokens or i in exempt_rows:
                 continue
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:

@@ -145,6 +145,11 @@ class Tokenizer:
         longest = max((len(token) for token in self._backend.get_vocab(with_added_tokens=True)), default=1)
         return max(1, longest) * (4 if self._backend.normalizer is not None else 1)
 
+    def to_json(self) -> str:
+        """The backend's `tokenizer.json` text, the named special tokens included (grammar
+        backends build their token tables from it)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (`len(hf_tokenizer)`)."""
@@ -159,8 +164,9 @@ class Tokenizer:
     # -- chat --------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """Render a conversation to the prompt text (HF's `apply_chat_template(..., tokenize=False)`)."""
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        """Render a conversation to the prompt text (HF's `apply_chat_template(..., tokenize=False)`);
+        `template_kwargs` are extra template variables (vLLM's `chat_template_kwargs`)."""
         if self._template is None:
             raise TokenizerError("this tokenizer has no chat_template; use the completions API")
         if not isinstance(messages, Sequence) or not all(isinstance(m, Mapping) for m in messages):
@@ -170,7 +176,8 @@ class Tokenizer:
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages], tools=list(tools) if tools is not None else None,
-                documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                documents=None, add_generation_prompt=add_generation_prompt,
+                **{**template_kwargs, **self.special_tokens})
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
 

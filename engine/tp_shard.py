@@ -2,8 +2,9 @@
 
 Column-parallel layers (q/k/v, gate/up, the vocab of the embedding and the head) split their
 output rows; row-parallel layers (o_proj, down_proj) split their input columns and end in one
-all-reduce. Query heads and the MLP's intermediate size split evenly. KV heads split evenly when
-there are at least as many as ranks; with fewer, each KV head is replicated on the
+all-reduce. Query heads and the MLP's intermediate size split evenly; so does every expert of a
+mixture of experts (its gate/up rows and down columns, as a dense MLP's; routers are replicated).
+KV heads split evenly when there are at least as many as ranks; with fewer, each KV head is replicated on the
 `size // num_kv_heads` consecutive ranks whose query heads read it (rank r keeps KV head
 `r * num_kv_heads // size`), so every rank still holds exactly one KV head's cache. The vocabulary
 splits into equal padded shards (the last rank's tail rows are zeros, dropped after the gather).
@@ -34,9 +35,23 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         raise TensorParallelError(
             f"num_key_value_heads ({cfg.num_kv_heads}) and tensor_parallel_size ({size}) must divide "
             "one another (KV heads are split, or replicated when there are fewer than ranks)")
-    if cfg.intermediate_size % size:
-        raise TensorParallelError(
-            f"intermediate_size ({cfg.intermediate_size}) must be divisible by tensor_parallel_size ({size})")
+    dense = cfg.intermediate_size if cfg.num_dense_layers else 0   # unused when every layer is MoE
+    for field, value in (("intermediate_size", dense),
+                         ("moe_intermediate_size", cfg.moe_intermediate_size),
+                         ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
+        if value % size:
+            raise TensorParallelError(
+                f"{field} ({value}) must be divisible by tensor_parallel_size ({size})")
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Read `ranges` of dim `dim` of a checkpoint tensor (whose `dim` is `length` long), joined
+    in order: one range, or two for a packed gate/up tensor (this rank's gate rows and up rows)."""
+
+    dim: int
+    ranges: tuple[range, ...]
+    length: int
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,19 @@ class TPShard:
 
     @property
     def intermediate(self) -> range:
-        n = self.cfg.intermediate_size // self.size
+        return self._share(self.cfg.intermediate_size)
+
+    @property
+    def moe_intermediate(self) -> range:
+        """Each expert's intermediate rows (every rank holds a slice of every expert)."""
+        return self._share(self.cfg.moe_intermediate_size)
+
+    @property
+    def shared_expert_intermediate(self) -> range:
+        return self._share(self.cfg.shared_expert_intermediate_size)
+
+    def _share(self, total: int) -> range:
+        n = total // self.size
         return range(self.rank * n, (self.rank + 1) * n)
 
     @property
@@ -91,25 +118,48 @@ class TPShard:
         if self.size == 1:
             return self.cfg
         return dataclasses.replace(self.cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
-                                   intermediate_size=len(self.intermediate))
+                                   intermediate_size=len(self.intermediate),
+                                   moe_intermediate_size=len(self.moe_intermediate),
+                                   shared_expert_intermediate_size=len(self.shared_expert_intermediate))
 
-    def split(self, name: str, index: int | None) -> tuple[int, range, int] | None:
-        """How this rank reads a checkpoint tensor, by our (fused) parameter name and slice index
-        (q/k/v = 0/1/2, gate/up = 0/1): `(dim, rows of that dim to read, the dim's full length)`,
-        or None when the tensor is not split (norms; o_proj's bias, which rank 0 alone adds)."""
+    def split(self, name: str, part: int | None, per_expert: bool = True) -> SplitPlan | None:
+        """How this rank reads a checkpoint tensor, by our (fused) parameter name and part index
+        (q/k/v = 0/1/2, gate/up = 0/1; None: the whole tensor); `per_expert`: an expert parameter's
+        tensor holds one expert (2-D) rather than all of them (3-D, the packed layout). None when
+        the tensor is not split (norms, routers; o_proj's bias, which rank 0 alone adds)."""
         if self.size == 1:
             return None
         cfg, d = self.cfg, self.cfg.head_dim
         if "qkv_proj" in name:
-            heads, total = (self.q_heads, cfg.num_heads) if index == 0 else (self.kv_heads, cfg.num_kv_heads)
-            return 0, range(heads.start * d, heads.stop * d), total * d
-        if "gate_up_proj" in name:
-            return 0, self.intermediate, cfg.intermediate_size
+            heads, total = (self.q_heads, cfg.num_heads) if part == 0 else (self.kv_heads, cfg.num_kv_heads)
+            return SplitPlan(0, (range(heads.start * d, heads.stop * d),), total * d)
         if name in ("embed_tokens.weight", "lm_head.weight"):
             start = self.vocab.start
-            return 0, range(start, start + self.vocab_rows_in_checkpoint), cfg.vocab_size
+            return SplitPlan(0, (range(start, start + self.vocab_rows_in_checkpoint),), cfg.vocab_size)
         if name.endswith("self_attn.o_proj.weight"):
-            return 1, range(self.q_heads.start * d, self.q_heads.stop * d), cfg.q_size
-        if name.endswith("mlp.down_proj.weight"):
-            return 1, self.intermediate, cfg.intermediate_size
+            return SplitPlan(1, (range(self.q_heads.start * d, self.q_heads.stop * d),), cfg.q_size)
+        if name.endswith("self_attn.sinks"):                 # gpt-oss: one logit per query head
+            return SplitPlan(0, (self.q_heads,), cfg.num_heads)
+        rows, total = self._intermediate_of(name)
+        if name.endswith("experts.gate_up_proj"):
+            if per_expert:                                   # [I, H] of one expert's gate or up
+                return SplitPlan(0, (rows,), total)
+            up = range(total + rows.start, total + rows.stop)   # [E, 2I, H]: the gate rows, then the up rows
+            return SplitPlan(1, (rows, up), 2 * total)
+        if name.endswith("experts.down_proj"):
+            return SplitPlan(1 if per_expert else 2, (rows,), total)
+        if name.endswith("experts.gate_up_proj_bias"):       # gpt-oss: [E, 2I], split as the rows it adds to
+            return SplitPlan(1, (rows, range(total + rows.start, total + rows.stop)), 2 * total)
+        if name.endswith("gate_up_proj.weight"):
+            return SplitPlan(0, (rows,), total)
+        if name.endswith("down_proj.weight"):
+            return SplitPlan(1, (rows,), total)
         return None
+
+    def _intermediate_of(self, name: str) -> tuple[range, int]:
+        # (this rank's rows, the global size) of the intermediate dim of the MLP that `name` is in.
+        if ".shared_expert." in name:
+            return self.shared_expert_intermediate, self.cfg.shared_expert_intermediate_size
+        if ".experts." in name:
+            return self.moe_intermediate, self.cfg.moe_intermediate_size
+        return self.intermediate, self.cfg.intermediate_size

@@ -18,6 +18,7 @@ _FLOATS = frozenset(FLOAT_DTYPES)
 # An fp8 KV cache holds K / k_scale and V / v_scale in e4m3 (per-tensor scales, one pair per layer):
 # writes quantize, reads dequantize. Any float query dtype may use one.
 FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn   # fp8 expert weights (per-channel scales) of fused_moe
 _I32, _I64 = torch.int32, torch.int64
 
 
@@ -58,9 +59,13 @@ def check_paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> PagedAttentionSizes:
     """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels"); return their sizes."""
     qs, ks, bs = q.shape, key_cache.shape, block_tables.shape
+    if not (sliding_window >= 0 and (sinks is None or (sinks.shape == qs[1:2] and sinks.dtype in _FLOATS))):
+        _explain_window_and_sinks(q, sliding_window, sinks)
     if len(qs) == 3 and len(ks) == 4 and len(bs) == 2:
         num_heads, head_dim, num_kv_heads, num_seqs = qs[1], qs[2], ks[2], bs[0]
         dtype, kv_dtype = q.dtype, key_cache.dtype
@@ -72,6 +77,13 @@ def check_paged_attention(
             return PagedAttentionSizes(qs[0], num_heads, head_dim, num_kv_heads, ks[1], num_seqs, bs[1] * ks[1])
     _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     raise AssertionError("unreachable: _explain_paged_attention raises")
+
+
+def _explain_window_and_sinks(q, sliding_window, sinks) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {sliding_window}")
+    raise ValueError(f"sinks must be one float per query head, [{q.shape[1]}], got "
+                     f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -199,3 +211,70 @@ def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) 
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
     raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")
+
+
+def check_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Validate the inputs of ``apply_grammar_mask``: 2-D float logits with unit column stride, a
+    C-contiguous int32 ``[num_masks, words]`` bitmask and ``[num_masks]`` int64 row indices."""
+    if (len(logits.shape) == 2 and logits.dtype in _FLOATS and logits.stride(1) == 1
+            and len(bitmask.shape) == 2 and bitmask.dtype is _I32 and bitmask.is_contiguous()
+            and rows.shape == (bitmask.shape[0],) and rows.dtype is _I64):
+        return
+    if logits.dim() != 2 or logits.dtype not in _FLOATS or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [num_seqs, vocab] floating point with unit column stride, got "
+                         f"{logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
+    if bitmask.dim() != 2 or bitmask.dtype is not _I32 or not bitmask.is_contiguous():
+        raise ValueError(f"bitmask must be contiguous int32 [num_masks, words], got {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)}")
+    raise ValueError(f"rows must be int64 [{bitmask.shape[0]}], got {rows.dtype} {tuple(rows.shape)}")
+
+
+def check_moe_extras(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                     w2_bias: torch.Tensor | None, activation: str) -> None:
+    """Validate gpt-oss's options of ``fused_moe``: biases ``[E, 2I]`` / ``[E, H]`` in x's dtype
+    (both or neither) and the activation's name."""
+    if ((w13_bias is None) == (w2_bias is None) and activation in ("silu", "swiglu_oai")
+            and (w13_bias is None or (w13_bias.shape == w13.shape[:2] and w2_bias.shape == w2.shape[:2]
+                                      and w13_bias.dtype is x.dtype and w2_bias.dtype is x.dtype))):
+        return
+    if activation not in ("silu", "swiglu_oai"):
+        raise ValueError(f"activation must be 'silu' or 'swiglu_oai', got {activation!r}")
+    raise ValueError(f"expert biases must both be given, {x.dtype} [{w13.shape[0]}, {w13.shape[1]}] and "
+                     f"[{w2.shape[0]}, {w2.shape[1]}]; got {None if w13_bias is None else tuple(w13_bias.shape)} "
+                     f"and {None if w2_bias is None else tuple(w2_bias.shape)}")
+
+
+def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> None:
+    """Validate the inputs of ``fused_moe``: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in
+    x's dtype (or float8_e4m3fn with fp32 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]``), fp32
+    ``topk_weights`` and int32/int64 ``topk_ids``, both ``[T, K]`` with ``K <= E``. The ids'
+    values (in ``[0, E)``) are not checked: that would read them back from the device."""
+    xs, ws, ds, ks = x.shape, w13.shape, w2.shape, topk_ids.shape
+    fp8 = w13.dtype is FP8_WEIGHT_DTYPE
+    if (len(xs) == 2 and len(ws) == 3 and len(ds) == 3 and len(ks) == 2 and x.dtype in _FLOATS
+            and ws[2] == xs[1] and ws[1] % 2 == 0 and ds == (ws[0], xs[1], ws[1] // 2)
+            and (w13.dtype is x.dtype or fp8) and w2.dtype is w13.dtype
+            and ks[0] == xs[0] and 0 < ks[1] <= ws[0] and topk_ids.dtype in (_I32, _I64)
+            and topk_weights.shape == ks and topk_weights.dtype is torch.float32
+            and (w13_scale is None) == (w2_scale is None) == (not fp8)
+            and (not fp8 or (w13_scale.shape == ws[:2] and w2_scale.shape == ds[:2]
+                             and w13_scale.dtype is torch.float32 and w2_scale.dtype is torch.float32))):
+        return
+    if not (x.dim() == 2 and x.dtype in FLOAT_DTYPES):
+        raise ValueError(f"x must be [num_tokens, hidden] floating point, got {x.dtype} {tuple(x.shape)}")
+    if not (w13.dim() == 3 and w13.shape[2] == x.shape[1] and w13.shape[1] % 2 == 0):
+        raise ValueError(f"w13 must be [num_experts, 2 * intermediate, {x.shape[1]}], got {tuple(w13.shape)}")
+    if w2.shape != (w13.shape[0], x.shape[1], w13.shape[1] // 2):
+        raise ValueError(f"w2 must be [{w13.shape[0]}, {x.shape[1]}, {w13.shape[1] // 2}], got {tuple(w2.shape)}")
+    if not (w2.dtype is w13.dtype and w13.dtype in (x.dtype, FP8_WEIGHT_DTYPE)):
+        raise ValueError(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be x's dtype ({x.dtype}) or {FP8_WEIGHT_DTYPE}")
+    if not (topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0] and 0 < topk_ids.shape[1] <= w13.shape[0]
+            and topk_ids.dtype in (_I32, _I64)):
+        raise ValueError(f"topk_ids must be int32/int64 [{x.shape[0]}, top_k <= {w13.shape[0]}], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if not (topk_weights.shape == topk_ids.shape and topk_weights.dtype is torch.float32):
+        raise ValueError(f"topk_weights must be float32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    raise ValueError(f"fp8 experts need float32 w13_scale {tuple(w13.shape[:2])} and w2_scale {tuple(w2.shape[:2])} "
+                     f"(per output channel); other dtypes take none")

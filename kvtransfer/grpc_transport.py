@@ -165,6 +165,7 @@ class KVSource:
         if final is not None:
             chunk.last = True
             chunk.first_token_id = final.token_id
+            chunk.grammar_fingerprint = final.grammar_fingerprint
             if final.logprobs is not None:
                 chunk.first_token_logprobs.CopyFrom(final.logprobs)
         if self.group is not None and run.num_blocks:
@@ -200,6 +201,7 @@ class KVTransferResult:
     num_blocks: int
     num_bytes: int
     seconds: float  # first message received -> last written
+    grammar_fingerprint: str = ""   # structured output: what the first token was sampled under
 
 
 class KVSink:
@@ -314,7 +316,7 @@ class KVSink:
                                 f"{self.num_blocks_received}/{self.num_blocks_expected} blocks")
         logprobs = chunk.first_token_logprobs if chunk.HasField("first_token_logprobs") else None
         return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received,
-                                self.num_bytes_received, seconds)
+                                self.num_bytes_received, seconds, chunk.grammar_fingerprint)
 
 
 FINISH_GRACE_SECONDS = 1.0

@@ -37,6 +37,7 @@ class FirstToken:
     token_id: int
     block_ids: tuple[int, ...]
     logprobs: cbserve_pb2.TokenLogprobs | None = None
+    grammar_fingerprint: str = ""   # structured output: what the token was sampled under
 
 
 KVEvent = ComputedTokens | FirstToken
@@ -66,11 +67,12 @@ class KVProgress:
         self._wake()
 
     def finish(self, token_id: int, block_ids: Sequence[int],
-               logprobs: cbserve_pb2.TokenLogprobs | None = None) -> None:
-        """Engine thread: prefill done, first token sampled."""
+               logprobs: cbserve_pb2.TokenLogprobs | None = None, grammar_fingerprint: str = "") -> None:
+        """Engine thread: prefill done, first token sampled (under the grammar named by
+        `grammar_fingerprint`, if the request has one)."""
         with self._lock:
             self._computed = ComputedTokens(self.num_prompt_tokens, tuple(block_ids))
-            self._first_token = FirstToken(token_id, tuple(block_ids), logprobs)
+            self._first_token = FirstToken(token_id, tuple(block_ids), logprobs, grammar_fingerprint)
         self._wake()
 
     def fail(self, reason: str) -> None:

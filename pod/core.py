@@ -43,6 +43,7 @@ import grpc
 
 from wire import cbserve_pb2
 from engine.engine import Engine
+from engine.grammar.stats import structured_stats_to_pb
 from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
 from engine.spec_decode.metrics import stats_to_pb as spec_stats_to_pb
@@ -215,7 +216,8 @@ class EngineCore:
             stats = (rt.snapshot, rt._samples, rt.num_held)
         iteration_at = rt.loop.last_iteration_at
         extra = self.step_extras()
-        self.outbox.put(lambda events: self._fill(events, outputs, steps, stats, iteration_at, extra))
+        structured = engine.structured.take_stats()
+        self.outbox.put(lambda events: self._fill(events, outputs, steps, stats, iteration_at, extra, structured))
 
     def step_extras(self):
         """Engine thread: anything else this step's message carries (passed to `fill_outputs`)."""
@@ -228,16 +230,19 @@ class EngineCore:
 
     def send_error(self, request_id: str, error: BaseException) -> None:
         """End `request_id`'s call at the server with `error` (either thread)."""
-        code = error.code if isinstance(error, RequestFailed) else grpc.StatusCode.INTERNAL
+        # A ValueError here is the request's own (a grammar that does not compile): INVALID_ARGUMENT.
+        code = error.code if isinstance(error, RequestFailed) else (
+            grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL)
 
         def fill(events: cbserve_pb2.CoreEvents) -> None:
             events.errors.add(request_id=request_id, code=code.value[0], message=str(error))
         self.outbox.put(fill)
 
     def _fill(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], steps: list[float],
-              stats, iteration_at: float, extra) -> None:
+              stats, iteration_at: float, extra, structured) -> None:
         """Writer thread: one step's message."""
         self.fill_outputs(events, outputs, extra)
+        structured_stats_to_pb(structured, events)
         events.step_seconds.extend(steps)
         if stats is not None:
             stats_to_pb(*stats[:2], events.stats, num_held=stats[2])

@@ -260,6 +260,8 @@ class EngineCoreClient(Subscribers):
                 chunks.put_nowait(chunk)
         if events.lease_expiries:
             rt.metrics.lease_expiries.inc(events.lease_expiries)
+        if events.HasField("structured_outputs"):
+            rt.metrics.structured_outputs(events.structured_outputs)
         for error in events.errors:
             code = STATUS_CODES.get(error.code, grpc.StatusCode.INTERNAL)
             if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import grpc
@@ -36,6 +37,10 @@ from pod.runtime import RequestFailed, logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
 NOT_PREFILLED_SECONDS = 30.0   # a pull waits at most this long for its request to arrive
+# TEST FAULT HOOK, never set in production: while this variable is set, the first token handed to
+# the decode pod is forged for request ids "forge-fingerprint-*" (a wrong grammar fingerprint) and
+# "forge-token-N-*" (token N). Tests drive a decode pod's refusal of a first token with real processes.
+FAULT_FIRST_TOKEN_ENV = "CBSERVE_TEST_FAULT_FIRST_TOKEN"
 
 
 class _PullEnded(Exception):
@@ -60,6 +65,7 @@ class PrefillCore(EngineCore):
         # release between the engine's check and its hold, leaving a stale hold that expires 30 s
         # later as a spurious "KV not pulled" (reliability probe, issue 11 case 8).
         self._lease_lock = threading.Lock()
+        self._forge = os.environ.get(FAULT_FIRST_TOKEN_ENV) or None
 
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -74,13 +80,27 @@ class PrefillCore(EngineCore):
             if progress is None or request is None:
                 continue
             lp = out.new_logprobs[0] if out.new_logprobs else None
+            spec = request.sampling_params.structured
+            out.grammar_fingerprint = engine.structured.fingerprint(spec) if spec is not None else ""
             # Hold *before* publishing the first token: no pull can complete before `finish`, so
             # every pull that ends after this point finds the hold and releases it (`_forget`).
             with self._lease_lock:
                 if self.progress.get(req_id) is progress and req_id not in self.pulling:
                     self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
-            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
+            token, fingerprint = out.new_token_ids[0], out.grammar_fingerprint
+            if self._forge is not None and req_id.startswith("forge-"):
+                token, fingerprint = self._forged(req_id, token, fingerprint)
+            progress.finish(token, request.block_ids, logprobs_to_pb(lp), fingerprint)
         self.rt.after_step(engine, self.held.num_held)
+
+    @staticmethod
+    def _forged(req_id: str, token: int, fingerprint: str) -> tuple[int, str]:
+        """TEST FAULT HOOK (see FAULT_FIRST_TOKEN_ENV)."""
+        if req_id.startswith("forge-fingerprint-"):
+            return token, "0" * 64
+        if req_id.startswith("forge-token-"):
+            return int(req_id.split("-")[2]), fingerprint
+        return token, fingerprint
 
     def on_idle(self, engine: Engine) -> None:
         for req_id in self.held.expire():
@@ -105,7 +125,8 @@ class PrefillCore(EngineCore):
                                    finished=out.finished, finish_reason=out.finish_reason or "",
                                    num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                                    queue_seconds=scheduled - out.arrival_time,
-                                   prefill_seconds=out.first_token_time - scheduled)
+                                   prefill_seconds=out.first_token_time - scheduled,
+                                   grammar_fingerprint=out.grammar_fingerprint)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
         events.lease_expiries = expired

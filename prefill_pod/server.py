@@ -66,7 +66,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
         response = cbserve_pb2.PrefillResponse(
             request_id=req_id, first_token_id=item.new_token_ids[0], num_cached_tokens=item.num_cached_tokens,
             queue_seconds=item.queue_seconds, prefill_seconds=item.prefill_seconds,
-            finished=max_tokens_1, finish_reason="length" if max_tokens_1 else "")
+            finished=max_tokens_1, finish_reason="length" if max_tokens_1 else "",
+            grammar_fingerprint=item.grammar_fingerprint)
         if item.new_logprobs:
             response.first_token_logprobs.CopyFrom(item.new_logprobs[0])
         return response

@@ -11,6 +11,7 @@ the schema fuzz (tests/router/test_openapi_fuzz.py) can generate requests from i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -40,6 +41,7 @@ from router.completions import create_completion
 from router.prompts import PromptEncoder
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import ServingState
+from router.structured.plan import OutputFeatures
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -93,8 +95,9 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries,
                                 config.kv_transport)
         encoder = PromptEncoder(tokenizer)
+        output = await asyncio.to_thread(OutputFeatures.from_config, config, tokenizer)
         app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN,
-                                         encoder)
+                                         encoder, output=output)
         discovery.subscribe(tracker.set_endpoints)
         await discovery.start()
         log.info("router serving %r with policy %s, admission %s", config.model_name, config.policy, config.admission)

@@ -1,8 +1,10 @@
-"""POST /v1/completions: one or more prompts (text or token ids), n choices each, optional echo."""
+"""POST /v1/completions: one or more prompts (text or token ids), n choices each, optional echo;
+output constraints as on chat (router/structured/), from the first token."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +17,8 @@ from router.prompts import check_context_length, completion_prompts
 from router.protocol import CompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
                             parse_body, sampling_or_400)
+from router.structured.plan import completion_spec
+from router.structured.surface import requested_constraint
 
 
 async def create_completion(state: ServingState, http: Request) -> Response:
@@ -28,12 +32,17 @@ async def create_completion(state: ServingState, http: Request) -> Response:
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (no prompt logprobs)", param="echo")
     sampling_or_400(lambda: request.sampling_params(default_max_tokens=1))   # types and ranges first
+    constraint = requested_constraint(request)
+    structured = None
+    if constraint is not None:
+        structured = await state.encoder.run(lambda: completion_spec(state.output, constraint))
     max_len = state.max_model_len()
     prompts = await completion_prompts(request, state.encoder, max_len)
     params = []
     for prompt in prompts:
         max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens, max_len, "prompt", "max_tokens")
-        params.append(sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens)))
+        sampling = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens))
+        params.append(replace(sampling, structured=structured) if structured is not None else sampling)
     request_id, created, model = new_request_id("cmpl"), int(time.time()), state.config.model_name
     specs = build_specs(state, http, request_id, prompts, request.n, params, request.priority)
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)

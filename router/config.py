@@ -11,6 +11,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from pod.security import ClusterSecurity
+from router.structured.flags import check_output_flags
 
 POLICIES = ("goodput", "round_robin", "least_loaded")
 ADMISSION_MODES = ("queue", "reject")
@@ -81,6 +82,14 @@ class RouterConfig:
     prefix_affinity_entries: int = 200_000   # block hashes remembered for prefix affinity
     # Trust: the deployment secret every pod call carries, KV handles, TLS (pod/security.py).
     security: ClusterSecurity = ClusterSecurity()
+    # Structured outputs, tool calls, reasoning (router/structured/, router/tools/, router/reasoning/).
+    tool_call_parser: str | None = None      # hermes | llama3_json | mistral (vLLM's names)
+    enable_auto_tool_choice: bool = False    # tool_choice "auto" (needs a parser), as vLLM
+    reasoning_parser: str | None = None      # deepseek_r1 | qwen3
+    exclude_tools_when_tool_choice_none: bool = False
+    max_schema_bytes: int = 64 << 10         # one schema, regex, grammar or choice list
+    max_schema_depth: int = 32
+    max_tools: int = 128
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -120,6 +129,7 @@ class RouterConfig:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+        check_output_flags(self)
 
     @property
     def model_name(self) -> str:

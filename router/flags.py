@@ -9,6 +9,7 @@ import argparse
 
 from pod.security import add_security_flags, security_from_args
 from router.config import ADMISSION_MODES, DISCOVERY_MODES, POLICIES, RouterConfig
+from router.structured.flags import add_output_arguments, output_config_kwargs
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -57,6 +58,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pod-inactivity-seconds", type=float, default=d.pod_inactivity_seconds,
                    help="a decode pod silent this long (no tokens, no heartbeat) while it has requests is "
                         "taken as frozen: its requests fail over")
+    add_output_arguments(p, d)
     add_security_flags(p, pod=False)
 
 
@@ -77,6 +79,6 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
         drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds,
-        security=security_from_args(args))
+        security=security_from_args(args), **output_config_kwargs(args))
     config.resolved_api_key()    # an unreadable or empty --api-key-file fails here, with its message
     return config

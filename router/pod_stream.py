@@ -23,6 +23,7 @@ import grpc
 from wire import cbserve_pb2 as pb
 from engine.sampling_params import to_proto
 from router.errors import upstream_error
+from router.structured.handoff import FirstTokenHandoff
 
 if TYPE_CHECKING:
     from router.dispatch import Dispatcher, SequenceSpec, SequenceTrace
@@ -81,6 +82,9 @@ class SequenceStream:
         self.first_token_at: float | None = None     # monotonic; when the first tokens arrived
         self._gap_from: float | None = None  # when P's first token came, until D's first new token
         self._closed = False
+        # Constrained: P's token is given out only if P sampled it under the grammar, and D's
+        # index 0 must then be the same token (router/structured/handoff.py).
+        self._handoff = FirstTokenHandoff() if spec.params.structured is not None else None
 
     async def first(self) -> pb.GenerateResponse:
         """The first message with tokens (or the finished one): P's answer or D's, whichever comes
@@ -155,7 +159,7 @@ class SequenceStream:
         trace.prefill_queue_seconds = answer.queue_seconds
         trace.prefill_seconds = answer.prefill_seconds
         trace.num_cached_tokens = answer.num_cached_tokens
-        if self.first_message is not None:
+        if self.first_message is not None or (self._handoff is not None and not self._handoff.from_prefill(answer)):
             return None
         self._finished_by_prefill = answer.finished and self.next_index == 0
         return self._accept(pb.GenerateResponse(
@@ -171,6 +175,8 @@ class SequenceStream:
             if finished and message.finish_reason == "abort":
                 # The pod gave the request up (draining, out of room): like a failed call.
                 raise PodFailure(self.decode_pod, grpc.StatusCode.ABORTED, "the pod aborted the request")
+            if self._handoff is not None:
+                self._handoff.check_decode(message)
         if index != self.next_index:
             if index > self.next_index:
                 raise upstream_error(f"token gap from pods: got index {index}, expected {self.next_index}")

@@ -24,6 +24,8 @@ from router.errors import APIError, bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
 NUM_TOKENIZER_THREADS = 2
+# Template variables the request sets through its own fields.
+_RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt"}
 T = TypeVar("T")
 
 
@@ -107,15 +109,21 @@ async def completion_prompts(request: CompletionRequest, encoder: PromptEncoder,
     return prompts
 
 
-async def chat_prompt(request: ChatCompletionRequest, encoder: PromptEncoder, max_model_len: int) -> Prompt:
-    """The rendered chat template of a /v1/chat/completions body, tokenized."""
+async def chat_prompt(request: ChatCompletionRequest, encoder: PromptEncoder, max_model_len: int,
+                      tools: list[dict] | None = None) -> Prompt:
+    """The rendered chat template of a /v1/chat/completions body (with `tools` for the template), tokenized."""
     messages = request.template_messages()
     # The rendered text holds every message's text, so their sum bounds it from below.
-    _check_chars(sum(len(m["content"]) for m in messages), encoder, max_model_len, "messages")
+    _check_chars(sum(len(m["content"] or "") for m in messages), encoder, max_model_len, "messages")
     tokenizer = encoder.tokenizer
+    template_kwargs = request.chat_template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & _RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
 
     def render() -> Prompt:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                             tools=tools, **template_kwargs)
         _check_chars(len(text), encoder, max_model_len, "messages")
         return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
 

@@ -17,6 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from router.structured.fields import GuidedFields, ResponseFormat, StructuredOutputs
+from router.tools.fields import FunctionCall, FunctionCallChoice, FunctionDefinition, MessageToolCall, Tool, ToolChoice
+from router.tools.messages import template_message
 
 MAX_N = 16
 MAX_PROMPTS = 64                  # prompts in one /v1/completions batch
@@ -24,7 +27,8 @@ MAX_PROMPT_TOKEN_IDS = 1 << 20    # ids in one prompt; the context length is che
 MAX_LOGIT_BIAS = 300              # entries (OpenAI's limit); any is refused as unsupported anyway
 MAX_MESSAGES = 4096               # chat messages; each costs template tokens, so few fit a context
 MAX_CONTENT_PARTS = 256           # text parts in one message
-MAX_TOOLS = 128                   # OpenAI's limit; any is refused as unsupported
+MAX_TOOLS = 1024                  # parse-time cap; --max-tools (default 128, OpenAI's) is the limit
+MAX_TOOL_CALLS = 128              # calls in one assistant message
 
 
 def _capped(max_length: int, min_length: int | None = None) -> Any:
@@ -44,7 +48,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(GuidedFields, _Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -69,6 +73,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)   # int32 on the wire
+    # Output constraints (router/structured/): OpenAI's, vLLM's, and vLLM's older `guided_*` (GuidedFields).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this body; raises SamplingParamsError naming the bad field."""
@@ -112,9 +119,13 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | Annotated[list[TextPart], _capped(MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], _capped(MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None      # legacy
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -122,14 +133,6 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
-class Tool(_Strict):
-    """A tool definition; only its presence matters (tools are refused), so nothing in it is parsed."""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -140,9 +143,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], _capped(MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[list[FunctionDefinition], _capped(MAX_TOOLS)] | None = None   # legacy tools
+    function_call: FunctionCallChoice | None = None                                     # legacy tool_choice
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: e.g. {"enable_thinking": false}
 
     def requested_max_tokens(self) -> int | None:
         # `max_completion_tokens` is the newer name; it wins when both are sent.
@@ -156,12 +163,6 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as plain dicts for the chat template (text parts joined)."""
-        out = []
-        for message in self.messages:
-            item = {"role": message.role, "content": message.text()}
-            if message.name is not None:
-                item["name"] = message.name
-            out.append(item)
-        return out
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template (text parts joined; router/tools/messages.py)."""
+        return [template_message(message) for message in self.messages]

@@ -33,6 +33,7 @@ from router.policy import RoutingRequest, block_hashes
 from router.prompts import Prompt, PromptEncoder
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request_body import check_json_containers, read_body
+from router.structured.plan import OutputFeatures
 
 log = logging.getLogger(__name__)
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
@@ -53,6 +54,7 @@ class ServingState:
     encoder: PromptEncoder
     default_block_size: int = 16
     draining: bool = False
+    output: OutputFeatures | None = None      # structured outputs, tools, reasoning (router/structured/plan.py)
 
     def max_model_len(self) -> int:
         """The configured limit, else the smallest any ready pod reported, else the model's config."""

@@ -57,7 +57,7 @@ class StructuredSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., any_whitespace: _Optional[bool] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size")
+    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class ModelInfo(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     block_size: int
@@ -76,7 +77,8 @@ class ModelInfo(_message.Message):
     head_dim: int
     max_model_len: int
     vocab_size: int
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    layer_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -193,7 +195,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "prompt_logprobs", "num_cached_tokens", "queue_seconds", "prefill_seconds", "finished", "finish_reason")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "prompt_logprobs", "num_cached_tokens", "queue_seconds", "prefill_seconds", "finished", "finish_reason", "grammar_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class PrefillResponse(_message.Message):
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprobs: TokenLogprobs
@@ -212,7 +215,8 @@ class PrefillResponse(_message.Message):
     prefill_seconds: float
     finished: bool
     finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    grammar_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("expires_unix_ms", "mac")
@@ -239,7 +243,7 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs")
+    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +255,7 @@ class KVChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block_index: int
     num_blocks: int
@@ -262,7 +267,8 @@ class KVChunk(_message.Message):
     last: bool
     first_token_id: int
     first_token_logprobs: TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+    grammar_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SetupTransportRequest(_message.Message):
     __slots__ = ("group", "store_host", "store_port", "backend")
@@ -407,7 +413,7 @@ class CorePullChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class CoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds", "grammar_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +427,7 @@ class CoreOutput(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -434,7 +441,22 @@ class CoreOutput(_message.Message):
     kv_bytes: int
     queue_seconds: float
     prefill_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    grammar_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
+
+class StructuredOutputStats(_message.Message):
+    __slots__ = ("request_kinds", "compile_seconds", "compile_cache_hits", "first_token_rejected_fingerprint", "first_token_rejected_token")
+    REQUEST_KINDS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_REJECTED_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_REJECTED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_kinds: _containers.RepeatedScalarFieldContainer[str]
+    compile_seconds: _containers.RepeatedScalarFieldContainer[float]
+    compile_cache_hits: int
+    first_token_rejected_fingerprint: int
+    first_token_rejected_token: int
+    def __init__(self, request_kinds: _Optional[_Iterable[str]] = ..., compile_seconds: _Optional[_Iterable[float]] = ..., compile_cache_hits: _Optional[int] = ..., first_token_rejected_fingerprint: _Optional[int] = ..., first_token_rejected_token: _Optional[int] = ...) -> None: ...
 
 class CoreStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples", "num_held_kv", "spec_decode")
@@ -495,7 +517,7 @@ class CoreReady(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class CoreEvents(_message.Message):
-    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids", "replies", "pull_chunks", "lease_expiries")
+    __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids", "replies", "pull_chunks", "lease_expiries", "structured_outputs")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_AT_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +530,7 @@ class CoreEvents(_message.Message):
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     PULL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[CoreOutput]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     iteration_at: float
@@ -520,4 +543,5 @@ class CoreEvents(_message.Message):
     replies: _containers.RepeatedCompositeFieldContainer[CoreReply]
     pull_chunks: _containers.RepeatedCompositeFieldContainer[CorePullChunk]
     lease_expiries: int
-    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[CoreReply, _Mapping]]] = ..., pull_chunks: _Optional[_Iterable[_Union[CorePullChunk, _Mapping]]] = ..., lease_expiries: _Optional[int] = ...) -> None: ...
+    structured_outputs: StructuredOutputStats
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreOutput, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., iteration_at: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[CoreStats, _Mapping]] = ..., ready: _Optional[_Union[CoreReady, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[CoreReply, _Mapping]]] = ..., pull_chunks: _Optional[_Iterable[_Union[CorePullChunk, _Mapping]]] = ..., lease_expiries: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputStats, _Mapping]] = ...) -> None: ...

@@ -13,8 +13,9 @@ continues from it), so a speculative step is synchronous: with async scheduling 
 resolves the step in flight (as it does for penalties), and speculates only where the measured
 rates say that pays (`engine.spec_decode.adaptive`), so plain steps keep their overlap.
 
-Requests with a grammar (`SamplingParams.structured`) are never given drafts: their rows are
-plain rows of the speculative step.
+Requests with a grammar (`SamplingParams.structured`) are never given drafts (a draft would have
+to be checked against the grammar's matcher, advanced and rolled back per draft: not built):
+their rows are plain rows of the speculative step, masked and advanced as in a plain step.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ class SpecDecoder:
         return tuple(seq if seq[0] not in drafts else seq._replace(token_ids=(seq[1][0], *drafts[seq[0]]))
                      for seq in seqs)
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor, seqs, requests) -> Verified:
-        verified = verify(sampler, logits, seqs, requests)
+    def verify(self, sampler: Sampler, logits: torch.Tensor, seqs, requests, grammar=None) -> Verified:
+        """`grammar`: the rows' structured-output masks (`rejection_sampler.verify`)."""
+        verified = verify(sampler, logits, seqs, requests, grammar)
         stats, controller = self.stats, self.controller
         by_id = {request.request_id: request for request in requests} if verified.drafts else {}
         for request_id, drafts in verified.drafts.items():

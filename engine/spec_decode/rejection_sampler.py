@@ -22,11 +22,12 @@ never sampled from `q`.) Logprobs are each row's raw logprobs, as without specul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.grammar.mask import GrammarMask
 from engine.sampler import Sampler, TokenLogprobs
 
 
@@ -51,11 +52,14 @@ class _Extended(Sequence):
 
 @dataclass(frozen=True, slots=True)
 class DraftRow:
-    """What the sampler reads for verification row `i`: the request, as if `drafts[:i]` were accepted."""
+    """What the sampler reads for verification row `i`: the request, as if `drafts[:i]` were accepted.
+    `request_id` is None: requests with a grammar get no drafts, so no grammar mask is looked up
+    for a draft row (`engine.grammar.structured_outputs.StructuredOutputs.prepare`)."""
 
     sampling_params: object
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    request_id: None = None
 
 
 def draft_rows(request, drafts: Sequence[int]) -> list[DraftRow]:
@@ -86,12 +90,14 @@ class Verified:
     drafts: dict[str, tuple[int, ...]]
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, seqs, requests) -> Verified:
+def verify(sampler: Sampler, logits: torch.Tensor, seqs, requests,
+           grammar: Callable[[list], GrammarMask | None] | None = None) -> Verified:
     """Sample every row of a step whose seqs may carry drafts and accept the drafts.
 
     `seqs` are the step's `ScheduledSeq`s with the drafts in place (`token_ids[1:]` of a seq whose
     `sample` is `1 + k`), `requests[i]` owns `seqs[i]`; `logits` has one row per sampled token, in
-    order (`engine.step_inputs`)."""
+    order (`engine.step_inputs`). `grammar(rows)`: the structured-output masks of the sampler's
+    rows (the plain rows of requests with a grammar; the engine's `StructuredOutputs.prepare`)."""
     rows, owners = [], []          # owners: (request id, drafts or None, first row)
     for seq, request in zip(seqs, requests):
         sample = seq[4]
@@ -104,7 +110,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs, requests) -> Verified:
             drafts = seq[1][1:]
             owners.append((seq[0], drafts, len(rows)))
             rows += draft_rows(request, drafts)
-    result = sampler.sample(logits, rows)
+    result = sampler.sample(logits, rows, None if grammar is None else grammar(rows))
     sampled, logprobs = result.token_ids, result.logprobs
     out = Verified({}, {}, {}, {})
     for request_id, drafts, first in owners:

@@ -1,7 +1,11 @@
 """Random Hugging Face checkpoints for equivalence tests, written with `transformers` itself.
 
 Weights are re-drawn at O(1/sqrt(fan_in)) scale so the logits are peaked: with transformers'
-default 0.02 init every logit is nearly equal and greedy argmax would hinge on rounding noise.
+default 0.02 init every logit is nearly equal and greedy argmax would hinge on rounding noise
+(the same holds for the routers of mixtures of experts: peaked router logits keep the top-k
+choice away from ties). A config may name `save_pretrained` options as a fourth element:
+`save_original_format=False` writes transformers 5's packed expert tensors instead of the
+per-expert ones it writes by default.
 """
 
 from __future__ import annotations
@@ -33,24 +37,53 @@ CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, vocab_size=300, max_position_embeddings=512, sliding_window=None)),
+    # Qwen3: q/k norm, head_dim 24 independent of hidden / heads (= 16), GQA, q/k/v/o biases.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, vocab_size=300, max_position_embeddings=512,
+        attention_bias=True, rope_theta=10000.0)),
+    # Mixtral: an odd number of experts (3), top-2, renormalized.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, num_local_experts=3,
+        num_experts_per_tok=2)),
+    # Qwen2-MoE: top-3 of 5, not renormalized, a shared expert, layer 1 dense (mlp_only_layers),
+    # experts narrower than the dense MLP; saved packed (gate_up_proj [E, 2I, H]).
+    "qwen2_moe_packed": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, num_experts=5,
+        num_experts_per_tok=3, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        norm_topk_prob=False, mlp_only_layers=[1]), dict(save_original_format=False)),
+    # Qwen3-MoE: top-1 of 4 (renormalized: every weight 1), q/k norm, decoder_sparse_step 2 (layers
+    # 0 and 2 dense, layer 1 MoE).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512, num_experts=4,
+        num_experts_per_tok=1, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2)),
 }
 
 
-def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None = None):
-    """Write checkpoint `name` of `configs` (default `CONFIGS`) to `out_dir`; returns the HF model."""
-    config_cls, model_cls, kwargs = (configs or CONFIGS)[name]
+def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None = None, init=None):
+    """Write checkpoint `name` of `configs` (default `CONFIGS`) to `out_dir`; returns the HF model.
+
+    `init(name, param, generator)`: a family's own draw for a parameter (a tensor), or None for
+    the default below."""
+    config_cls, model_cls, kwargs, *save = (configs or CONFIGS)[name]
     config = getattr(transformers, config_cls)(bos_token_id=1, eos_token_id=2, **kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if p.dim() == 2:
-                std = 1.0 if "embed_tokens" in pname else 1.0 / math.sqrt(p.shape[1])
+            drawn = None if init is None else init(pname, p, gen)
+            if drawn is not None:
+                p.copy_(drawn)
+            elif p.dim() >= 2:    # matrices; [E, out, in] expert stacks
+                std = 1.0 if "embed_tokens" in pname else 1.0 / math.sqrt(p.shape[-1])
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif "norm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True, **(save[0] if save else {}))
     return model

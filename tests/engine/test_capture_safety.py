@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.cuda_graphs import check_graph_backend
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
-from engine.model import LlamaForCausalLM
+from engine.models.causal_lm import CausalLM as LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir

@@ -166,3 +166,29 @@ def test_fp8_engine_on_the_gpu_stays_close_to_bf16():
         assert len(out[0].output_token_ids) == 8
     ref, got = logits
     assert float((got - ref).norm() / ref.norm()) <= 0.15
+
+
+def test_moe_experts_quantize_per_channel_and_the_routers_stay_float(tmp_path):
+    from engine.models.moe import SparseMoE
+    from tests.engine.hf_models import make_hf_model
+
+    make_hf_model("qwen2_moe_packed", tmp_path)            # a shared expert, a dense layer among MoE ones
+    model = load_model(tmp_path, ModelConfig.from_dir(tmp_path), torch.float32, torch.device("cpu"))
+    moe = model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    x = torch.randn(16, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = moe(x)
+    float_experts = moe.experts.gate_up_proj.clone()
+    quantize_model_fp8(model)
+    experts = moe.experts
+    assert experts.gate_up_proj.dtype == FP8 and experts.down_proj.dtype == FP8
+    assert experts.gate_up_scale.shape == experts.gate_up_proj.shape[:2]
+    assert experts.down_scale.shape == experts.down_proj.shape[:2]
+    torch.testing.assert_close(experts.gate_up_proj.float() * experts.gate_up_scale[..., None], float_experts,
+                               rtol=2**-4, atol=1e-6)
+    assert type(moe.gate) is not Fp8Linear and type(moe.shared_expert_gate) is not Fp8Linear   # routers: float
+    assert isinstance(moe.shared_expert.gate_up_proj, Fp8Linear)
+    assert isinstance(model.layers[1].mlp.down_proj, Fp8Linear)                               # the dense layer
+    got = moe(x)
+    assert got.dtype == torch.float32
+    assert float((got - want).norm() / want.norm()) <= LAYER_REL_ERROR

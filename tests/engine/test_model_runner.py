@@ -7,7 +7,7 @@ import torch
 
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
-from engine.model import Linear, onednn_linear_available
+from engine.models.linear import Linear, onednn_linear_available
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
@@ -186,7 +186,7 @@ def test_half_precision_linear_is_left_plain():
 
 @pytest.mark.skipif(not onednn_linear_available(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 def test_bf16_linear_prefill_rows_take_the_fp32_path():
-    from engine.model import BF16_UPCAST_ROWS
+    from engine.models.linear import BF16_UPCAST_ROWS
 
     torch.manual_seed(0)
     layer = Linear(32, 48, bias=True, dtype=torch.bfloat16)

@@ -144,3 +144,11 @@ def test_the_int_mm_fallback_equals_the_onednn_kernel(monkeypatch):
     if onednn.onednn:
         assert torch.equal(onednn(x), fallback(x))
     torch.testing.assert_close(fallback(x), lin(x), rtol=0.03, atol=0.03)
+
+
+def test_int8_refuses_a_mixture_of_experts_by_name(tmp_path):
+    from tests.engine.hf_models import make_hf_model
+
+    make_hf_model("mixtral", tmp_path)
+    with pytest.raises(ValueError, match=r"--quantization int8 does not cover mixture-of-experts layers \(mixtral"):
+        Engine(EngineConfig(model=str(tmp_path), quantization="int8"))

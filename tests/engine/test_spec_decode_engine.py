@@ -308,3 +308,42 @@ def test_no_block_leaks_after_1000_random_aborts():
     assert pool.num_free_blocks == pool.num_usable_blocks
     stats = engine.stats()
     assert stats.spec_decode.num_drafts > 100 and stats.num_preemptions > 0
+
+
+def test_structured_requests_beside_drafted_ones_equal_the_plain_engine(plain, draft):
+    """Requests with a grammar get no drafts; in a speculative step their rows are masked and
+    their grammars advanced as in a plain step, beside requests whose drafts are verified."""
+    from tests.engine.structured_cases import check_complete, choice_spec, regex_spec
+
+    specs = [regex_spec(), choice_spec()]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured=specs[0]),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=24, structured=specs[1]),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    want, got = _same(plain, draft, PROMPTS, params)
+    check_complete(specs[0], got[0].text)
+    check_complete(specs[1], got[2].text)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "gemma3"])
+def test_sliding_window_models_equal_the_plain_engine(tmp_path, name):
+    """Verification rows attend through each layer's window (Gemma 3: local and global layers);
+    with every layer windowed (Mistral) the blocks behind the window are freed while drafts are
+    in flight. The draft is the target's own checkpoint, so most steps emit several tokens."""
+    from tests.engine.hf_window_models import make_window_model
+
+    make_window_model(name, tmp_path)
+
+    def engine(spec: SpeculativeConfig | None) -> Engine:
+        e = Engine(EngineConfig(model=str(tmp_path), speculative=spec,
+                                cache=CacheConfig(block_size=4, num_blocks=64),
+                                scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)))
+        if spec is not None:
+            e.spec.controller = FixedController(spec.num_speculative_tokens)
+        return e
+
+    prompts = [_prompt(s, n) for s, n in ((5, 11), (6, 23), (7, 6))]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    _same(engine(None), engine(SpeculativeConfig("draft_model", 3, model=str(tmp_path))), prompts, params)

@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU (Gloo): TP=2 decodes the same greedy tokens as TP=1, with logprobs
 within LOGPROB_TOLERANCE, on the tiny preset and on Llama/Mistral/Qwen2 checkpoints whose shapes
 stress the split (fewer KV heads than ranks, GQA ratio 3, q/k/v/o biases, tied embeddings, a vocab
-that does not divide by the ranks); each rank holds and reads only its share.
+that does not divide by the ranks), and on Qwen3 and the mixtures of experts (every expert split
+on its intermediate dim, the shared expert too, dense layers among MoE ones, both checkpoint
+layouts); each rank holds and reads only its share.
 
 Every TP=2 engine spawns one real rank subprocess; the test process is rank 0.
 """
@@ -45,6 +47,12 @@ TP_CONFIGS = {
         num_key_value_heads=2, head_dim=16, vocab_size=300, attention_bias=True, max_position_embeddings=512,
         rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64})),
+    # Qwen3-MoE: q/k norm with head_dim 24 (not hidden / heads), top-4 of 6 not renormalized,
+    # per-expert tensors; layer 0 dense (mlp_only_layers).
+    "qwen3_moe_k4": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, vocab_size=300, max_position_embeddings=512, num_experts=6,
+        num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0])),
 }
 
 
@@ -61,6 +69,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     out["mistral"] = root / "mistral"
     for name in TP_CONFIGS:
         make_hf_model(name, root / name, configs=TP_CONFIGS)
+        out[name] = root / name
+    for name in ("mixtral", "qwen2_moe_packed"):        # 3 experts; shared expert, packed layout
+        make_hf_model(name, root / name)
         out[name] = root / name
     return out
 
@@ -90,7 +101,9 @@ def _generate(path: Path, tp: int, prompts, kv_cache_dtype: str = "auto") -> lis
 
 
 @pytest.mark.parametrize("name, kv_cache_dtype", [("tiny", "auto"), ("mistral", "auto"), ("qwen2_tied_kv1", "auto"),
-                                                   ("llama_bias_gqa3", "auto"), ("tiny", "fp8")])
+                                                   ("llama_bias_gqa3", "auto"), ("tiny", "fp8"),
+                                                   ("mixtral", "auto"), ("qwen2_moe_packed", "auto"),
+                                                   ("qwen3_moe_k4", "auto")])
 def test_tp2_gives_the_same_greedy_tokens_and_logprobs_as_tp1(checkpoints, name, kv_cache_dtype):
     path = checkpoints[name]
     prompts = _prompts(ModelConfig.from_dir(path).vocab_size)
@@ -126,6 +139,31 @@ def test_each_rank_loads_only_its_share(checkpoints):
     torch.testing.assert_close(torch.cat([m.embed_tokens.weight for m in ranks])[:cfg.vocab_size],
                                full.embed_tokens.weight)
     assert not ranks[1].embed_tokens.weight[-1].any()   # the padding row past the vocab
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe_packed", "qwen3_moe_k4"])
+def test_each_rank_loads_its_slice_of_every_expert(checkpoints, name):
+    path = checkpoints[name]
+    cfg = ModelConfig.from_dir(path)
+    full = load_model(path, cfg, torch.float32, torch.device("cpu"))
+    ranks = [load_model(path, cfg, torch.float32, torch.device("cpu"), shard=TPShard(cfg, r, 2), comm=object())
+             for r in range(2)]
+    i, half = cfg.moe_intermediate_size, cfg.moe_intermediate_size // 2
+    layer = next(n for n in range(cfg.num_layers) if cfg.is_moe_layer(n))
+    whole = full.layers[layer].mlp
+    for r, model in enumerate(ranks):
+        moe = model.layers[layer].mlp
+        rows = slice(r * half, (r + 1) * half)
+        gate_up = whole.experts.gate_up_proj
+        torch.testing.assert_close(moe.experts.gate_up_proj,
+                                   torch.cat([gate_up[:, :i][:, rows], gate_up[:, i:][:, rows]], dim=1))
+        torch.testing.assert_close(moe.experts.down_proj, whole.experts.down_proj[:, :, rows])
+        torch.testing.assert_close(moe.gate.weight, whole.gate.weight)          # the router is whole
+        if cfg.shared_expert_intermediate_size:
+            s = cfg.shared_expert_intermediate_size // 2
+            torch.testing.assert_close(moe.shared_expert.down_proj.weight,
+                                       whole.shared_expert.down_proj.weight[:, r * s:(r + 1) * s])
+            torch.testing.assert_close(moe.shared_expert_gate.weight, whole.shared_expert_gate.weight)
 
 
 def test_kv_heads_are_split_or_replicated_to_the_ranks_whose_queries_read_them():

@@ -22,7 +22,8 @@ DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated", "speculative-conf
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
                 "api-key-env", "drain-seconds", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
-                "tls-server-name", "max-request-body-bytes"}
+                "tls-server-name", "max-request-body-bytes", "tool-call-parser", "enable-auto-tool-choice",
+                "max-tools", "max-schema-bytes", "max-schema-depth", "reasoning-parser"}
 GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 
@@ -306,3 +307,18 @@ def test_tensor_parallel_size_is_per_pool_with_one_gpu_per_rank():
 def test_tensor_parallel_pools_need_the_grpc_kv_transport():
     with pytest.raises(HelmError, match="tensorParallelSize=2 needs kvTransport=grpc"):
         render((), ("decode.engine.tensorParallelSize=2", 'kvTransport="nccl"'))
+
+
+def test_router_tool_and_reasoning_values_become_flags():
+    default = container(render().get("Deployment", name("router")))["args"]
+    assert not any(a.startswith(("--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser"))
+                   for a in default)
+    assert "--max-tools=128" in default and "--max-schema-bytes=65536" in default
+    args = container(render(sets=('router.tools.callParser="hermes"', "router.tools.enableAutoToolChoice=true",
+                                  'router.reasoningParser="qwen3"')).get("Deployment", name("router")))["args"]
+    assert {"--tool-call-parser=hermes", "--enable-auto-tool-choice", "--reasoning-parser=qwen3"} <= set(args)
+    with pytest.raises(HelmError, match="callParser"):
+        render(sets=("router.tools.enableAutoToolChoice=true",))
+    with pytest.raises(HelmError):
+        render(sets=('router.tools.callParser="pythonic"',))
+

@@ -28,4 +28,4 @@ def test_kernels_compile_for_cuda_target() -> None:
     if result.stdout.startswith("skip:"):
         pytest.skip(result.stdout.strip())
     compiled = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("compiled")]
-    assert compiled == ["unified_attention", "split_k", "elementwise"], result.stdout + result.stderr
+    assert compiled == ["unified_attention", "split_k", "elementwise", "fused_moe"], result.stdout + result.stderr

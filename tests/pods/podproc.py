@@ -8,6 +8,7 @@ a `GenerateRequest` only through `vouched(request)`, which adds the router's KV 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -136,6 +137,17 @@ class Pod:
             except subprocess.TimeoutExpired:
                 self.kill(signal.SIGKILL)
                 self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def pod_pair(*args: str):
+    """A ready prefill pod and decode pod started with the same `args`; both stopped on exit."""
+    prefill, decode = Pod("prefill", *args), Pod("decode", *args)
+    try:
+        yield prefill.wait_ready(), decode.wait_ready()
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def sampling(**kw) -> pb.SamplingParams:

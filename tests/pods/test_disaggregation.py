@@ -14,20 +14,15 @@ from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
-from tests.pods.podproc import Pod, disaggregated, pod_channel, run, sampling
+from tests.pods.podproc import Pod, disaggregated, pod_channel, pod_pair, run, sampling
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def pods():
-    prefill = Pod("prefill", "--kv-transport", "nccl")
-    decode = Pod("decode", "--kv-transport", "nccl")
-    try:
-        yield prefill.wait_ready(), decode.wait_ready()
-    finally:
-        prefill.stop()
-        decode.stop()
+    with pod_pair("--kv-transport", "nccl") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,8 @@ class Script:
     down: bool = False                      # every RPC fails UNAVAILABLE (a crashed pod)
     watch_broken: bool = False              # WatchLoad raises (UNKNOWN); GetLoad still works
     eos_at: int | None = None               # output index that is EOS
+    output_token_ids: list[int] | None = None   # the model's output instead of the fake function (ends in EOS)
+    grammar_fingerprint: str = ""           # prefill: what a constrained first token was sampled under
     logprob: float = -0.5
     max_model_len: int = 256
     vocab_size: int = 260
@@ -203,17 +205,24 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             await asyncio.sleep(self.script.first_token_delay)
             if self.script.fail_prefill is not None:
                 await context.abort(self.script.fail_prefill, "scripted prefill failure")
-            token = expected_tokens(request.prompt_token_ids, 1, self.script.eos_at)[0]
+            token = self._tokens(request, 1, self.script.eos_at)[0]
             finished = request.sampling.max_tokens == 1 or token == EOS_ID
             reason = ("stop" if token == EOS_ID else "length") if finished else ""
             return pb.PrefillResponse(
                 request_id=request.request_id, first_token_id=token, finished=finished, finish_reason=reason,
                 first_token_logprobs=self._logprobs(token, request.sampling),
+                grammar_fingerprint=self.script.grammar_fingerprint if request.sampling.HasField("structured") else "",
                 queue_seconds=0.001, prefill_seconds=self.script.first_token_delay)
         except asyncio.CancelledError:
             self.records.cancelled.append(request.request_id)
             self.records.cancel_seen.set()
             raise
+
+    def _tokens(self, request, max_tokens: int, eos_at: int | None) -> list[int]:
+        """The output of `request`: the scripted ids (then EOS), else the fake model's."""
+        if self.script.output_token_ids is not None:
+            return [*self.script.output_token_ids, EOS_ID][:max_tokens]
+        return expected_tokens(request.prompt_token_ids, max_tokens, eos_at)
 
     def _logprobs(self, token: int, sampling: pb.SamplingParams) -> pb.TokenLogprobs:
         top = []
@@ -246,8 +255,8 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             # local prefill takes as long.
             await self._until_prefill_arrived(request)
             await asyncio.sleep(s.first_token_delay)
-            tokens = expected_tokens(request.prompt_token_ids, request.sampling.max_tokens,
-                                     None if request.sampling.ignore_eos else s.eos_at)
+            tokens = self._tokens(request, request.sampling.max_tokens,
+                                  None if request.sampling.ignore_eos else s.eos_at)
             for i in range(0, len(tokens), s.tokens_per_message):
                 if i > 0:
                     await asyncio.sleep(s.token_delay)

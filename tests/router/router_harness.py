@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +14,7 @@ import httpx
 import openai
 import uvicorn
 
+from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
 from router.app import create_app
 from router.config import RouterConfig
 from fake_pods import FakePod, Script, start_pods
@@ -99,3 +102,60 @@ async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[
         for role_pods in pods.values():
             for pod in role_pods:
                 await pod.stop()
+
+
+class LoopThread:
+    """An async context manager (`factory()`) entered in its own event loop in a thread, for sync
+    tests (hypothesis) and module-scoped fixtures; `value` is what it yields."""
+
+    def __init__(self, factory) -> None:
+        self._factory = factory
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.value = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    @property
+    def harness(self):
+        return self.value
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            async with self._factory() as value:
+                self.value = value
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:       # surfaced by __enter__
+            self._error = exc
+            self._ready.set()
+
+    def __enter__(self) -> LoopThread:
+        self._thread.start()
+        assert self._ready.wait(60), "router did not start"
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+def RouterThread(tokenizer, **kwargs) -> LoopThread:
+    """`running_router` (same arguments) in a thread; its `harness` is the Harness."""
+    return LoopThread(lambda: running_router(tokenizer, **kwargs))
+
+
+def byte_tokenizer_with_template(directory, template: str, special_tokens=()) -> Tokenizer:
+    """The presets' byte-level tokenizer with another chat template (and extra special tokens)."""
+    path = build_byte_level_tokenizer(directory)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    if special_tokens:
+        config["additional_special_tokens"] = list(special_tokens)
+    config_file.write_text(json.dumps(config))
+    return Tokenizer.from_pretrained(path)

@@ -83,8 +83,9 @@ CASES = [
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]}, {}, 400, "messages"),
     ("too many logit_bias entries", COMPLETIONS, {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}},
      {}, 400, "logit_bias"),
-    ("tools unsupported", CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, {}, 400, "tools"),
-    ("too many tools", CHAT, {"messages": MESSAGES, "tools": [{}] * 129}, {}, 400, "tools"),
+    ("tool without its function", CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, {}, 400, "tools"),
+    ("too many tools", CHAT, {"messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, {}, 400, "tools"),
     ("prompt over the character bound", COMPLETIONS, {"prompt": "x" * 100_000}, {}, 400, "prompt"),
 ]
 

@@ -10,8 +10,6 @@ well under a minute on a loaded 2-core machine.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections import Counter
 
 import pytest
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from fake_pods import Script
-from router_harness import running_router
+from router_harness import RouterThread
 
 POST_ROUTES = ["/v1/completions", "/v1/chat/completions"]
 GET_ROUTES = ["/health", "/ready", "/metrics", "/v1/models"]
@@ -30,44 +28,9 @@ MAX_EXAMPLES = {(GenerationMode.POSITIVE, "POST"): 40, (GenerationMode.NEGATIVE,
                 (GenerationMode.POSITIVE, "GET"): 5}
 
 
-class RouterThread:
-    """`running_router` served from its own event loop in a thread, for hypothesis' sync tests."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
-        self.harness = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            async with running_router(self._tokenizer, prefill=[Script()], decode=[Script()]) as h:
-                self.harness = h
-                self._ready.set()
-                await self._stop.wait()
-        except BaseException as exc:       # surfaced by __enter__
-            self._error = exc
-            self._ready.set()
-
-    def __enter__(self) -> RouterThread:
-        self._thread.start()
-        assert self._ready.wait(60), "router did not start"
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def router(tokenizer):
-    with RouterThread(tokenizer) as thread:
+    with RouterThread(tokenizer, prefill=[Script()], decode=[Script()]) as thread:
         yield thread.harness
 
 

@@ -107,3 +107,32 @@ def test_invalid_configs_fail_loudly(kwargs, message):
 def test_static_router_without_pods_is_an_error():
     with pytest.raises(ValueError, match="--colocated"):
         _parse("--model tiny")
+
+
+def test_tool_and_reasoning_flags():
+    config = _parse("--colocated a:1 --tool-call-parser mistral --enable-auto-tool-choice --reasoning-parser "
+                    "deepseek_r1 --exclude-tools-when-tool-choice-none --max-schema-bytes 2048 "
+                    "--max-schema-depth 4 --max-tools 8")
+    assert (config.tool_call_parser, config.enable_auto_tool_choice, config.reasoning_parser) == (
+        "mistral", True, "deepseek_r1")
+    assert config.exclude_tools_when_tool_choice_none
+    assert (config.max_schema_bytes, config.max_schema_depth, config.max_tools) == (2048, 4, 8)
+    defaults = _parse("--colocated a:1")
+    assert defaults.tool_call_parser is None and not defaults.enable_auto_tool_choice and defaults.max_tools == 128
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        _parse("--colocated a:1 --enable-auto-tool-choice")
+    with pytest.raises(ValueError, match="max_tools"):
+        RouterConfig(colocated=("a:1",), max_tools=0)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        RouterConfig(colocated=("a:1",), tool_call_parser="pythonic")
+
+
+def test_up_passes_the_tool_flags_to_its_router():
+    from cbserve.up import add_up_command, spec_from_args
+
+    parser = argparse.ArgumentParser()
+    add_up_command(parser.add_subparsers())
+    spec = spec_from_args(parser.parse_args(["up", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                                             "--reasoning-parser", "qwen3"]))
+    argv = spec.router_argv(8000, {"prefill": ["p:1"], "decode": ["d:1"], "colocated": []})
+    assert argv[-5:] == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"]

@@ -1,0 +1,1 @@
+"""Reasoning models in the router (`--reasoning-parser`): splitting the thinking from the answer."""
