@@ -431,7 +431,10 @@ class Engine:
         prev, self._in_flight = self._in_flight, None
         outputs = self._resolve(prev) if prev is not None else []
         spec, scheduler = self.spec, self.scheduler
-        out = self.last_schedule = scheduler.schedule(spec.propose(scheduler))
+        drafts = spec.propose(scheduler)
+        if not drafts:             # nothing to verify (no n-gram match): a plain step costs less
+            return outputs + self._step_sync()
+        out = self.last_schedule = scheduler.schedule(drafts)
         if not out.scheduled:
             return outputs
         requests = scheduler.scheduled_requests
