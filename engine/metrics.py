@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.lora.metrics import LoRAMetrics
 from engine.outputs import EngineStats
 from engine.spec_decode.metrics import SpecDecodeMetrics
 
@@ -61,6 +62,7 @@ class EngineMetrics:
             "cbserve_local_prefill_fallbacks", "Decode-pod local prefills after a failed KV pull", labels,
             registry=r).labels(role)
         self.spec_decode = SpecDecodeMetrics(role, r)   # cbserve_spec_decode_* (engine/spec_decode/metrics.py)
+        self.lora = LoRAMetrics(role, r)
         # Structured outputs (vLLM has no names for these; the cbserve_structured_output_ family).
         self._structured_requests = Counter("cbserve_structured_output_requests",
                                             "Requests with a structured-output spec, by kind", ["role", "kind"],
@@ -102,6 +104,7 @@ class EngineMetrics:
         self.prefix_hit.set(stats.prefix_cache_hit_ratio)
         self.held_kv.set(num_held)
         self.spec_decode.update(stats.spec_decode)
+        self.lora.update(stats.lora_adapters, stats.max_loras)
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions

@@ -121,6 +121,7 @@ def test_label_values_are_ones_cbserve_emits():
                               "cbserve_spec_decode_num_accepted_tokens_total",
                               "cbserve_spec_decode_num_accepted_tokens_per_pos_total",
                               "cbserve_spec_decode_acceptance_length_bucket"]),
+    ("LoRA adapters per pod", ["cbserve_lora_requests_info", "running_lora_adapters", "cbserve_lora_adapters"]),
     ("structured outputs", ["cbserve_structured_output_requests_total",
                             "cbserve_structured_output_compile_seconds_bucket",
                             "cbserve_structured_output_compile_cache_hits_total",
