@@ -13,6 +13,7 @@ verification path runs every step.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -26,6 +27,10 @@ from engine.spec_decode.adaptive import FixedController, SpecController
 from engine.presets import resolve_model_dir
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from tests.engine.hf_models import make_hf_model
+
+# Aborts in the leak test: 300 keeps it within its share of CI on two cores;
+# CBSERVE_SPEC_ABORTS=1000 runs the issue's full count (as tests/faults/test_cancellations.py does).
+NUM_ABORTS = int(os.environ.get("CBSERVE_SPEC_ABORTS", "300"))
 
 MICRO = {"micro": ("LlamaConfig", "LlamaForCausalLM", dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -280,15 +285,15 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
         make_engine(SpeculativeConfig("draft_model", 2, model=str(tmp_path / "other")))
 
 
-def test_no_block_leaks_after_1000_random_aborts():
+def test_no_block_leaks_after_random_aborts():
     """Requests come and go with drafts in every step (prompts over a 10-token alphabet: the n-gram
-    lookup always finds a match), a pool small enough to preempt, and 1,000 aborts at random
+    lookup always finds a match), a pool small enough to preempt, and NUM_ABORTS aborts at random
     points; the pool's invariants hold throughout and every block is free at the end."""
     engine = make_engine(NGRAM, num_blocks=10, max_num_seqs=8)
     rng = random.Random(0)
     live: list[str] = []
     aborted = steps = 0
-    while aborted < 1000:
+    while aborted < NUM_ABORTS:
         while len(live) < 8:
             rid = f"abort-{steps}-{len(live)}"
             prompt = [1] + [rng.randrange(3, 13) for _ in range(rng.randrange(1, 24))]
@@ -314,7 +319,7 @@ def test_no_block_leaks_after_1000_random_aborts():
     pool = engine.scheduler.kv_manager.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     stats = engine.stats()
-    assert stats.spec_decode.num_drafts > 100 and stats.num_preemptions > 0
+    assert stats.spec_decode.num_drafts > NUM_ABORTS // 10 and stats.num_preemptions > 0
 
 
 def test_structured_requests_beside_drafted_ones_equal_the_plain_engine(plain, draft):
