@@ -33,6 +33,7 @@ from engine.model_runner import ModelRunner, PrevSample
 from engine.outputs import EngineStats, RequestOutput, StepSample
 from engine.presets import resolve_model_dir
 from engine.progress import progress
+from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
 from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
@@ -155,6 +156,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()
         self._step_ewma = 0.0
         self._prefill_rate = 0.0
@@ -245,12 +247,14 @@ class Engine:
         if remote_kv:
             self.scheduler.add_remote_request(req)
         else:
+            self.prompt_logprobs.add(req)     # scored where the prompt runs
             self.scheduler.add_request(req)
         return req
 
     def abort(self, request_id: str) -> bool:
         """Idempotent at every stage; frees the request's blocks (held prefill KV included)."""
         self._detok.pop(request_id, None)
+        self.prompt_logprobs.discard(request_id)
         aborted = self.scheduler.abort_request(request_id)
         in_flight = self._in_flight
         if aborted and in_flight is not None and all(
@@ -287,12 +291,15 @@ class Engine:
         outputs: list[RequestOutput] = []
         if out.scheduled:
             scheduled = self.scheduler.scheduled_requests
-            logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
+            extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
+            logits = self.runner.run(out.scheduled, None if prev is None else prev.device, extra)
             to_sample = [i for i, seq in enumerate(out.scheduled) if seq.sample]
             requests = [scheduled[i] for i in to_sample]
             if prev is not None and any(has_penalty(r.sampling_params) for r in requests):
                 outputs, prev = self._resolve(prev), None
             sample = self.sampler.sample_on_device(logits, requests) if requests else None
+            if extra is not None:   # read back now (a sync, in this step only): emitted from _resolve
+                self.prompt_logprobs.finish(extra)
             if prev is not None:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
@@ -320,7 +327,10 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
-            logits = self.runner.run(out.scheduled)
+            extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
+            logits = self.runner.run(out.scheduled, extra=extra)
+            if extra is not None:
+                self.prompt_logprobs.finish(extra)
             to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
                 scheduled = self.scheduler.scheduled_requests
@@ -336,19 +346,25 @@ class Engine:
         return outputs
 
     # ------------------------------------------------------------------ decode role edges
-    def land_remote_kv(self, request_id: str, first_token_id: int,
-                       first_logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+    def land_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                       prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput | None:
         """The prompt's KV was written into the reserved blocks: the request joins the batch with
-        its first token (sampled by the prefill pod). None if it was aborted meanwhile."""
+        its first token (sampled by the prefill pod, which also scored the prompt when asked).
+        None if it was aborted meanwhile."""
         req = self.scheduler.get_request(request_id)
         if req is None:
             return None
+        if prompt_logprobs is not None:
+            self.prompt_logprobs.received(request_id, prompt_logprobs)
         self.scheduler.remote_kv_landed(request_id, first_token_id)
         return self._emit(req, [first_token_id], [first_logprobs])
 
     def fall_back_to_local_prefill(self, request_id: str) -> bool:
         """The pull failed: prefill the prompt here (same tokens: seeded sampling is positional)."""
-        return self.scheduler.remote_kv_failed(request_id)
+        falls_back = self.scheduler.remote_kv_failed(request_id)
+        if falls_back:
+            self.prompt_logprobs.add(self.scheduler.get_request(request_id))
+        return falls_back
 
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
@@ -371,7 +387,8 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             output_token_ids=req.output_token_ids, text=detok.output_text if detok else "",
             first_token_time=req.first_token_time, arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time, stop_reason=req.stop_reason)
+            first_scheduled_time=req.first_scheduled_time, stop_reason=req.stop_reason,
+            prompt_logprobs=self.prompt_logprobs.take(req.request_id) if self.prompt_logprobs.has_done else None)
 
     def _record_step(self, out, seconds: float) -> None:
         num_prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)

@@ -23,6 +23,7 @@ import torch
 
 from engine.cuda_graphs import DecodeBuckets
 from engine.model import LlamaForCausalLM
+from engine.prompt_logprobs import StepRows, sliced_logits
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -93,40 +94,46 @@ class ModelRunner:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
         return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
 
-    def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
+    def prepare(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
-        return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows)
+        return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows,
+                                   extra_logits_rows=None if extra is None else extra.rows)
 
     @torch.inference_mode()
-    def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
+    def run(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
         rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens
         that are `PLACEHOLDER_TOKEN_ID` are read from `prev` on the device (async scheduling).
+        `extra` (prompt logprobs): more rows through the head, handed to `extra.consume` a slice
+        at a time (`engine.prompt_logprobs.sliced_logits`); such a step runs eagerly.
 
         The logits of a bucketed decode step live in a buffer the next step overwrites: consume
         them (sample) before running the next step."""
-        if self.decode_buckets is not None:
+        if self.decode_buckets is not None and extra is None:
             bucket = self.decode_buckets.bucket(scheduled)
             if bucket is not None:
                 return self.decode_buckets.run(scheduled, bucket, prev)
-        t = self.prepare(scheduled, prev)
+        t = self.prepare(scheduled, prev, extra)
         if t.fill_dst.numel():
             t.input_ids.index_copy_(0, t.fill_dst, prev.token_ids.index_select(0, t.fill_src))
         if self.tp is None:
-            return self._forward(t)
+            return self._forward(t, extra)
         with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
-            return self._forward(t)
+            return self._forward(t, extra)
 
     @torch.inference_mode()
     def run_received(self, layout) -> torch.Tensor:
         """Tensor-parallel ranks > 0: the step rank 0 sent, already in `self.inputs`; same forward."""
         return self._forward(self.inputs.tensors(layout))
 
-    def _forward(self, t: StepTensors) -> torch.Tensor:
+    def _forward(self, t: StepTensors, extra: StepRows | None = None) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
-        if t.layout.num_sampled != hidden.shape[0]:  # decode-only steps sample every row: no copy
+        # Decode-only steps sample every row: no copy (extra rows come in another order).
+        if t.layout.num_sampled != hidden.shape[0] or extra is not None:
             hidden = hidden[t.logits_indices]
-        return self.model.compute_logits(hidden)
+        if extra is None and hidden.shape[0] <= self.max_num_seqs:
+            return self.model.compute_logits(hidden)
+        return sliced_logits(self.model.compute_logits, hidden, self.max_num_seqs, extra)
 
     def _forward_into(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out: torch.Tensor) -> None:
         """A padded decode batch (every row samples): model and head, logits written into `out`."""

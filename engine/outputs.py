@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampler import TokenLogprobs
 
 
@@ -25,6 +26,7 @@ class RequestOutput:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None   # on a request's first output, when it asked
 
 
 @dataclass(frozen=True)

@@ -123,12 +123,14 @@ class StepInputs:
                 for name, dtype, shape, off, size in layout.offsets()}
 
     def prepare(self, scheduled, pad_to: int | None = None, width: int | None = None,
-                prev_rows: dict[str, int] | None = None) -> StepTensors:
+                prev_rows: dict[str, int] | None = None, extra_logits_rows: np.ndarray | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's device tensors.
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
         (default: the widest table of the batch). `prev_rows` maps the request id of every seq
         whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids.
+        `extra_logits_rows` (eager steps): more token rows for the head, after the sampled ones
+        (prompt logprobs, `engine.prompt_logprobs`).
 
         Host-side planning is numpy: `np.fromiter` reads Python ints ~3x faster than
         `torch.tensor(list)`, and numpy's per-op overhead is a fraction of torch's on small arrays."""
@@ -146,7 +148,8 @@ class StepInputs:
                           np.int64, num_real_tokens)                                            # [T]
         fill_dst = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         num_sampled = int(sample.sum()) if pad_to is None else num_seqs
-        layout = Layout(num_tokens, num_seqs, width, num_sampled, len(fill_dst))
+        num_extra = 0 if extra_logits_rows is None else len(extra_logits_rows)
+        layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, len(fill_dst))
         self._wait_for_last_copy()
         if layout.nbytes > self.capacity:
             if not self.growable:
@@ -182,7 +185,9 @@ class StepInputs:
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
         seq_lens[:num_real] = start_pos + q_lens                                             # [S]
         if pad_to is None:
-            h["logits_indices"][:] = qsl[1:][sample] - 1  # the last token of each sampling sequence
+            h["logits_indices"][:num_sampled] = qsl[1:][sample] - 1  # the last token of each sampling sequence
+            if num_extra:
+                h["logits_indices"][num_sampled:] = extra_logits_rows
         else:
             h["logits_indices"][:] = np.arange(num_seqs)
         if num_seqs > num_real:   # padding rows: harmless decodes of the null block
