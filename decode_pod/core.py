@@ -22,6 +22,7 @@ from wire import cbserve_pb2, cbserve_pb2_grpc
 from decode_pod.open_request import Job
 from engine.engine import Engine
 from engine.outputs import RequestOutput
+from engine.prompt_logprobs import PromptLogprobs
 from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
                                SourceLostError)
@@ -75,6 +76,8 @@ class DecodeCore(EngineCore):
                                    num_cached_tokens=out.num_cached_tokens)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
+            if out.prompt_logprobs is not None:    # a first output: never packed
+                out.prompt_logprobs.to_proto(o.prompt_logprobs)
             if job is not None and not job.reported:
                 job.reported = True
                 o.local_prefill = job.local_prefill
@@ -164,7 +167,8 @@ class DecodeCore(EngineCore):
             job.kv_transfer_seconds = result.seconds
             job.kv_bytes = result.num_bytes
             first_lp = logprobs_from_pb(result.first_token_logprobs)
-            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp))
+            prompt_lp = None if result.prompt_logprobs is None else PromptLogprobs.from_proto(result.prompt_logprobs)
+            await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp, prompt_lp))
         except asyncio.CancelledError:
             raise
         except (SourceLostError, SourceAbortedError, grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
@@ -177,10 +181,11 @@ class DecodeCore(EngineCore):
         except KVTransferError as e:
             self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
 
-    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp) -> None:
-        """Engine thread: the request joins the batch; its first token is published from here, so
-        it goes out before anything the next step produces for it."""
-        out = engine.land_remote_kv(req_id, first_token_id, first_lp)
+    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp, prompt_lp) -> None:
+        """Engine thread: the request joins the batch; its first token (and the prompt's scores,
+        which the prefill pod computed) is published from here, so it goes out before anything the
+        next step produces for it."""
+        out = engine.land_remote_kv(req_id, first_token_id, first_lp, prompt_lp)
         if out is not None:
             self.rt.loop.publish([out])
 

@@ -167,6 +167,8 @@ class KVSource:
             chunk.first_token_id = final.token_id
             if final.logprobs is not None:
                 chunk.first_token_logprobs.CopyFrom(final.logprobs)
+            if final.prompt_logprobs is not None:
+                chunk.prompt_logprobs.CopyFrom(final.prompt_logprobs)
         if self.group is not None and run.num_blocks:
             # Queue the bytes before the metadata leaves, so that they go out even if this
             # generator is cancelled at the yield (the receiver drops runs nobody claims);
@@ -200,6 +202,7 @@ class KVTransferResult:
     num_blocks: int
     num_bytes: int
     seconds: float  # first message received -> last written
+    prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None
 
 
 class KVSink:
@@ -313,8 +316,9 @@ class KVSink:
             raise ProtocolError(f"request {self.request_id}: last message after "
                                 f"{self.num_blocks_received}/{self.num_blocks_expected} blocks")
         logprobs = chunk.first_token_logprobs if chunk.HasField("first_token_logprobs") else None
+        prompt = chunk.prompt_logprobs if chunk.HasField("prompt_logprobs") else None
         return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received,
-                                self.num_bytes_received, seconds)
+                                self.num_bytes_received, seconds, prompt)
 
 
 FINISH_GRACE_SECONDS = 1.0

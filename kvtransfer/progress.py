@@ -37,6 +37,7 @@ class FirstToken:
     token_id: int
     block_ids: tuple[int, ...]
     logprobs: cbserve_pb2.TokenLogprobs | None = None
+    prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None   # when the request asked
 
 
 KVEvent = ComputedTokens | FirstToken
@@ -65,12 +66,12 @@ class KVProgress:
                 self._computed = ComputedTokens(num_computed_tokens, tuple(block_ids))
         self._wake()
 
-    def finish(self, token_id: int, block_ids: Sequence[int],
-               logprobs: cbserve_pb2.TokenLogprobs | None = None) -> None:
-        """Engine thread: prefill done, first token sampled."""
+    def finish(self, token_id: int, block_ids: Sequence[int], logprobs: cbserve_pb2.TokenLogprobs | None = None,
+               prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None) -> None:
+        """Engine thread: prefill done, first token sampled (and the prompt scored, if asked)."""
         with self._lock:
             self._computed = ComputedTokens(self.num_prompt_tokens, tuple(block_ids))
-            self._first_token = FirstToken(token_id, tuple(block_ids), logprobs)
+            self._first_token = FirstToken(token_id, tuple(block_ids), logprobs, prompt_logprobs)
         self._wake()
 
     def fail(self, reason: str) -> None:

@@ -32,7 +32,7 @@ from kvtransfer.leases import HeldKVTable
 from kvtransfer.pair_setup import accept_pair
 from kvtransfer.progress import KVProgress
 from pod.core import EngineCore
-from pod.runtime import RequestFailed, logprobs_to_pb, refused
+from pod.runtime import RequestFailed, logprobs_to_pb, prompt_logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
 NOT_PREFILLED_SECONDS = 30.0   # a pull waits at most this long for its request to arrive
@@ -79,7 +79,8 @@ class PrefillCore(EngineCore):
             with self._lease_lock:
                 if self.progress.get(req_id) is progress and req_id not in self.pulling:
                     self.held.hold(req_id, request.block_ids, request.num_prompt_tokens)
-            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp))
+            progress.finish(out.new_token_ids[0], request.block_ids, logprobs_to_pb(lp),
+                            prompt_logprobs_to_pb(out.prompt_logprobs))
         self.rt.after_step(engine, self.held.num_held)
 
     def on_idle(self, engine: Engine) -> None:
@@ -108,6 +109,8 @@ class PrefillCore(EngineCore):
                                    prefill_seconds=out.first_token_time - scheduled)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                out.prompt_logprobs.to_proto(o.prompt_logprobs)
         events.lease_expiries = expired
 
     # ------------------------------------------------------------------ commands (event loop)

@@ -69,6 +69,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
             finished=max_tokens_1, finish_reason="length" if max_tokens_1 else "")
         if item.new_logprobs:
             response.first_token_logprobs.CopyFrom(item.new_logprobs[0])
+        if item.HasField("prompt_logprobs"):
+            response.prompt_logprobs.CopyFrom(item.prompt_logprobs)
         return response
 
     async def PullKV(self, request: cbserve_pb2.PullKVRequest, context):
