@@ -128,8 +128,9 @@ class ModelRunner:
 
     def _forward(self, t: StepTensors, extra: StepRows | None = None) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
-        # Decode-only steps sample every row: no copy (extra rows come in another order).
-        if t.layout.num_sampled != hidden.shape[0] or extra is not None:
+        # Decode-only steps sample every row: no copy. (A step with prompt-logprob rows never takes
+        # every row: `PromptLogprobsTracker.plan` keeps the counts apart, for every rank.)
+        if t.layout.num_sampled != hidden.shape[0]:
             hidden = hidden[t.logits_indices]
         if extra is None and hidden.shape[0] <= self.max_num_seqs:
             return self.model.compute_logits(hidden)

@@ -48,7 +48,7 @@ class StepRows:
 
     rows: np.ndarray                              # [R] int64
     targets: np.ndarray                           # [R] int64: the prompt token row r scores
-    owners: list[tuple[_Pending, int]]            # (request, number of rows), in row order
+    owners: list[tuple[_Pending | None, int]]     # (request, number of rows), in row order; None: padding
     max_top: int
     _targets_device: torch.Tensor | None = None
     _parts: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
@@ -76,6 +76,8 @@ class StepRows:
         top_values, top_ids = (columns[2], columns[3]) if self.max_top else ((), ())
         complete, row = [], 0
         for pending, count in self.owners:
+            if pending is None:
+                continue
             values, k = pending.values, pending.values.num_top
             values.token_logprobs += token_lp[row:row + count]
             values.token_ranks += ranks[row:row + count]
@@ -135,10 +137,11 @@ class PromptLogprobsTracker:
         pending = self._pending
         rows: list[np.ndarray] = []
         targets: list[Sequence[int]] = []
-        owners: list[tuple[_Pending, int]] = []
-        offset = 0
+        owners: list[tuple[_Pending | None, int]] = []
+        offset = num_sampled = 0
         for seq in scheduled:
             num_new = len(seq.token_ids)
+            num_sampled += seq.sample
             entry = pending.get(seq.request_id)
             if entry is not None:
                 start = seq.start_position
@@ -152,8 +155,16 @@ class PromptLogprobsTracker:
             offset += num_new
         if not rows:
             return None
+        if num_sampled + sum(n for _, n in owners) == offset:
+            # Every token row would go through the head. The runner (on every tensor-parallel rank)
+            # skips the gather by `logits_indices` when the head takes as many rows as the step has
+            # tokens, which is the identity order only for decode steps: one repeated row keeps the
+            # counts apart, so every rank gathers in the same order.
+            rows.append(rows[-1][-1:])
+            targets.append(targets[-1][-1:])
+            owners.append((None, 1))
         flat_targets = np.fromiter((t for part in targets for t in part), np.int64, sum(n for _, n in owners))
-        max_top = max(entry.values.num_top for entry, _ in owners)
+        max_top = max(entry.values.num_top for entry, _ in owners if entry is not None)
         return StepRows(np.concatenate(rows), flat_targets, owners, max_top)
 
     def finish(self, step: StepRows) -> None:

@@ -22,7 +22,9 @@ class PromptLogprobs:
         return len(self.token_logprobs)
 
     def to_proto(self, msg) -> None:
-        """Fill a `cbserve_pb2.PromptLogprobs` message (packed fields: one extend each)."""
+        """Fill a `cbserve_pb2.PromptLogprobs` message (packed fields: one extend each). The message
+        is marked present even when empty (a one-token prompt has no scored token)."""
+        msg.SetInParent()
         msg.num_top = self.num_top
         msg.token_logprobs.extend(self.token_logprobs)
         msg.token_ranks.extend(self.token_ranks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,3 +148,84 @@ def test_prompt_logprobs_range_is_checked():
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(prompt_logprobs=21)
     assert e.value.param == "prompt_logprobs"
+
+
+def test_decode_role_passes_scores_through_or_computes_them_on_fallback(checkpoint):
+    path, hf = checkpoint
+    prompt = _prompts(hf.config.vocab_size, [21], seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)
+    prefill = Engine(EngineConfig(model=str(path), role="prefill", cache=CacheConfig(block_size=8)))
+    prefill.add_request(prompt, params, "r")
+    (scored,) = [o for _ in range(4) for o in prefill.step()]
+    decode = Engine(EngineConfig(model=str(path), role="decode", cache=CacheConfig(block_size=8)))
+    decode.add_request(prompt, params, "r", remote_kv=True)
+    decode.add_request(prompt, params, "fallback", remote_kv=True)
+    assert not decode.prompt_logprobs.pending, "a remote-KV request's prompt runs elsewhere"
+    decode.step()                                   # reserves both
+    out = decode.land_remote_kv("r", scored.new_token_ids[0], None, scored.prompt_logprobs)
+    assert out.prompt_logprobs is scored.prompt_logprobs
+    assert decode.fall_back_to_local_prefill("fallback")
+    first = _first_outputs(decode, [])
+    _check(first["fallback"], hf, prompt, num_top=1)
+    assert first["r"].prompt_logprobs is None      # already sent with the landed first token
+
+
+def test_tensor_parallel_scores_equal_transformers(checkpoint, monkeypatch):
+    """TP=2 (Gloo, one rank subprocess): the extra rows go through the vocab-parallel head in slices
+    of max_num_seqs=2 rows, and rank 1 makes the same collective calls without knowing which rows
+    are extra."""
+    monkeypatch.setenv("CBSERVE_NUM_THREADS", "1")
+    path, hf = checkpoint
+    engine = Engine(EngineConfig(model=str(path), tensor_parallel_size=2, cache=CacheConfig(block_size=8),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2)))
+    try:
+        prompts = _prompts(hf.config.vocab_size, [23, 9], seed=6)
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP)
+        reqs = [engine.add_request(p, params) for p in prompts]
+        first = _first_outputs(engine, reqs)
+        for req, prompt in zip(reqs, prompts):
+            _check(first[req.request_id], hf, prompt)
+    finally:
+        engine.close()
+
+
+def test_runner_skips_decode_buckets_and_slices_the_extra_rows(checkpoint):
+    """A one-token chunk that needs its logits looks like a decode step: it must run eagerly. Extra
+    rows beyond the first slice (max_num_seqs rows) arrive in later slices, in order."""
+    from engine.kv_cache import allocate_kv_cache
+    from engine.loader import load_model
+    from engine.model_config import ModelConfig
+    from engine.model_runner import ModelRunner
+    from engine.prompt_logprobs import StepRows
+    from engine.scheduler_output import ScheduledSeq
+
+    path, hf = checkpoint
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), 128)
+    kv = allocate_kv_cache(cfg, 16, 8, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, kv, 8, torch.device("cpu"), max_num_seqs=2, max_num_batched_tokens=32,
+                         max_model_len=64, enforce_eager=False)       # padded decode buckets, on CPU
+    assert runner.decode_buckets is not None
+    (prompt,) = _prompts(hf.config.vocab_size, [12], seed=8)
+    prefill = [ScheduledSeq("a", tuple(prompt[:11]), 0, (1, 2), False)]
+    seen: list[tuple[int, torch.Tensor]] = []
+
+    class Rows(StepRows):
+        def consume(self, first_row, logits):
+            seen.append((first_row, logits.clone()))
+
+    extra = Rows(np.arange(11, dtype=np.int64), np.array(prompt[1:12]), [], 0)
+    assert runner.run(prefill, extra=extra).shape[0] == 0          # nothing samples in this chunk
+    assert [first for first, _ in seen] == [0, 2, 4, 6, 8, 10]      # slices of max_num_seqs=2 rows
+    got = torch.cat([logits for _, logits in seen])
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt[:11]])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    seen.clear()
+    last = [ScheduledSeq("a", (prompt[11],), 11, (1, 2), True)]     # shaped like a decode step
+    extra = Rows(np.zeros(1, dtype=np.int64), np.array([prompt[0]]), [], 0)
+    sampled = runner.run(last, extra=extra)
+    with torch.no_grad():
+        full = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(sampled[0], full[11], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(seen[0][1][0], full[11], atol=1e-4, rtol=1e-4)
