@@ -411,7 +411,8 @@ class Engine:
     def generate(self, prompts: Iterable[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress_desc: str | None = None) -> list[RequestOutput]:
-        """Runs the prompts to completion (continuous batching) and returns one output each, in order.
+        """Runs the prompts to completion (continuous batching) and returns one output each, in order
+        (with its prompt logprobs when asked).
 
         `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks)."""
         prompts = list(prompts)
@@ -419,11 +420,15 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict[str, RequestOutput] = {}
+        scores: dict[str, PromptLogprobs] = {}   # from each first output, kept on the final one
         bar = progress(desc=progress_desc or "", total=len(reqs), unit="req", leave=True,
                        quiet=progress_desc is None)
         while self.has_unfinished_requests():
             for o in self.step():
+                if o.prompt_logprobs is not None:
+                    scores[o.request_id] = o.prompt_logprobs
                 if o.finished:
+                    o.prompt_logprobs = scores.get(o.request_id)
                     final[o.request_id] = o
                     bar.update(1)
         bar.close()

@@ -9,10 +9,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from router import responses as R
-from router.completions import check_prompt_logprobs, scores_or_502
 from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
-from router.logprobs import TokenNames, chat_logprobs, vllm_prompt_logprobs
+from router.logprobs import TokenNames, chat_logprobs, check_prompt_logprobs, scores_or_502, vllm_prompt_logprobs
 from router.prompts import chat_prompt, check_context_length
 from router.protocol import ChatCompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,

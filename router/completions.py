@@ -16,26 +16,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from router import responses as R
-from router.errors import bad_request, upstream_error
+from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
-from router.logprobs import TokenNames, completion_logprobs, vllm_prompt_logprobs
+from router.logprobs import TokenNames, check_prompt_logprobs, completion_logprobs, scores_or_502, vllm_prompt_logprobs
 from router.prompts import check_context_length, completion_prompts
 from router.protocol import CompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
                             parse_body, sampling_or_400)
-
-
-def check_prompt_logprobs(request) -> None:
-    """vLLM's rule: `prompt_logprobs` come whole with the first token, so not in a stream."""
-    if request.prompt_logprobs is not None and request.stream:
-        raise bad_request("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
-
-
-def scores_or_502(scores):
-    """The prompt scores the pods must have sent (a pod that ignores the field is not silently empty)."""
-    if scores is None:
-        raise upstream_error("the pods returned no prompt logprobs for a request that asked for them")
-    return scores
 
 
 async def create_completion(state: ServingState, http: Request) -> Response:

@@ -20,6 +20,7 @@ from typing import Any
 
 from wire import cbserve_pb2 as pb
 from engine.tokenizer import Tokenizer
+from router.errors import bad_request, upstream_error
 
 MIN_LOGPROB = -9999.0
 _TABLES: weakref.WeakKeyDictionary[Tokenizer, _TokenTable] = weakref.WeakKeyDictionary()
@@ -73,6 +74,19 @@ class TokenNames:
                 key = f"token_id:{token_id}"
             out[key] = _clamp(logprob)
         return out
+
+
+def check_prompt_logprobs(request) -> None:
+    """vLLM's rule: `prompt_logprobs` come whole with the first token, so not in a stream."""
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+
+
+def scores_or_502(scores: pb.PromptLogprobs | None) -> pb.PromptLogprobs:
+    """The prompt scores the pods must have sent (a pod that ignores the field is not silently empty)."""
+    if scores is None:
+        raise upstream_error("the pods returned no prompt logprobs for a request that asked for them")
+    return scores
 
 
 def _clamp(logprob: float) -> float:

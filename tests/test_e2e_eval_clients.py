@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,7 @@ from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 from engine.tokenizer import build_byte_level_tokenizer
 from tests.engine.hf_models import make_hf_model
+from tests.test_e2e_openai import _free_blocks
 
 pytestmark = pytest.mark.slow
 BUDGET = 16     # max_num_batched_tokens: every prompt here is prefilled in several chunks
@@ -74,6 +76,7 @@ def test_prompt_logprobs_equal_transformers(request, checkpoint, topology):
     path, hf = checkpoint
     cluster = request.getfixturevalue(f"{topology}_cluster")
     client, model = _client(cluster), str(path)
+    before = _free_blocks(cluster)
     rng = random.Random(7)
     shared = [rng.randrange(3, 300) for _ in range(40)]
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (37, 5, 2, 50)]
@@ -92,6 +95,11 @@ def test_prompt_logprobs_equal_transformers(request, checkpoint, topology):
     plp = body["choices"][0]["prompt_logprobs"]
     got = [entry[str(token)]["logprob"] for token, entry in zip(prompts[0][1:], plp[1:])]
     torch.testing.assert_close(torch.tensor(got), _reference(hf, prompts[0]), atol=1e-4, rtol=0)
+    # Scoring requests (one token sampled and dropped; in P/D the decode pod is cut short) leak nothing.
+    deadline = time.monotonic() + 10
+    while _free_blocks(cluster) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _free_blocks(cluster) == before
 
 
 def test_chat_prompt_logprobs_score_the_templated_prompt(pd_cluster, checkpoint):
