@@ -6,7 +6,8 @@ process per run, for each source tree in `--trees` (e.g. the base commit's workt
 alternating trees run by run so that load on the machine hits them alike. Reports the min and
 median CPU seconds of the measured pass per tree (after a warm-up pass in the same process; with
 one torch thread, CPU time is the work done and moves far less with other load on a shared
-machine than wall time, which is shown too) and each tree's ratio to the first. With `--asking`, the last tree also runs the same workload with `prompt_logprobs` 0 and
+machine than wall time, which is shown too), and the median over runs of each case's CPU time over
+the first case's in the same round (paired: the two ran seconds apart, under the same load). With `--asking`, the last tree also runs the same workload with `prompt_logprobs` 0 and
 5 (what asking costs).
 
     git worktree add /tmp/base <base commit>
@@ -93,12 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nmodel={args.model} requests={args.requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens} "
           f"budget={args.budget} threads={args.threads}, {args.runs} runs each (alternating)")
     print(f"{'tree':32s} {'prompt_logprobs':>15s} {'cpu min s':>10s} {'cpu median':>10s} {'wall min s':>10s} "
-          f"{'cpu min / first':>15s}")
+          f"{'cpu min / first':>15s} {'paired median':>13s}")
+    first = [r["cpu"] for r in times[cases[0]]]
     for (tree, lp), results in times.items():
         cpu = [r["cpu"] for r in results]
         label = "none" if lp < 0 else str(lp)
+        paired = statistics.median(c / f for c, f in zip(cpu, first))
         print(f"{str(tree)[-32:]:32s} {label:>15s} {min(cpu):10.3f} {statistics.median(cpu):10.3f} "
-              f"{min(r['wall'] for r in results):10.3f} {min(cpu) / base:15.3f}")
+              f"{min(r['wall'] for r in results):10.3f} {min(cpu) / base:15.3f} {paired:13.3f}")
 
 
 if __name__ == "__main__":
