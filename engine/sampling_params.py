@@ -219,4 +219,5 @@ def from_proto(msg: Any) -> SamplingParams:
 
 
 assert {f.name for f in fields(SamplingParams)} == set(_PLAIN_FIELDS) | {
-    "seed", "logprobs", "prompt_logprobs", "stop_token_ids", "stop", "structured"}, "to_proto/from_proto must cover every field"
+    "seed", "logprobs", "prompt_logprobs", "stop_token_ids", "stop", "structured"}, \
+    "to_proto/from_proto must cover every field"

@@ -18,7 +18,8 @@ from fastapi.responses import Response
 from router import responses as R
 from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
-from router.logprobs import TokenNames, check_prompt_logprobs, completion_logprobs, scores_or_502, vllm_prompt_logprobs
+from router.logprobs import (TokenNames, check_prompt_logprobs, completion_logprobs, scores_or_502,
+                             vllm_prompt_logprobs)
 from router.prompts import check_context_length, completion_prompts
 from router.protocol import CompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
@@ -69,8 +70,8 @@ async def create_completion(state: ServingState, http: Request) -> Response:
         choices = []
         for i, result in enumerate(results):
             prefix = echo_text(i)
-            choice = {"index": i, "text": prefix if scores_only else prefix + result.text,
-                      "logprobs": logprobs_of(i, result.token_ids, result.logprobs, result.prompt_logprobs, len(prefix)),
+            logprobs = logprobs_of(i, result.token_ids, result.logprobs, result.prompt_logprobs, len(prefix))
+            choice = {"index": i, "text": prefix if scores_only else prefix + result.text, "logprobs": logprobs,
                       "finish_reason": "length" if scores_only else result.finish_reason}
             if request.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(names, prompts[i // n].token_ids,

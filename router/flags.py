@@ -78,7 +78,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         local_prefill_fallback=not args.no_local_prefill_fallback, api_key_env=args.api_key_env or None,
         api_key=args.api_key or None, api_key_file=args.api_key_file,
         max_request_body_bytes=args.max_request_body_bytes,
-        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
         drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds,
         security=security_from_args(args))
     config.resolved_api_key()    # an unreadable or empty --api-key-file fails here, with its message

@@ -26,8 +26,8 @@ from pydantic import Field
 
 from engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from router.errors import bad_request
-from router.protocol import MAX_MESSAGES, MAX_PROMPT_TOKEN_IDS, MAX_TOOLS, ChatCompletionRequest, ChatMessage, _capped, \
-    _Strict
+from router.protocol import (MAX_MESSAGES, MAX_PROMPT_TOKEN_IDS, MAX_TOOLS, ChatCompletionRequest, ChatMessage,
+                             _capped, _Strict)
 from router.serving import ServingState, check_model, parse_body
 
 

@@ -81,12 +81,14 @@ def test_prompt_logprobs_equal_transformers(request, checkpoint, topology):
     shared = [rng.randrange(3, 300) for _ in range(40)]
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (37, 5, 2, 50)]
     for ids in prompts:
-        torch.testing.assert_close(torch.tensor(_echo_scores(client, model, ids)), _reference(hf, ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(_echo_scores(client, model, ids)), _reference(hf, ids),
+                                   atol=1e-4, rtol=0)
     # A cached prefix: the first request puts 40 tokens in the prefix cache; the one that asks for
     # scores still gets every token's.
     client.completions.create(model=model, prompt=shared, max_tokens=1, temperature=0)
     longer = shared + [11, 12, 13, 14, 15]
-    torch.testing.assert_close(torch.tensor(_echo_scores(client, model, longer)), _reference(hf, longer), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(_echo_scores(client, model, longer)), _reference(hf, longer),
+                               atol=1e-4, rtol=0)
     again = client.completions.create(model=model, prompt=longer, max_tokens=1, temperature=0)
     assert again.usage.prompt_tokens == len(longer)
     # vLLM's prompt_logprobs: the same scores, with ranks.

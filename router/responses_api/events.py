@@ -47,7 +47,8 @@ class ResponseBuilder:
     def message(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
-    def response(self, status: str, output: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]],
+                 usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": None, "incomplete_details": incomplete, "output": output, "usage": usage_, **self.fields}
