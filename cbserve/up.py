@@ -79,6 +79,8 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     add_up_arguments(p)
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="the router serves GET /tokenizer_info (lm-evaluation-harness's remote tokenizer reads it)")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one completion and one chat request with the openai client")
     p.set_defaults(func=cmd_up)
@@ -102,7 +104,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
-        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args), router_args=up_router_args(args))
+        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args),
+        router_args=up_router_args(args)
+        + (("--enable-tokenizer-info-endpoint",) if args.enable_tokenizer_info_endpoint else ()))
 
 
 def describe(cluster: LocalCluster) -> str:

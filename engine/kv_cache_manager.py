@@ -71,9 +71,10 @@ class KVCacheManager:
 
         Only full blocks count, and never all of the request's tokens: at least the last token is
         recomputed, so the step that finishes the prefill has logits to sample from. The blocks are
-        not referenced yet; pass them to `allocate_slots` in the same step.
+        not referenced yet; pass them to `allocate_slots` in the same step. None for a request that
+        must compute every prompt token (`Request.skip_reading_prefix_cache`).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_blocks)

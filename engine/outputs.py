@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampler import TokenLogprobs
 
 
@@ -27,6 +28,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
     grammar_fingerprint: str = ""      # prefill role: the grammar the first token was sampled under
+    prompt_logprobs: PromptLogprobs | None = None   # on a request's first output, when it asked
 
 
 @dataclass(frozen=True)
