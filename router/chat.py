@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from router import responses as R
-from router.chat_output import ChoiceOutput, OutputSpec
+from router.chat_output import ChoiceOutput
 from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
 from router.logprobs import TokenNames, chat_logprobs, check_prompt_logprobs, scores_or_502, vllm_prompt_logprobs
@@ -22,9 +22,9 @@ from router.prompts import chat_prompt, check_context_length
 from router.protocol import ChatCompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
                             parse_body, sampling_or_400)
-from router.structured.plan import OutputPlan, chat_plan, with_plan
+from router.structured.plan import plan_output, with_plan
 from router.structured.surface import requested_constraint
-from router.tools.request import tool_request
+from router.tools.request import template_tools
 
 
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
@@ -42,19 +42,13 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     tools = None
     if request.tools is not None or request.functions is not None or request.tool_choice is not None \
             or request.function_call is not None:
-        tools = await state.encoder.run(lambda: tool_request(
-            request, features.validator, has_parser=features.tool_format is not None,
-            auto_enabled=features.auto_tool_choice))
-    template_tools = None
-    if tools is not None and not (tools.choice == "none" and features.exclude_tools_when_tool_choice_none):
-        template_tools = [tool.template_tool() for tool in tools.tools]
+        tools = await state.encoder.run(lambda: features.tool_request(request))
     max_len = state.max_model_len()
-    prompt = await chat_prompt(request, state.encoder, max_len, tools=template_tools)
+    prompt = await chat_prompt(request, state.encoder, max_len,
+                               tools=template_tools(tools, features.exclude_tools_when_tool_choice_none))
     max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), max_len,
                                       "messages", max_tokens_param)
-    plan = OutputPlan(None, OutputSpec())
-    if constraint is not None or tools is not None or features.reasoning is not None:
-        plan = await state.encoder.run(lambda: chat_plan(features, constraint, tools, prompt.text))
+    plan = await plan_output(state.encoder, features, constraint, tools, prompt.text)
     params = with_plan(sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), rename), plan)
     request_id, created, model = new_request_id("chatcmpl"), int(time.time()), state.config.model_name
     specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority)

@@ -132,15 +132,22 @@ def test_responses_api_through_the_openai_client(pd_cluster, checkpoint):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-@pytest.mark.xfail(strict=True, reason="awaits i21e: pods honour SamplingParams.structured (engine/grammar) "
-                                       "once engine-side structured outputs land; the spec already reaches them")
-def test_responses_json_schema_output_follows_the_schema(pd_cluster, checkpoint):
+def test_responses_text_format_and_forced_tools_follow_their_schemas(pd_cluster, checkpoint):
+    """The pods enforce what the router built: a `text.format` schema, and a forced function call
+    (no tool parser: vLLM's JSON list, read back as a `function_call` item)."""
     client, model = _client(pd_cluster), str(checkpoint[0])
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+    # A finite language (bounded whitespace, a boolean): a random model completes it within the limit.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    response = client.responses.create(model=model, input="A number as JSON", max_output_tokens=24, temperature=0,
-                                       text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
-    assert isinstance(json.loads(response.output_text)["n"], int)
+    response = client.responses.create(model=model, input="A boolean as JSON", max_output_tokens=96, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
+    assert response.status == "completed", response.output_text
+    assert isinstance(json.loads(response.output_text)["ok"], bool)
+    tools = [{"type": "function", "name": "check", "parameters": schema}]
+    response = client.responses.create(model=model, input="Call check", max_output_tokens=96, temperature=0,
+                                       tools=tools, tool_choice="required", parallel_tool_calls=False)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "check" and isinstance(json.loads(call.arguments)["ok"], bool), response.output
 
 
 # ----------------------------------------------------------------------------------- lm-evaluation-harness

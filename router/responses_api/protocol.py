@@ -1,34 +1,33 @@
 """The body of `POST /v1/responses` (OpenAI's Responses API, stateless), and what it means here.
 
 The sampling fields are the completions/chat ones (`_SamplingFields`: the same validation, vLLM's
-extras included); the Responses API's own are `input` (a string, or message items whose content is
-a string or text parts), `instructions` (a system message before them), `max_output_tokens`,
-`top_logprobs` with `include: ["message.output_text.logprobs"]`, and `text.format` (`text`,
-`json_object`, `json_schema`), which becomes the request's `StructuredSpec` for the pods.
+extras included); the Responses API's own are `input` (a string, or items: messages, function
+calls and their outputs, reasoning; `conversation.py`), `instructions` (a system message before
+them), `max_output_tokens`, `top_logprobs` with `include: ["message.output_text.logprobs"]`,
+`text.format` (`text`, `json_object`, `json_schema`: the same constraint as chat's
+`response_format`, validated and built by router/structured/), and function `tools` with
+`tool_choice` and `parallel_tool_calls` (chat's tool machinery, router/tools/).
 
 Refused with a 400 naming the field, because answering would need what this server does not have:
-`previous_response_id`, `store: true`, `conversation`, `background` (stored state), `tools` and
-`tool_choice` other than none/auto (no tool-call parsing on this endpoint yet), non-text content
-(images, files, audio), input items other than messages (function calls and their outputs,
-reasoning, item references), `truncation: "auto"`. `reasoning` and unknown `include` entries ask
-for output this server never produces and are ignored.
+`previous_response_id`, `store: true`, `conversation`, `background` (stored state), non-function
+tools (web search, file search, ...), non-text content (images, files, audio), item references,
+`truncation: "auto"`. `reasoning` and unknown `include` entries are ignored (a reasoning parser,
+when the router has one, decides whether reasoning items appear).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.grammar.spec import StructuredSpec, canonical_json
 from engine.sampling_params import SamplingParams
 from router.errors import bad_request
-from router.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, _capped, _SamplingFields, _Strict
+from router.protocol import MAX_MESSAGES, MAX_TOOLS, ChatMessage, _capped, _SamplingFields, _Strict
+from router.responses_api.conversation import ChatToolFields, chat_messages, chat_tool_fields
+from router.structured.surface import Constraint
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-TEXT_PART_TYPES = ("input_text", "output_text", "text")
-ROLES = ("user", "assistant", "system", "developer")
 
 
 class TextFormat(_Strict):
@@ -68,7 +67,7 @@ class ResponsesRequest(_SamplingFields):
         return LOGPROBS_INCLUDE in (self.include or ())
 
     def check_supported(self) -> None:
-        """400 for what a stateless server without tool parsing cannot honour (module docstring)."""
+        """400 for what a stateless server cannot honour (module docstring)."""
         for name, value, why in (
                 ("previous_response_id", self.previous_response_id, "send the whole conversation as input"),
                 ("store", self.store, "send store=false or leave it out"),
@@ -76,10 +75,6 @@ class ResponsesRequest(_SamplingFields):
                 ("conversation", self.conversation, "send the whole conversation as input")):
             if value:
                 raise bad_request(f"{name}: this server keeps no response state (stateless); {why}", param=name)
-        if self.tools:
-            raise bad_request("tools are not supported on /v1/responses yet", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice: no tools are supported on /v1/responses yet", param="tool_choice")
         if self.truncation not in (None, "disabled"):
             raise bad_request("truncation: only 'disabled' is supported", param="truncation")
         if self.n != 1:
@@ -89,58 +84,31 @@ class ResponsesRequest(_SamplingFields):
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise bad_request("max_output_tokens: must be >= 1", param="max_output_tokens")
 
-    def messages(self) -> list[dict[str, str]]:
-        """`instructions` and `input` as chat-template messages; 400 naming the first item that is
-        not a text message."""
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        if isinstance(self.input, str):
-            return out + [{"role": "user", "content": self.input}]
-        for i, item in enumerate(self.input):
-            where = f"input[{i}]"
-            kind = item.get("type", "message")
-            if kind != "message":
-                if kind in ("function_call", "function_call_output"):
-                    raise bad_request(f"{where}: {kind} items need tool calling, not supported on /v1/responses "
-                                      "yet", param="input")
-                raise bad_request(f"{where}: items of type {kind!r} are not supported (only messages)", param="input")
-            role = item.get("role")
-            if role not in ROLES:
-                raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}", param="input")
-            out.append({"role": role, "content": _text(item.get("content"), where)})
-        return out
+    def messages(self) -> list[ChatMessage]:
+        """`instructions` and `input` as chat messages (`conversation.chat_messages`)."""
+        return chat_messages(self.instructions, self.input)
+
+    @property
+    def asks_for_tools(self) -> bool:
+        return self.tools is not None or self.tool_choice is not None
+
+    def tool_fields(self) -> ChatToolFields:
+        """`tools` and `tool_choice` as chat's fields (`router.tools.request.tool_request` reads them)."""
+        return chat_tool_fields(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_output_tokens if self.max_output_tokens is not None else default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.wants_logprobs else None
-        params = self._sampling(max_tokens, logprobs)
-        spec = self.structured_spec()
-        return params if spec is None else dataclasses.replace(params, structured=spec)
+        return self._sampling(max_tokens, logprobs)
 
-    def structured_spec(self) -> StructuredSpec | None:
-        """`text.format` as the pods' spec: a JSON schema (canonical text) or any JSON object."""
+    def constraint(self) -> Constraint | None:
+        """`text.format` as the constraint chat's `response_format` would be (router/structured/)."""
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return StructuredSpec(kind="json_object")
+            return Constraint("json_object", None, "text.format")
         if not fmt.schema_:
             raise bad_request("text.format.schema: a json_schema format needs a schema (a JSON object)",
-                              param="text")
-        return StructuredSpec(kind="json_schema", text=canonical_json(fmt.schema_))
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content: must be a string or a list of text parts", param="input")
-    if len(content) > MAX_CONTENT_PARTS:
-        raise bad_request(f"{where}.content: at most {MAX_CONTENT_PARTS} parts", param="input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PART_TYPES)}) are supported, "
-                              f"got {kind!r}", param="input")
-        texts.append(part["text"])
-    return "".join(texts)
+                              param="text.format.schema")
+        return Constraint("json_schema", fmt.schema_, "text.format.schema")

@@ -162,7 +162,7 @@ def test_decode_role_passes_scores_through_or_computes_them_on_fallback(checkpoi
     decode.add_request(prompt, params, "fallback", remote_kv=True)
     assert not decode.prompt_logprobs.pending, "a remote-KV request's prompt runs elsewhere"
     decode.step()                                   # reserves both
-    out = decode.land_remote_kv("r", scored.new_token_ids[0], None, scored.prompt_logprobs)
+    out = decode.land_remote_kv("r", scored.new_token_ids[0], None, prompt_logprobs=scored.prompt_logprobs)
     assert out.prompt_logprobs is scored.prompt_logprobs
     assert decode.fall_back_to_local_prefill("fallback")
     first = _first_outputs(decode, [])

@@ -1,6 +1,7 @@
 """`POST /v1/responses` through the official `openai` client, against fake pods: text and message
 input, instructions, max_output_tokens, the typed stream events with sequence numbers, logprobs,
-`text.format` reaching the pods as a StructuredSpec, and the clear 400s of a stateless server."""
+`text.format` reaching the pods as a StructuredSpec, and the clear 400s of a stateless server
+(tools: test_responses_tools.py)."""
 
 from __future__ import annotations
 
@@ -112,27 +113,28 @@ async def test_text_format_json_schema_reaches_the_pods(tokenizer):
         assert from_proto(h.decode[0].records.generate_requests[1].sampling).structured == StructuredSpec("json_object")
 
 
-@pytest.mark.parametrize("fields, param", [
+REFUSALS = [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": 7, "output": "1"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
-])
-async def test_what_a_stateless_server_refuses(tokenizer, fields, param):
-    async with running_router(tokenizer, colocated=[Script()]) as h:
-        body = {"input": "hi", **fields}
-        response = await h.http().post("/v1/responses", json=body)
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["param"] == param and error["message"]
+]
+
+
+async def test_what_a_stateless_server_refuses(tokenizer):
+    async with running_router(tokenizer, colocated=[Script()]) as h:   # one router for every case
+        for fields, param in REFUSALS:
+            response = await h.http().post("/v1/responses", json={"input": "hi", **fields})
+            assert response.status_code == 400, (fields, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and error["message"], (fields, error)
         assert h.num_pod_requests() == 0
 
 

@@ -50,19 +50,22 @@ async def test_detokenize_round_trip(tokenizer):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
-@pytest.mark.parametrize("body, param", [
+REFUSALS = [
     ({}, "prompt"),
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"messages": [{"role": "user", "content": "b"}], "continue_final_message": True}, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "b"}], "chat_template": "{{ 1 }}"}, "chat_template"),
     ({"prompt": "a", "model": "other"}, None),
-])
-async def test_tokenize_refusals(tokenizer, body, param):
-    async with running_router(tokenizer, colocated=[Script()]) as h:
-        response = await h.http().post("/tokenize", json=body)
-        assert response.status_code == (404 if "model" in body else 400), response.text
-        assert response.json()["error"]["param"] == param
+]
+
+
+async def test_tokenize_refusals(tokenizer):
+    async with running_router(tokenizer, colocated=[Script()]) as h:   # one router for every case
+        for body, param in REFUSALS:
+            response = await h.http().post("/tokenize", json=body)
+            assert response.status_code == (404 if "model" in body else 400), (body, response.text)
+            assert response.json()["error"]["param"] == param, body
 
 
 async def test_same_api_key_as_v1_and_tokenizer_info_behind_its_flag(tokenizer):
