@@ -21,7 +21,7 @@ up: install
 	$(VENV)/bin/cbserve up --demo
 
 test: install
-	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/pytest -q
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/pytest -q --durations=40
 
 image: install
 	$(PY) .ci/build_image.py

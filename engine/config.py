@@ -28,6 +28,9 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None   # share of the device's total memory; CUDA only
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"                  # "auto": the model dtype; "fp8": e4m3, per-tensor scales
+    # Set from the model (not a flag): its window when every layer has one, so the blocks behind it
+    # are freed (engine/kv_cache_manager.py); None keeps a request's blocks until it ends.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -38,6 +41,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

@@ -148,6 +148,8 @@ class Engine:
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
+        # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
+        cache_cfg = dataclasses.replace(cache_cfg, sliding_window=self.model_config.kv_free_window)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,

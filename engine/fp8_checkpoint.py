@@ -62,6 +62,8 @@ def read_fp8_config(path: Path) -> Fp8CheckpointConfig | None:
     if not qcfg:
         return None
     method = qcfg.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None   # its MXFP4 experts are dequantized at load (engine/models/gpt_oss.py)
     if method != "fp8":
         raise CheckpointError(f"{path}: quantization_config.quant_method {method!r} is not supported; cbserve "
                               "loads unquantized checkpoints and 'fp8' ones (e4m3 weights, per-tensor or "
@@ -195,7 +197,7 @@ def load_fp8_model(path: Path, cfg: ModelConfig, fp8: Fp8CheckpointConfig, dtype
     parts: dict[str, set[int | None]] = {}
     kv_scale_names: set[str] = set()
     for hf_name, stored in dtypes.items():
-        target = map_name(hf_name, cfg, model.hf_renames)
+        target = map_name(hf_name, cfg, model.hf_renames, model.hf_ignored)
         if target is None:
             continue
         ours, index = target.param, target.part

@@ -5,24 +5,41 @@ of the request's full blocks (computed incrementally, so caching costs O(new blo
 its blocks are already registered in the prefix cache, and an immutable copy of its block table. A
 request's block table is `request.block_ids`, which only this manager changes; block `i` holds the
 KV of `token_ids[i * block_size:(i + 1) * block_size]`.
+
+Sliding windows (`sliding_window`: set only when EVERY layer of the model has one, since a block
+holds all layers' KV): a query at position p reads keys from `p - window + 1` on, so once a
+request has computed `n` tokens no later query reads a block wholly before `n - window + 1`.
+`allocate_slots` frees those blocks first (each time the table grows, before the capacity check:
+a decode frees one block per block it adds) and leaves the null block in their table entries, so
+positions keep their meaning and the kernels never read there. A freed block keeps its prefix-cache
+entry until the pool reuses it, and a prefix hit needs only the blocks the next query's window
+covers (null before them): never a block whose content was replaced, since reusing a block evicts
+its entry first. The prefill role runs without a window (it keeps every prompt block for the KV
+pull; a block that moved under a streaming pull is a `LayoutError`), and so sends only real KV.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block_tokens
+from engine.block_pool import NULL_BLOCK_ID, ROOT_BLOCK_HASH, BlockPool, hash_block_tokens
 from engine.request import Request
 
 
 class KVCacheManager:
     """vLLM-style KV cache manager over one `BlockPool`."""
 
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
+        """`sliding_window`: every layer's window (the widest one), when all layers have one: the
+        blocks behind it are freed; None keeps every block until the request ends."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_pool = block_pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._num_freed: dict[str, int] = {}   # request id -> leading table entries freed (window)
         self.enable_prefix_caching = block_pool.enable_prefix_caching
         self._block_hashes: dict[str, list[int]] = {}   # request id -> chained hashes of its full blocks
         self._num_cached_blocks: dict[str, int] = {}    # request id -> blocks registered in the cache
@@ -52,6 +69,15 @@ class KVCacheManager:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, computed in chunks of at
+        most `max_chunk` tokens: all of them, or with a window the blocks that the window behind a
+        chunk and the chunk itself can span (`window - 1 + chunk` positions)."""
+        num_blocks = self.num_blocks_for(num_tokens)
+        if self.sliding_window is None:
+            return num_blocks
+        return min(num_blocks, (self.sliding_window + max_chunk - 2) // self.block_size + 2)
+
     # ------------------------------------------------------------------ prefix lookup
     def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """The request's block-hash chain, extended to at least `num_full_blocks` blocks."""
@@ -71,14 +97,18 @@ class KVCacheManager:
 
         Only full blocks count, and never all of the request's tokens: at least the last token is
         recomputed, so the step that finishes the prefill has logits to sample from. The blocks are
-        not referenced yet; pass them to `allocate_slots` in the same step. None for a request that
-        must compute every prompt token (`Request.skip_reading_prefix_cache`).
+        not referenced yet; pass them to `allocate_slots` in the same step. With a sliding window
+        the prefix only needs the blocks the next query's window reaches; the entries before them
+        are the null block. None for a request that must compute every prompt token
+        (`Request.skip_reading_prefix_cache`).
         """
         if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_blocks)
         lookup = self.block_pool.cached_blocks.get
+        if self.sliding_window is not None:
+            return self._window_hit(hashes, max_blocks)
         blocks = []
         for i in range(max_blocks):
             block_id = lookup(hashes[i])
@@ -86,6 +116,21 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
+
+    def _window_hit(self, hashes: list[int], max_blocks: int) -> tuple[list[int], int]:
+        """The longest prefix of k blocks whose last blocks, those the query at k * block_size can
+        see, are all cached: one pass over the chain, tracking the run of cached blocks."""
+        lookup, bs, window = self.block_pool.cached_blocks.get, self.block_size, self.sliding_window
+        found: list[int | None] = [lookup(h) for h in hashes[:max_blocks]]
+        best, run = 0, 0
+        for k in range(1, max_blocks + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            if run and k - max(0, k * bs - window + 1) // bs <= run:
+                best = k
+        if not best:
+            return [], 0
+        first = max(0, best * bs - window + 1) // bs
+        return [NULL_BLOCK_ID] * first + found[first:best], best * bs  # type: ignore[list-item]
 
     # ------------------------------------------------------------------ allocation
     def block_table(self, request: Request) -> tuple[int, ...]:
@@ -102,7 +147,8 @@ class KVCacheManager:
 
         `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` (only for a request
         that holds no blocks yet); they are referenced and put first in the table. Returns False,
-        changing nothing, when the pool cannot supply the blocks. The caller sets
+        changing nothing (but freeing blocks behind a sliding window, which no query reads again),
+        when the pool cannot supply the blocks. The caller sets
         `num_computed_tokens` (it must add the hit tokens itself). The hot path (a decode that
         still fits its last block) is a few integer operations.
         """
@@ -114,16 +160,19 @@ class KVCacheManager:
             return True
         pool = self.block_pool
         fresh_admission = not block_ids
+        if self.sliding_window is not None and block_ids:
+            self._free_behind_window(request)
         if new_computed_blocks:
             assert not block_ids, "prefix hits can only start an empty block table"
-            # Hits that sit in the free queue stop being allocatable once referenced.
-            num_evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0)
+            # Hits that sit in the free queue stop being allocatable once referenced (the null
+            # entries of a windowed hit are no blocks at all).
+            num_evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0 and b)
         else:
             num_evictable_hits = 0
         if max(num_needed, 0) + num_evictable_hits > pool.num_free_blocks:
             return False
         if new_computed_blocks:
-            pool.touch(new_computed_blocks)
+            pool.touch(b for b in new_computed_blocks if b)
             block_ids.extend(new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
         if num_needed > 0:
@@ -133,6 +182,20 @@ class KVCacheManager:
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += num_hit_tokens
         return True
+
+    def _free_behind_window(self, request: Request) -> None:
+        """Free the request's blocks that no query from `num_computed_tokens` on can see (wholly
+        before `num_computed_tokens - window + 1`), oldest first; their entries become null."""
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        request_id = request.request_id
+        done = self._num_freed.get(request_id, 0)
+        if first_needed <= done:
+            return
+        block_ids = request.block_ids
+        self.block_pool.free_blocks([b for b in block_ids[done:first_needed] if b])
+        block_ids[done:first_needed] = [NULL_BLOCK_ID] * (first_needed - done)
+        self._num_freed[request_id] = first_needed
+        self.block_tables[request_id] = tuple(block_ids)
 
     def reserve(self, request: Request, num_tokens: int) -> bool:
         """Decode role: allocate blocks for `num_tokens` tokens whose KV will arrive from a peer.
@@ -164,8 +227,9 @@ class KVCacheManager:
 
         Also drops the manager's per-request caches; safe on a request that holds no blocks.
         """
-        self.block_pool.free_blocks(reversed(request.block_ids))
+        self.block_pool.free_blocks([b for b in reversed(request.block_ids) if b])
         request.block_ids.clear()
         self.block_tables.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)
+        self._num_freed.pop(request.request_id, None)

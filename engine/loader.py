@@ -24,6 +24,10 @@ from engine.progress import progress
 from engine.tp_shard import TPShard
 
 
+# Biases of row-parallel projections: rank 0 alone adds them (the all-reduce sums the ranks' outputs).
+ROW_PARALLEL_BIASES = ("self_attn.o_proj.bias", "experts.down_proj_bias")
+
+
 class CheckpointError(ValueError):
     """A checkpoint directory whose tensors do not fit its config."""
 
@@ -64,9 +68,9 @@ def load_weights(model: CausalLM, path: Path, shard: TPShard | None = None) -> N
     bar = progress(desc=f"loading {path.name}", total=_num_tensors(files), unit="tensor")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
+            for hf_name, converted in model.checkpoint_tensors(f):
                 bar.update(1)
-                target = map_name(hf_name, cfg, model.hf_renames)
+                target = map_name(hf_name, cfg, model.hf_renames, model.hf_ignored)
                 if target is None:
                     continue
                 ours = target.param
@@ -81,14 +85,15 @@ def load_weights(model: CausalLM, path: Path, shard: TPShard | None = None) -> N
                 param = params[ours]
                 custom = getattr(param, "weight_loader", None)
                 if custom is not None:   # FP8 checkpoints (never tensor-parallel: the engine refuses)
-                    custom(f.get_tensor(hf_name), target.part, hf_name)
+                    custom(f.get_tensor(hf_name) if converted is None else converted, target.part, hf_name)
                     seen[ours] |= covers
                     continue
                 dest = _destination(cfg, param, target)
                 if shard is not None and shard.size > 1:
-                    tensor, dest = _read_shard(f, hf_name, target, dest, shard)
+                    view = f.get_slice(hf_name) if converted is None else _TensorView(converted)
+                    tensor, dest = _read_shard(view, hf_name, target, dest, shard)
                 else:
-                    tensor = f.get_tensor(hf_name)
+                    tensor = f.get_tensor(hf_name) if converted is None else converted
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise CheckpointError(
                         f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config expects {tuple(dest.shape)}")
@@ -100,17 +105,31 @@ def load_weights(model: CausalLM, path: Path, shard: TPShard | None = None) -> N
         raise CheckpointError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
 
 
-def _read_shard(f, hf_name: str, target: WeightTarget, dest: torch.Tensor,
+class _TensorView:
+    """A tensor a family converted at load (engine/models/causal_lm.py, `checkpoint_tensors`),
+    sliced like a safetensors `get_slice` view."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def _read_shard(view, hf_name: str, target: WeightTarget, dest: torch.Tensor,
                 shard: TPShard) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's part of one checkpoint tensor (read through `get_slice`: only those bytes),
-    and the part of `dest` it fills. The full tensor's shape is checked against the global config."""
-    view = f.get_slice(hf_name)
+    """This rank's part of one checkpoint tensor (`view`: `get_slice`'s, so only those bytes are
+    read), and the part of `dest` it fills. The full tensor's shape is checked against the global
+    config."""
     full = tuple(view.get_shape())
     plan = shard.split(target.param, target.part, per_expert=target.expert is not None)
     if plan is None:
         if tuple(full) != tuple(dest.shape):
             raise CheckpointError(f"tensor {hf_name!r} has shape {full}, config expects {tuple(dest.shape)}")
-        if target.param.endswith("self_attn.o_proj.bias") and shard.rank:
+        if target.param.endswith(ROW_PARALLEL_BIASES) and shard.rank:
             return dest.new_zeros(dest.shape), dest   # row-parallel: summed by the all-reduce, added once
         return view[:], dest
     expected = list(dest.shape)

@@ -16,7 +16,12 @@ from typing import Any
 
 from engine.models.registry import ARCHITECTURES, family_of
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families whose `sliding_window` applies to every layer (transformers ignores `layer_types` there).
+_WINDOW_IN_EVERY_LAYER = ("mistral", "mixtral")
+# MLP activations by their transformers names: SwiGLU (silu) or GeGLU with tanh-approximate GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -32,6 +37,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (gpt-oss): the correction range and cos/sin's attention factor (None: from `factor`).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # Per-layer sliding windows (a query sees its last `window` keys; 0: full attention), from
+    # `layer_types` / the family's pattern; () when every layer is full (engine/models/attention.py).
+    layer_windows: tuple[int, ...] = ()
+    local_rope: RopeConfig | None = None   # RoPE of the sliding layers, if its own (Gemma 3's local base)
+    query_pre_attn_scalar: float | None = None   # softmax scale = this ** -0.5 (Gemma); None: head_dim
+    final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma)
+    hidden_act: str = "silu"            # the dense MLP's gate activation (ACTIVATIONS)
+    attention_sinks: bool = False       # one learned logit per head in the softmax denominator (gpt-oss)
     qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3)
     # Mixture of experts (num_experts 0: every layer dense). A layer is MoE when it is not in
     # `mlp_only_layers` and (layer + 1) % decoder_sparse_step == 0 (Qwen2-MoE's rule; 1: all).
@@ -67,6 +85,12 @@ class ModelConfig:
     # transformers rounds the routing weights to the model dtype before use (Qwen-MoE) or keeps
     # them in fp32 (Mixtral); only half-precision results differ.
     round_router_weights: bool = False
+    # gpt-oss: router and experts carry biases, and the experts gate with its clamped SwiGLU
+    # ("swiglu_oai": (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)).
+    moe_bias: bool = False
+    moe_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -89,6 +113,11 @@ class ModelConfig:
                 raise ModelConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.torch_dtype not in DTYPES:
             raise ModelConfigError(f"torch_dtype must be one of {DTYPES}, got {self.torch_dtype!r}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ModelConfigError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0 "
+                                   f"(0: full attention), got {self.layer_windows}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelConfigError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
 
     @property
     def q_size(self) -> int:
@@ -107,11 +136,22 @@ class ModelConfig:
     def num_dense_layers(self) -> int:
         return sum(not self.is_moe_layer(i) for i in range(self.num_layers))
 
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window behind which no layer reads a token, when every layer has one: the KV
+        cache frees whole blocks behind it (a block holds every layer's KV). None when some layer
+        attends to everything (Gemma 3's and gpt-oss's full layers): then nothing is freed early."""
+        if self.layer_windows and min(self.layer_windows) > 0:
+            return max(self.layer_windows)
+        return None
+
     @property
     def max_model_len(self) -> int:
-        """Longest context served; a sliding window caps it since we run full attention."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest context served (the kernels run sliding windows, so a window caps nothing)."""
         return self.max_position_embeddings
 
     @classmethod
@@ -122,6 +162,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; cbserve serves "
                 f"{sorted(ARCHITECTURES)}")
+        if isinstance(raw.get("text_config"), dict):   # a multimodal checkpoint: serve its text model
+            top = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype") if k in raw}
+            raw = {**top, **raw["text_config"]}
         try:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
@@ -129,27 +172,33 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             if raw.get("mlp_bias"):
                 raise ModelConfigError("mlp_bias=true is not supported")
-            if raw.get("hidden_act", "silu") != "silu":
-                raise ModelConfigError(f"hidden_act must be 'silu', got {raw.get('hidden_act')!r}")
+            hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+            if hidden_act not in ACTIVATIONS:
+                raise ModelConfigError(f"hidden_act must be one of {ACTIVATIONS}, got {hidden_act!r}")
             sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+            num_layers = int(raw["num_hidden_layers"])
+            extras = _attention_extras(raw, family)
             return cls(
                 architecture=family,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=int(raw.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=_parse_rope(raw),
+                rope=extras.pop("rope") if "rope" in extras else _parse_rope(raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 sliding_window=int(sliding) if sliding else None,
+                layer_windows=_layer_windows(raw, family, num_layers, int(sliding) if sliding else 0),
+                hidden_act=hidden_act,
                 **_family_fields(family, raw),
+                **extras,
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -193,17 +242,24 @@ def _family_fields(family: str, raw: dict[str, Any]) -> dict[str, Any]:
                       decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
                       mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
                       round_router_weights=True)
+    if family == "gpt_oss":                # top-k over the router's logits, softmax over the k (= renormalized)
+        fields.update(num_experts=int(raw.get("num_local_experts", 128)),
+                      num_experts_per_tok=int(raw.get("num_experts_per_tok", 4)),
+                      moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                      round_router_weights=True, moe_bias=True, moe_activation="swiglu_oai",
+                      swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     if family == "qwen2_moe":              # q/k/v bias by its own flag; a shared expert with a sigmoid gate
         fields.update(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False,
                       shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632)))
     return fields
 
 
-def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x writes `rope_theta`
     # and an optional `rope_scaling` whose type key is `rope_type` or the older `type`.
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
@@ -214,4 +270,58 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
     )
+
+
+def _layer_windows(raw: dict[str, Any], family: str, num_layers: int, window: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full) as transformers assigns them: Mistral and Mixtral
+    window every layer; others follow `layer_types`, else their pattern (Qwen's layers from
+    `max_window_layers` on; Gemma 3's every `sliding_window_pattern`-th layer full; gpt-oss's odd
+    layers full). () when no layer has a window."""
+    if not window:
+        return ()
+    if family in _WINDOW_IN_EVERY_LAYER:
+        return (window,) * num_layers
+    types = raw.get("layer_types")
+    if types is None:
+        if family == "gemma3":
+            pattern = int(raw.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif family == "gpt_oss":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        else:   # Qwen2/Qwen3 (and their MoE): windows from max_window_layers on
+            first = int(raw.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelConfigError(f"layer_types must name each of the {num_layers} layers one of {LAYER_TYPES}, "
+                               f"got {types!r}")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _attention_extras(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """The attention fields only some families set: Gemma 3's query scale, local RoPE and logit
+    softcap, gpt-oss's sinks. Refuses what transformers would compute and cbserve would not."""
+    if family == "gpt_oss":
+        return dict(attention_sinks=True)
+    if family != "gemma3":
+        return {}
+    if raw.get("use_bidirectional_attention"):
+        raise ModelConfigError("use_bidirectional_attention=true (Gemma embedding models) is not supported")
+    # transformers 5: rope_parameters per layer type; 4.x: rope_theta (+ rope_scaling) for the full
+    # layers and rope_local_base_freq for the sliding ones.
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        rope = _parse_rope({"rope_parameters": params.get("full_attention") or {}}, 1_000_000.0)
+        local = _parse_rope({"rope_parameters": params.get("sliding_attention") or {}})
+    else:
+        rope = _parse_rope(raw, 1_000_000.0)
+        local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
+    cap = raw.get("final_logit_softcapping")
+    # attn_logit_softcapping is ignored, as transformers' Gemma 3 attention does.
+    return dict(rope=rope, local_rope=local, query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+                final_logit_softcapping=float(cap) if cap else None)

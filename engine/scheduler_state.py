@@ -53,7 +53,9 @@ class SchedulerState:
         if isinstance(kv, CacheConfig):
             if kv.num_blocks is None:
                 raise ValueError("CacheConfig.num_blocks must be set (dataclasses.replace it once sized)")
-            kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size)
+            # The prefill role keeps every prompt block for the pull: no freeing behind a window.
+            kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size,
+                                None if role == "prefill" else kv.sliding_window)
         if not 0.0 <= reserve_watermark < 1.0:
             raise ValueError(f"reserve_watermark must be in [0, 1), got {reserve_watermark}")
         self.config = scheduler_config
@@ -106,8 +108,12 @@ class SchedulerState:
         if max_len > self.config.max_model_len:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
                              f"max_tokens exceeds max_model_len ({self.config.max_model_len})")
-        max_blocks = self.kv_manager.num_blocks_for(
-            request.num_prompt_tokens if self.role == "prefill" else max_len)
+        kv = self.kv_manager
+        if self.role == "prefill":
+            max_blocks = kv.num_blocks_for(request.num_prompt_tokens)
+        else:   # a decode pod reserves the whole prompt before it frees what falls behind a window
+            max_blocks = max(kv.max_blocks_held(max_len, self.config.max_num_batched_tokens),
+                             kv.num_blocks_for(request.num_prompt_tokens) if self.role == "decode" else 0)
         if max_blocks > self.kv_manager.block_pool.num_usable_blocks:
             raise ValueError(f"request {request.request_id!r} needs {max_blocks} KV blocks, the pool has "
                              f"{self.kv_manager.block_pool.num_usable_blocks}")
@@ -362,5 +368,8 @@ class SchedulerState:
                     assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
                 for block_id in request.block_ids:
                     refs[block_id] += 1
+        # The null block stands in a table only for blocks freed behind a sliding window.
+        assert refs[0] == 0 or self.kv_manager.sliding_window is not None, "a table holds the null block"
+        refs[0] = 0
         assert refs == pool.ref_cnt, "block refcounts differ from the block tables holding them"
         assert len(self.running) + len(self.waiting_for_remote_kv) <= self.config.max_num_seqs

@@ -138,6 +138,8 @@ class TPShard:
             return SplitPlan(0, (range(start, start + self.vocab_rows_in_checkpoint),), cfg.vocab_size)
         if name.endswith("self_attn.o_proj.weight"):
             return SplitPlan(1, (range(self.q_heads.start * d, self.q_heads.stop * d),), cfg.q_size)
+        if name.endswith("self_attn.sinks"):                 # gpt-oss: one logit per query head
+            return SplitPlan(0, (self.q_heads,), cfg.num_heads)
         rows, total = self._intermediate_of(name)
         if name.endswith("experts.gate_up_proj"):
             if per_expert:                                   # [I, H] of one expert's gate or up
@@ -146,6 +148,8 @@ class TPShard:
             return SplitPlan(1, (rows, up), 2 * total)
         if name.endswith("experts.down_proj"):
             return SplitPlan(1 if per_expert else 2, (rows,), total)
+        if name.endswith("experts.gate_up_proj_bias"):       # gpt-oss: [E, 2I], split as the rows it adds to
+            return SplitPlan(1, (rows, range(total + rows.start, total + rows.stop)), 2 * total)
         if name.endswith("gate_up_proj.weight"):
             return SplitPlan(0, (rows,), total)
         if name.endswith("down_proj.weight"):

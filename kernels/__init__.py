@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import backend, checks
-from kernels.activation_ref import silu_and_mul_ref
+from kernels.activation_ref import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
 from kernels.fp8_quant_ref import quantize_fp8_rows_ref
 from kernels.grammar_mask_ref import apply_grammar_mask_ref
@@ -22,7 +22,7 @@ from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul", "quantize_fp8_rows", "apply_grammar_mask", "fused_moe"]
+           "silu_and_mul", "gelu_tanh_and_mul", "quantize_fp8_rows", "apply_grammar_mask", "fused_moe"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -38,18 +38,25 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float: sink logits (gpt-oss), or None
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens (its last ``query_len`` positions) over its
     paged K/V; prefill chunks and decode tokens may be mixed. Returns q's shape and dtype.
 
     The caches are q's dtype, or float8_e4m3fn holding ``K / k_scale`` and ``V / v_scale``
-    (dequantized on load; float caches ignore the scales)."""
-    sizes = checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    (dequantized on load; float caches ignore the scales). ``sliding_window`` > 0: a query at
+    position p sees keys [p - sliding_window + 1, p] (transformers' mask); the table entries of
+    keys no query of the call can see are never read, so they may be the null block. ``sinks``:
+    one logit per query head joins each softmax's denominator (a key with no value)."""
+    sizes = checks.check_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                         sliding_window, sinks)
     if _use_triton(q):
         return _triton_fn("attention_triton", "paged_attention_triton")(
-            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes, k_scale, v_scale)
+            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes, k_scale, v_scale,
+            sliding_window, sinks)
     return paged_attention_ref(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                               k_scale, v_scale)
+                               k_scale, v_scale, sliding_window=sliding_window, sinks=sinks)
 
 
 def write_kv(
@@ -136,6 +143,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = cat(gate, up)`` ([T, 2 * I] -> [T, I]; Gemma's GeGLU),
+    with the numerics of ``F.gelu(gate, approximate="tanh") * up``, in one pass on CUDA."""
+    checks.check_silu_and_mul(x)
+    if _use_triton(x):
+        return _triton_fn("activation_triton", "gelu_tanh_and_mul_triton")(x)
+    return gelu_tanh_and_mul_ref(x)
+
+
 def quantize_fp8_rows(
     x: torch.Tensor,  # [num_tokens, features], floating point
     static_scale: torch.Tensor | None = None,  # [] or [1] fp32 per-tensor scale; None: one per row
@@ -169,6 +185,12 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64 experts, in [0, num_experts)
     w13_scale: torch.Tensor | None = None,  # [num_experts, 2 * intermediate] fp32, fp8 weights only
     w2_scale: torch.Tensor | None = None,  # [num_experts, hidden] fp32, fp8 weights only
+    *,
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate] in x's dtype (gpt-oss)
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    activation: str = "silu",  # or "swiglu_oai": gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """SwiGLU mixture-of-experts FFN: ``sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
     ``e = topk_ids[t, k]``; returns ``[num_tokens, hidden]`` in x's dtype.
@@ -176,8 +198,13 @@ def fused_moe(
     Triton on CUDA: slots sorted by expert on the device, one grouped GEMM launch per projection,
     no host read (CUDA-graph safe). Elsewhere the torch reference, which runs only the experts
     that got tokens. fp8 (e4m3) weights carry per-output-channel scales and are dequantized as
-    they load (activations stay in x's dtype)."""
+    they load (activations stay in x's dtype). gpt-oss: per-expert biases after each projection and
+    its clamped SwiGLU gate (``activation="swiglu_oai"``, ``swiglu_alpha`` / ``swiglu_limit``)."""
     checks.check_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    checks.check_moe_extras(x, w13, w2, w13_bias, w2_bias, activation)
+    extras = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+                  swiglu_limit=swiglu_limit)
     if _use_triton(x):
-        return _triton_fn("moe_triton", "fused_moe_triton")(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return _triton_fn("moe_triton", "fused_moe_triton")(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                                                            **extras)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **extras)

@@ -14,6 +14,14 @@ the chunk has no earlier context and with a bottom-right mask otherwise. GQA nev
 per query head: decode packs the query heads of one KV group as extra query rows, prefill
 broadcasts K/V over the group with a stride-0 ``expand``.
 
+Sliding windows (a query at position p sees keys [p - window + 1, p], transformers' mask) gather
+only the blocks a window can reach: a decode row the ``(window - 1) // block_size + 2`` blocks
+from its window's first one, a prefill chunk the blocks from its first row's window edge on; the
+blocks before may already be freed (the null block in the table), so they are never read. That
+gather is where a window saves time on the CPU (bench/window_decode.py). Attention sinks
+(gpt-oss: one learned logit per head in the softmax denominator) take the explicit math path:
+SDPA has no such term.
+
 Off the CPU this module is the oracle the Triton kernels are tested against, not a runtime path,
 so there it does not call SDPA: CUDA's fused SDPA backends (memory-efficient attention for fp32
 with a mask) take these stride-0 K/V and strided queries through layout-specific code paths with
@@ -48,23 +56,36 @@ def _attend(
     scale: float,
     mask: torch.Tensor | None = None,  # bool, broadcastable to [..., query_len, seq_len]; True = attend
     is_causal: bool = False,  # square causal (top-left diagonal), only without a mask
+    sinks: torch.Tensor | None = None,  # fp32, broadcastable to [..., query_len, 1]: sink logits
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` on the CPU; elsewhere the same math done explicitly in
-    float64 (the oracle for the Triton kernels: no fused-kernel layout paths, no TF32)."""
-    if not _explicit_math(q.device):
+    """``F.scaled_dot_product_attention`` on the CPU; elsewhere, or with sinks, the same math done
+    explicitly (float64 off the CPU: the oracle for the Triton kernels, no fused-kernel layout
+    paths, no TF32)."""
+    explicit = _explicit_math(q.device)
+    if not explicit and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    math_dtype = torch.float64 if explicit else torch.float32
     query_len, seq_len = q.shape[-2], k.shape[-2]
     if is_causal:
         mask = torch.ones((query_len, seq_len), dtype=torch.bool, device=q.device).tril()
     rows_per_chunk = max(1, ORACLE_CHUNK_BYTES // (8 * seq_len * max(1, q[..., 0, 0].numel())))
-    k64, v64 = k.double(), v.double()
+    k64, v64 = k.to(math_dtype), v.to(math_dtype)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for a in range(0, query_len, rows_per_chunk):
-        scores = torch.matmul(q[..., a: a + rows_per_chunk, :].double(), k64.transpose(-1, -2)) * scale
+        scores = torch.matmul(q[..., a: a + rows_per_chunk, :].to(math_dtype), k64.transpose(-1, -2)) * scale
         if mask is not None:
             rows_mask = mask if mask.shape[-2] == 1 else mask[..., a: a + rows_per_chunk, :]
             scores = scores.masked_fill(~rows_mask, float("-inf"))
-        out[..., a: a + rows_per_chunk, :] = torch.matmul(scores.softmax(-1), v64)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # transformers' gpt-oss: softmax over [scores, sink], the sink's column dropped
+            sink = sinks.to(math_dtype)
+            if sink.shape[-2] != 1:
+                sink = sink[..., a: a + rows_per_chunk, :]
+            peak = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            probs = (scores - peak).exp()
+            probs = probs / (probs.sum(-1, keepdim=True) + (sink - peak).exp())
+        out[..., a: a + rows_per_chunk, :] = torch.matmul(probs, v64)
     return out
 
 
@@ -95,23 +116,32 @@ def _prefill_one(
     blocks: torch.Tensor,  # [n_blocks] int64: the sequence's blocks, in order
     seq_len: int,
     scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32
 ) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     context_len = seq_len - query_len
-    k = _gather(key_cache, blocks[None], seq_len)[0]  # [KVH, seq_len, D]
-    v = _gather(value_cache, blocks[None], seq_len)[0]
-    # [KVH, group, query_len, D] queries over [KVH, group (stride 0), seq_len, D] keys.
+    # A window reads from the block of the first row's first visible key on.
+    first = max(0, context_len + 1 - window) // block_size * block_size if window else 0
+    length = seq_len - first
+    k = _gather(key_cache, blocks[None, first // block_size:], length)[0]  # [KVH, length, D]
+    v = _gather(value_cache, blocks[None, first // block_size:], length)[0]
+    # [KVH, group, query_len, D] queries over [KVH, group (stride 0), length, D] keys.
     qg = q.float().view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    k = k[:, None].expand(num_kv_heads, group, seq_len, head_dim)
-    v = v[:, None].expand(num_kv_heads, group, seq_len, head_dim)
-    if context_len == 0:  # square causal: SDPA's top-left diagonal is the right one
-        out = _attend(qg, k, v, scale, is_causal=True)
+    k = k[:, None].expand(num_kv_heads, group, length, head_dim)
+    v = v[:, None].expand(num_kv_heads, group, length, head_dim)
+    head_sinks = None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1)
+    if context_len == 0 and not window:  # square causal: SDPA's top-left diagonal is the right one
+        out = _attend(qg, k, v, scale, is_causal=True, sinks=head_sinks)
     else:  # query i sits at position context_len + i: bottom-right aligned mask
-        q_pos = torch.arange(context_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
-        out = _attend(qg, k, v, scale, mask=mask)
+        q_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [query_len, length]
+        if window:
+            mask &= k_pos > q_pos - window
+        out = _attend(qg, k, v, scale, mask=mask, sinks=head_sinks)
     return out.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
 
@@ -126,45 +156,69 @@ def _decode_batch(
     scale: float,
     k_buf: torch.Tensor | None = None,  # scratch for _gather, reused across chunks
     v_buf: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32
 ) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    n_blocks = -(-max_len // block_size)
-    table = block_tables[:, :n_blocks].long()
-    if min_len != max_len:
-        # Entries past a sequence's last block may hold anything: point them at block 0 (masked).
-        unused = torch.arange(n_blocks, device=q.device)[None, :] * block_size >= seq_lens[:, None]
-        table = table.masked_fill(unused, 0)
-    k = _gather(key_cache, table, max_len, k_buf)  # [n, KVH, max_len, D]
-    v = _gather(value_cache, table, max_len, v_buf)
-    qg = q.float().view(n, num_kv_heads, group, head_dim)  # the group's heads as query rows
+    n_blocks = _decode_span(max_len, block_size, window)
+    arange = torch.arange(n_blocks, device=q.device)[None, :]
     mask = None
-    if min_len != max_len:
-        k_pos = torch.arange(max_len, device=q.device)
-        mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [n, 1, 1, max_len]
-    out = _attend(qg, k, v, scale, mask=mask)
+    if window:
+        # Each row's blocks from its window's first one: [first, first + n_blocks) of its table.
+        first = (seq_lens.long() - window).clamp_(min=0) // block_size  # [n]
+        cols = first[:, None] + arange  # [n, n_blocks]
+        table = block_tables.long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))
+        table = table.masked_fill(cols * block_size >= seq_lens[:, None], 0)  # past the end: masked
+        k_pos = (first * block_size)[:, None] + torch.arange(n_blocks * block_size, device=q.device)[None, :]
+        mask = ((k_pos < seq_lens[:, None]) & (k_pos >= seq_lens[:, None] - window))[:, None, None, :]
+        length = n_blocks * block_size
+    else:
+        table = block_tables[:, :n_blocks].long()
+        length = max_len
+        if min_len != max_len:
+            # Entries past a sequence's last block may hold anything: point them at block 0 (masked).
+            table = table.masked_fill(arange * block_size >= seq_lens[:, None], 0)
+            k_pos = torch.arange(max_len, device=q.device)
+            mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [n, 1, 1, max_len]
+    k = _gather(key_cache, table, length, k_buf)  # [n, KVH, length, D]
+    v = _gather(value_cache, table, length, v_buf)
+    qg = q.float().view(n, num_kv_heads, group, head_dim)  # the group's heads as query rows
+    head_sinks = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1)
+    out = _attend(qg, k, v, scale, mask=mask, sinks=head_sinks)
     return out.reshape(n, num_heads, head_dim)
 
 
-def _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens: list[int], scale: float) -> torch.Tensor:
+def _decode_span(max_len: int, block_size: int, window: int) -> int:
+    """Blocks a decode row's keys can span: all of the longest context's, or at most those of a
+    window (its ``window`` keys start anywhere in a block)."""
+    n_blocks = -(-max_len // block_size)
+    return min(n_blocks, (window - 1) // block_size + 2) if window else n_blocks
+
+
+def _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens: list[int], scale: float,
+                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows in chunks of sequences whose gathered K/V stay within ``DECODE_CHUNK_BYTES``."""
     n = q.shape[0]
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     max_len = max(lens)
-    per_seq = 2 * -(-max_len // block_size) * block_size * num_kv_heads * head_dim * 4  # K + V fp32 bytes
+    span = _decode_span(max_len, block_size, window)
+    per_seq = 2 * span * block_size * num_kv_heads * head_dim * 4  # K + V fp32 bytes
     step = max(1, DECODE_CHUNK_BYTES // per_seq)
     if step >= n:
-        return _decode_batch(q, key_cache, value_cache, block_tables, seq_lens, min(lens), max_len, scale)
+        return _decode_batch(q, key_cache, value_cache, block_tables, seq_lens, min(lens), max_len, scale,
+                             window=window, sinks=sinks)
     # Blocks for the longest chunk; every chunk gathers into these, so they stay cache-resident.
-    buf_blocks = step * -(-max_len // block_size)
+    buf_blocks = step * span
     k_buf = key_cache.new_empty((buf_blocks, block_size, num_kv_heads, head_dim))
     v_buf = value_cache.new_empty((buf_blocks, block_size, num_kv_heads, head_dim))
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for a in range(0, n, step):
         chunk = lens[a: a + step]
         out[a: a + step] = _decode_batch(q[a: a + step], key_cache, value_cache, block_tables[a: a + step],
-                                         seq_lens[a: a + step], min(chunk), max(chunk), scale, k_buf, v_buf)
+                                         seq_lens[a: a + step], min(chunk), max(chunk), scale, k_buf, v_buf,
+                                         window, sinks)
     return out
 
 
@@ -179,9 +233,15 @@ def paged_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
     """Paged causal attention in fp32 torch: ``[num_tokens, num_heads, head_dim]`` in ``out_dtype``
     (default q's dtype; tests ask for fp32 to compare half-precision kernels without rounding).
+
+    ``sliding_window`` > 0: a query at position p sees keys [p - window + 1, p] only, and table
+    entries before the window are never read. ``sinks``: one logit per head added to the softmax
+    denominator (gpt-oss).
 
     An fp8 cache holds ``K / k_scale`` and ``V / v_scale``: the gather upcasts it to fp32 like any
     cache, ``k_scale`` folds into the softmax scale (``q . (k * s) = (q . k) * s``) and ``v_scale``
@@ -190,13 +250,14 @@ def paged_attention_ref(
     out_dtype = out_dtype or q.dtype
     if key_cache.dtype is not torch.float8_e4m3fn:
         return _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                     scale).to(out_dtype)
-    out = _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale * k_scale)
+                                     scale, sliding_window, sinks).to(out_dtype)
+    out = _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale * k_scale,
+                                sliding_window, sinks)
     return out.mul_(v_scale).to(out_dtype)
 
 
 def _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                          scale: float) -> torch.Tensor:
+                          scale: float, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
     """``paged_attention_ref``'s math, in fp32 (a cache's stored values, whatever their dtype)."""
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()  # num_seqs + 1 ints: the per-sequence plan is host-side
@@ -204,17 +265,17 @@ def _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, que
     num_seqs = len(lens)
     decode_seqs = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
     if decode_seqs and len(decode_seqs) == num_seqs == q.shape[0]:  # pure decode: no scatter
-        return _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens, scale)
+        return _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens, scale, window, sinks)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if decode_seqs:
         idx = torch.tensor(decode_seqs, device=q.device)
         rows = query_start_loc.long()[idx]
         out[rows] = _decode_chunked(q[rows], key_cache, value_cache, block_tables[idx], seq_lens[idx],
-                                    [lens[i] for i in decode_seqs], scale)
+                                    [lens[i] for i in decode_seqs], scale, window, sinks)
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         if end - start <= 1:  # decode rows done above; empty sequences produce nothing
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        out[start:end] = _prefill_one(q[start:end], key_cache, value_cache, blocks, seq_len, scale)
+        out[start:end] = _prefill_one(q[start:end], key_cache, value_cache, blocks, seq_len, scale, window, sinks)
     return out

@@ -7,7 +7,10 @@ the batch is small. Here the context is cut into partitions of ``PARTITION`` key
 group (GQA packed, rows padded to 16 for ``tl.dot``) and writes the unnormalised output with its
 running max and sum. A second kernel merges the partitions per (seq, head). The partition count
 comes from the block-table width, so launching never syncs with the device; partitions past a
-sequence's end write an empty result (max = -inf, sum = 0) that the merge ignores.
+sequence's end write an empty result (max = -inf, sum = 0) that the merge ignores. In a
+sliding-window layer the partitions start at the window's first key, so a long context needs only
+``window / PARTITION`` of them and nothing before the window is read; attention sinks join the
+softmax denominator in the merge.
 """
 
 from __future__ import annotations
@@ -21,6 +24,19 @@ from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
 PARTITION = 512  # keys per partition; a multiple of every BLOCK_N used below
 _MIN_PROGRAMS = 256  # below this many (seq, kv head) programs the unified kernel leaves SMs idle
+# The window the kernels get for full attention: wider than any context, so every edge is key 0
+# (one code path, no branch; well inside int32 arithmetic next to positions < 2**30).
+NO_WINDOW = 1 << 30
+
+
+def kernel_window(sliding_window: int) -> int:
+    """The kernels' ``window`` argument: the layer's sliding window, or NO_WINDOW for 0 (none)."""
+    return sliding_window if sliding_window > 0 else NO_WINDOW
+
+
+def window_context(sizes: PagedAttentionSizes, sliding_window: int) -> int:
+    """The most keys one query of the call can see: the block table's capacity, or the window."""
+    return min(sizes.max_context, sliding_window) if sliding_window > 0 else sizes.max_context
 
 
 def fp8_scales(key_cache: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:
@@ -39,7 +55,7 @@ def use_split_k(num_seqs: int, num_kv_heads: int, max_context: int) -> bool:
 
 # Integers that change with the batch (the block-table width and the partitions it spans) stay out
 # of Triton's specialisation key, as in the unified kernel.
-@triton.jit(do_not_specialize=["num_parts", "stride_bt"])
+@triton.jit(do_not_specialize=["num_parts", "stride_bt", "window"])
 def _split_k_partial_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_parts, HEAD_PAD] fp32
     part_max_ptr,  # [num_seqs, num_heads, num_parts] fp32, log2 units
@@ -51,6 +67,7 @@ def _split_k_partial_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     scale,
+    window,  # a query sees its last `window` keys; full attention: NO_WINDOW
     num_heads,
     num_parts,
     stride_qt, stride_qh, stride_qd,
@@ -72,8 +89,8 @@ def _split_k_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
-    p_start = part * PARTITION_SIZE
-    p_end = tl.minimum(p_start + PARTITION_SIZE, seq_len)  # the decode token sees every key
+    p_start = tl.maximum(seq_len - window, 0) + part * PARTITION_SIZE  # from the window's first key
+    p_end = tl.minimum(p_start + PARTITION_SIZE, seq_len)  # the decode token sees every key after it
     block_row_ptr = block_tables_ptr + seq * stride_bt
     acc, m_i, l_i = attend_decode(q_ptr, token, kv_head, p_start, p_end, scale, block_row_ptr, k_cache_ptr, v_cache_ptr,
                                   stride_qt, stride_qh, stride_qd,
@@ -97,6 +114,7 @@ def _split_k_reduce_kernel(
     part_max_ptr,  # [num_seqs, num_heads, num_parts] fp32
     part_sum_ptr,  # [num_seqs, num_heads, num_parts] fp32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_heads] fp32 sink logits (HAS_SINKS; else any pointer, never read)
     v_scale,  # 1.0, or an fp8 cache's v_scale
     num_heads,
     num_parts,
@@ -104,6 +122,7 @@ def _split_k_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     PARTS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -113,12 +132,17 @@ def _split_k_reduce_kernel(
     m = tl.load(part_max_ptr + base + offs_p, mask=p_ok, other=float("-inf"))  # [PARTS_PAD]
     l = tl.load(part_sum_ptr + base + offs_p, mask=p_ok, other=0.0)
     m_all = tl.max(m, 0)
+    if HAS_SINKS:  # the sink is one more term of the denominator (log2 units, like the maxima)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))  # empty partitions weigh nothing
     offs_d = tl.arange(0, HEAD_PAD)
     acc = tl.load(part_out_ptr + (base + offs_p)[:, None] * HEAD_PAD + offs_d[None, :],
                   mask=p_ok[:, None], other=0.0)  # [PARTS_PAD, HEAD_PAD]
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m_all)
     out = num / tl.where(den == 0.0, 1.0, den) * v_scale  # v_scale: 1.0 unless fp8
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     o_off = token * stride_ot + head.to(tl.int64) * stride_oh + offs_d * stride_od
@@ -138,9 +162,12 @@ def launch_split_k(
     sizes: PagedAttentionSizes | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-only split-K attention: requires exactly one query token per sequence. ``k_scale``/
-    ``v_scale``: an fp8 cache's scales (``fp8_scales``)."""
+    ``v_scale``: an fp8 cache's scales (``fp8_scales``); ``sliding_window`` (0 = none) and
+    ``sinks`` as in ``launch_unified``."""
     if sizes is None:
         sizes = paged_attention_sizes(q, key_cache, block_tables)
     num_seqs, num_heads = sizes.num_seqs, sizes.num_heads
@@ -153,7 +180,7 @@ def launch_split_k(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    num_parts = triton.cdiv(sizes.max_context, partition)
+    num_parts = triton.cdiv(window_context(sizes, sliding_window), partition)
     scale, v_scale = fp8_scales(key_cache, scale, k_scale, v_scale)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_out = torch.empty((num_seqs, num_heads, num_parts, hpad), **f32)
@@ -161,14 +188,16 @@ def launch_split_k(
     part_sum = torch.empty((num_seqs, num_heads, num_parts), **f32)
     _split_k_partial_kernel[(num_seqs, sizes.num_kv_heads, num_parts)](
         part_out, part_max, part_sum, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_heads, num_parts,
+        scale, kernel_window(sliding_window), num_heads, num_parts,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         HEAD_DIM=sizes.head_dim, HEAD_PAD=hpad, GROUP=sizes.group, ROWS=max(16, triton.next_power_of_2(sizes.group)),
         BLOCK_N=block_n, BLOCK_SIZE=sizes.block_size, PARTITION_SIZE=partition,
         IEEE_FP32=q.dtype == torch.float32,
     )
     _split_k_reduce_kernel[(num_seqs, num_heads)](
-        out, part_out, part_max, part_sum, query_start_loc, v_scale, num_heads, num_parts, *out.stride(),
+        out, part_out, part_max, part_sum, query_start_loc, query_start_loc if sinks is None else sinks, v_scale,
+        num_heads, num_parts, *out.stride(),
         HEAD_DIM=sizes.head_dim, HEAD_PAD=hpad, PARTS_PAD=max(2, triton.next_power_of_2(num_parts)),
+        HAS_SINKS=sinks is not None,
     )
     return out

@@ -6,7 +6,11 @@ the whole group: rows = tokens x heads-in-group. One program per (query tile, kv
 walked in tiles of ``BLOCK_N`` positions, independent of the cache block size: every key
 position finds its block through the block table, so a tile may span several blocks or part of
 one. Softmax is online in fp32. Key tiles that every row of the program may see (before the
-causal diagonal) skip all masking; only the last few tiles pay for it. Every ``tl.dot`` has
+causal diagonal) skip all masking; only the last few tiles pay for it. A sliding-window layer
+(``window`` > 0: a query at position p sees keys [p - window + 1, p], as transformers masks)
+starts each program at the tile holding its first row's window edge, so the tiles before it are
+never loaded (their blocks may already be freed), and masks the few tiles its rows' edges cross.
+Attention sinks (``HAS_SINKS``) add one learned logit per head to the softmax denominator. Every ``tl.dot`` has
 M, N, K >= 16 (head_dim and the group are padded and masked), so kernels that pass in the
 interpreter also compile for a GPU. Block ids are widened to int64 before they meet a stride:
 ``block_id * block_stride`` overflows int32 on large caches.
@@ -32,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_splitk_triton import fp8_scales, launch_split_k, use_split_k
-from kernels.attention_tile_triton import attend_decode, attend_range, group_rows, head_pad
+from kernels.attention_splitk_triton import fp8_scales, kernel_window, launch_split_k, use_split_k, window_context
+from kernels.attention_tile_triton import attend_decode, attend_range, fold_sinks, group_rows, head_pad
 from kernels.checks import PagedAttentionSizes, paged_attention_sizes
 
 @triton.jit
@@ -55,8 +59,8 @@ def _find_seq(query_start_loc_ptr, last_seq, tile_id, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _query_tile(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    tile_id, kv_head, scale, v_scale, num_seqs,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+    tile_id, kv_head, scale, v_scale, window, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -64,7 +68,7 @@ def _query_tile(
     stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE_FP32: tl.constexpr,
-    SKIP_DECODES: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SKIP_DECODES: tl.constexpr,
 ):
     """One (query tile, kv head): BLOCK_Q tokens x GROUP_PAD heads of one sequence."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -96,18 +100,28 @@ def _query_tile(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         qk_scale = scale * 1.4426950408889634  # fold log2(e) in: exp2 is cheaper than exp
 
-        # Keys [0, n_full) are visible to every row of the tile (k <= context_len + q_first):
-        # no masks there. The rest, up to the causal limit of the last valid row, is masked.
+        # Keys [head_end, n_full) are visible to every row of the tile (k <= context_len + q_first,
+        # and past every row's window edge): no masks there. The rest, from the tile of the first
+        # row's window edge and up to the causal limit of the last valid row, is masked.
         last_q = tl.minimum(query_len, q_first + BLOCK_Q) - 1
         kv_end = context_len + last_q + 1
         n_full = (context_len + q_first + 1) // BLOCK_N * BLOCK_N
         row_end = (context_len + q_pos + 1)[:, None]  # [BLOCK_M, 1] causal: a row sees keys up to its own
+        # A row sees its last `window` keys (full attention: a window past any context, so the
+        # edges below are 0 and the head is empty). Tiles before the first row's edge are skipped.
+        row_begin = row_end - window
+        lo = tl.maximum(context_len + q_first + 1 - window, 0)
+        hi = tl.maximum(kv_end - window, 0)  # the last valid row's edge
+        start = lo // BLOCK_N * BLOCK_N
+        head_end = tl.maximum(tl.minimum((hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N, n_full), start)
         block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        acc, m_i, l_i = attend_range(acc, m_i, l_i, q, row_ok, row_end, 0, n_full, kv_end, qk_scale, block_row_ptr,
-                                     k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
+        acc, m_i, l_i = attend_range(acc, m_i, l_i, q, row_ok, row_begin, row_end, lo, start, head_end, n_full, kv_end,
+                                     qk_scale, block_row_ptr, k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_ok,
                                      stride_kb, stride_ks, stride_kh, stride_kd,
                                      stride_vb, stride_vs, stride_vh, stride_vd,
                                      BLOCK_N, BLOCK_SIZE, IEEE_FP32)
+        if HAS_SINKS:
+            acc, l_i = fold_sinks(acc, m_i, l_i, sinks_ptr, head, row_ok)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # v_scale: 1.0 unless fp8
         o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
@@ -116,40 +130,46 @@ def _query_tile(
 
 @triton.jit
 def _decode_row(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    seq, kv_head, scale, v_scale,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+    seq, kv_head, scale, v_scale, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One (sequence, kv head) of a single-token sequence: its GROUP heads (padded to ROWS >= 16
-    for tl.dot) over the whole context; other sequences leave at once."""
+    for tl.dot) over the whole context (its last ``window`` keys in a sliding-window layer);
+    other sequences leave at once."""
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if query_len == 1:
         seq_len = tl.load(seq_lens_ptr + seq)
         token = q_start.to(tl.int64)
         block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        acc, m_i, l_i = attend_decode(q_ptr, token, kv_head, 0, seq_len, scale, block_row_ptr, k_cache_ptr, v_cache_ptr,
+        first = tl.maximum(seq_len - window, 0)  # the window's first key (0 for full attention)
+        acc, m_i, l_i = attend_decode(q_ptr, token, kv_head, first, seq_len, scale, block_row_ptr, k_cache_ptr,
+                                      v_cache_ptr,
                                       stride_qt, stride_qh, stride_qd,
                                       stride_kb, stride_ks, stride_kh, stride_kd,
                                       stride_vb, stride_vs, stride_vh, stride_vd,
                                       HEAD_DIM, HEAD_PAD, GROUP, ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32)
 
         head, row_ok = group_rows(kv_head, GROUP, ROWS)
+        if HAS_SINKS:
+            acc, l_i = fold_sinks(acc, m_i, l_i, sinks_ptr, head, row_ok)
         offs_d = tl.arange(0, HEAD_PAD)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # v_scale: 1.0 unless fp8
         o_off = token * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-# Integers that change with the batch stay out of Triton's specialisation key (which would compile
+# Integers that change with the batch (and the sliding window, which differs between layers) stay out
+# of Triton's specialisation key (which would compile
 # a variant for every value that is 1 or a multiple of 16: seconds each, in the middle of serving).
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt", "window"])
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -158,8 +178,10 @@ def _unified_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_heads] fp32 sink logits (HAS_SINKS; else any pointer, never read)
     scale,  # softmax scale (times k_scale for an fp8 cache)
     v_scale,  # 1.0, or an fp8 cache's v_scale
+    window,  # a query sees its last `window` keys (itself included); full attention: NO_WINDOW
     num_seqs,
     num_tiles,  # query tiles in the grid: num_tokens // BLOCK_Q + num_seqs
     stride_qt, stride_qh, stride_qd,
@@ -175,6 +197,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     SPLIT_DECODES: tl.constexpr,  # programs [0, num_seqs) are decode programs, the rest query tiles
     DECODE_ROWS: tl.constexpr,  # rows of a decode program: GROUP padded to a power of two >= 16
 ):
@@ -185,24 +208,26 @@ def _unified_attention_kernel(
     if SPLIT_DECODES:
         if pid < num_seqs:
             _decode_row(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        query_start_loc_ptr, pid, kv_head, scale, v_scale,
+                        query_start_loc_ptr, sinks_ptr, pid, kv_head, scale, v_scale, window,
                         stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                        stride_bt, HEAD_DIM, HEAD_PAD, GROUP, DECODE_ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32)
+                        stride_bt, HEAD_DIM, HEAD_PAD, GROUP, DECODE_ROWS, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
+                        HAS_SINKS)
         else:
             _query_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        query_start_loc_ptr, num_tiles - 1 - (pid - num_seqs), kv_head, scale, v_scale, num_seqs,
+                        query_start_loc_ptr, sinks_ptr, num_tiles - 1 - (pid - num_seqs), kv_head, scale, v_scale,
+                        window, num_seqs,
                         stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                         stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                         stride_bt, HEAD_DIM, HEAD_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
-                        SKIP_DECODES=True)
+                        HAS_SINKS, SKIP_DECODES=True)
     else:
         _query_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, num_tiles - 1 - pid, kv_head, scale, v_scale, num_seqs,
+                    query_start_loc_ptr, sinks_ptr, num_tiles - 1 - pid, kv_head, scale, v_scale, window, num_seqs,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                     stride_bt, HEAD_DIM, HEAD_PAD, GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, BLOCK_SIZE, IEEE_FP32,
-                    SKIP_DECODES=False)
+                    HAS_SINKS, SKIP_DECODES=False)
 
 
 def _check_tile(name: str, value: int) -> None:
@@ -224,6 +249,8 @@ def launch_unified(
     sizes: PagedAttentionSizes | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the unified kernel (inputs already validated by ``kernels.checks``, whose result
     ``sizes`` is; computed here when None). Every choice below reads shapes only.
@@ -234,6 +261,8 @@ def launch_unified(
     give single-token sequences their own decode programs (default: when the batch holds prefill
     tokens, i.e. ``num_tokens > num_seqs``; a decode-only batch is all decode programs anyway).
     ``k_scale``/``v_scale``: an fp8 cache's scales (``fp8_scales``; float caches ignore them).
+    ``sliding_window``: keys a query sees (its own included), 0 = all; ``sinks``: ``[num_heads]``
+    fp32 sink logits, or None.
     """
     if sizes is None:
         sizes = paged_attention_sizes(q, key_cache, block_tables)
@@ -257,12 +286,13 @@ def launch_unified(
     num_programs = num_tiles + (num_seqs if split_decodes else 0)
     scale, v_scale = fp8_scales(key_cache, scale, k_scale, v_scale)
     _unified_attention_kernel[(num_programs, sizes.num_kv_heads)](
-        out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, v_scale, num_seqs, num_tiles,
+        out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, seq_lens if sinks is None else sinks,
+        scale, v_scale, kernel_window(sliding_window), num_seqs, num_tiles,
         *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         HEAD_DIM=sizes.head_dim, HEAD_PAD=head_pad(sizes.head_dim), GROUP=sizes.group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=sizes.block_size,
-        IEEE_FP32=q.dtype == torch.float32, SPLIT_DECODES=split_decodes, DECODE_ROWS=max(16, group_pad),
+        IEEE_FP32=q.dtype == torch.float32, HAS_SINKS=sinks is not None, SPLIT_DECODES=split_decodes,
+        DECODE_ROWS=max(16, group_pad),
         num_warps=8 if block_q * group_pad >= 128 else 4,
     )
     return out
@@ -279,17 +309,20 @@ def paged_attention_triton(
     sizes: PagedAttentionSizes | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick split-K for decode-only batches that cannot fill the GPU, else the unified kernel.
 
     Decode-only is read from shapes (one query token per sequence), the context bound from the
-    block table width, so the choice never syncs with the device.
+    block table width and the window, so the choice never syncs with the device.
     """
     if sizes is None:
         sizes = paged_attention_sizes(q, key_cache, block_tables)
     decode_only = sizes.num_tokens == sizes.num_seqs
-    if decode_only and use_split_k(sizes.num_seqs, sizes.num_kv_heads, sizes.max_context):
+    if decode_only and use_split_k(sizes.num_seqs, sizes.num_kv_heads, window_context(sizes, sliding_window)):
         return launch_split_k(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                              sizes=sizes, k_scale=k_scale, v_scale=v_scale)
+                              sizes=sizes, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+                              sinks=sinks)
     return launch_unified(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sizes=sizes,
-                          k_scale=k_scale, v_scale=v_scale)
+                          k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, sinks=sinks)

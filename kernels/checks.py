@@ -59,9 +59,13 @@ def check_paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> PagedAttentionSizes:
     """Validate the inputs of ``paged_attention`` (see docs/architecture.md, "kernels"); return their sizes."""
     qs, ks, bs = q.shape, key_cache.shape, block_tables.shape
+    if not (sliding_window >= 0 and (sinks is None or (sinks.shape == qs[1:2] and sinks.dtype in _FLOATS))):
+        _explain_window_and_sinks(q, sliding_window, sinks)
     if len(qs) == 3 and len(ks) == 4 and len(bs) == 2:
         num_heads, head_dim, num_kv_heads, num_seqs = qs[1], qs[2], ks[2], bs[0]
         dtype, kv_dtype = q.dtype, key_cache.dtype
@@ -73,6 +77,13 @@ def check_paged_attention(
             return PagedAttentionSizes(qs[0], num_heads, head_dim, num_kv_heads, ks[1], num_seqs, bs[1] * ks[1])
     _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     raise AssertionError("unreachable: _explain_paged_attention raises")
+
+
+def _explain_window_and_sinks(q, sliding_window, sinks) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {sliding_window}")
+    raise ValueError(f"sinks must be one float per query head, [{q.shape[1]}], got "
+                     f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _explain_paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -216,6 +227,23 @@ def check_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.
         raise ValueError(f"bitmask must be contiguous int32 [num_masks, words], got {bitmask.dtype} "
                          f"{tuple(bitmask.shape)}")
     raise ValueError(f"rows must be int64 [{bitmask.shape[0]}], got {rows.dtype} {tuple(rows.shape)}")
+
+
+def check_moe_extras(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                     w2_bias: torch.Tensor | None, activation: str) -> None:
+    """Validate gpt-oss's options of ``fused_moe``: biases ``[E, 2I]`` / ``[E, H]`` in x's dtype
+    (both or neither) and the activation's name."""
+    if ((w13_bias is None) == (w2_bias is None) and activation in ("silu", "swiglu_oai")
+            and (w13_bias is None or (w13_bias.shape == w13.shape[:2] and w2_bias.shape == w2.shape[:2]
+                                      and w13_bias.dtype is x.dtype and w2_bias.dtype is x.dtype))):
+        return
+    if activation not in ("silu", "swiglu_oai"):
+        raise ValueError(f"activation must be 'silu' or 'swiglu_oai', got {activation!r}")
+    raise ValueError(f"expert biases must both be given, {x.dtype} [{w13.shape[0]}, {w13.shape[1]}] and "
+                     f"[{w2.shape[0]}, {w2.shape[1]}]; got {None if w13_bias is None else tuple(w13_bias.shape)} "
+                     f"and {None if w2_bias is None else tuple(w2_bias.shape)}")
+
+
 def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> None:
     """Validate the inputs of ``fused_moe``: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in

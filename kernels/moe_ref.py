@@ -15,6 +15,11 @@ rounded once (transformers adds them in x's dtype, expert by expert: equal in fp
 ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` (fp32, one per output channel) dequantize fp8
 weights: the matmul runs on the upcast weight and its output columns are scaled.
 
+gpt-oss's experts (``activation="swiglu_oai"``) add per-expert biases ``w13_bias [E, 2I]`` /
+``w2_bias [E, H]`` after each projection (and its scale) and gate with transformers'
+``GptOssExperts._apply_gate``: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+``(up + 1) * gate * sigmoid(alpha * gate)``.
+
 ``linear(x, w)`` and the weight containers are parameters so the CPU model can run the same
 loop over its oneDNN-packed per-expert weights (any ``w13[e]`` its ``linear`` accepts).
 """
@@ -29,10 +34,29 @@ import torch.nn.functional as F
 from kernels.activation_ref import silu_and_mul_ref
 
 
-def _expert_linear(linear: Callable, x: torch.Tensor, weight, scale: torch.Tensor | None) -> torch.Tensor:
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def _expert_linear(linear: Callable, x: torch.Tensor, weight, scale: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     if scale is None:
-        return linear(x, weight)
-    return (linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)   # fp8: per output channel
+        y = linear(x, weight)
+    else:
+        y = (linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)   # fp8: per output channel
+    return y if bias is None else y + bias
+
+
+def swiglu_oai_ref(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of ``h = cat(gate, up)`` ([n, 2I] -> [n, I]), in h's dtype."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """The experts' gate: ``silu(gate) * up``, or gpt-oss's clamped variant."""
+    return silu_and_mul_ref(h) if activation == "silu" else swiglu_oai_ref(h, alpha, limit)
 
 
 def fused_moe_ref(
@@ -44,6 +68,12 @@ def fused_moe_ref(
     w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32 (fp8 weights)
     w2_scale: torch.Tensor | None = None,  # [E, H] fp32
     linear: Callable[[torch.Tensor, object], torch.Tensor] = F.linear,
+    *,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] in x's dtype
+    w2_bias: torch.Tensor | None = None,  # [E, H]
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """``[T, H]`` in x's dtype (see the module docstring)."""
     num_tokens, top_k = topk_ids.shape
@@ -57,8 +87,10 @@ def fused_moe_ref(
         if not n:
             continue
         seg = rows[start:start + n]
-        h = _expert_linear(linear, seg, w13[e], None if w13_scale is None else w13_scale[e])     # [n, 2I]
-        y = _expert_linear(linear, silu_and_mul_ref(h), w2[e], None if w2_scale is None else w2_scale[e])  # [n, H]
+        h = _expert_linear(linear, seg, w13[e], None if w13_scale is None else w13_scale[e],
+                           None if w13_bias is None else w13_bias[e])                                   # [n, 2I]
+        y = _expert_linear(linear, expert_activation(h, activation, swiglu_alpha, swiglu_limit), w2[e],
+                           None if w2_scale is None else w2_scale[e], None if w2_bias is None else w2_bias[e])  # [n, H]
         outputs.append(y)
         start += n
     hidden = x.shape[1]

@@ -2,9 +2,10 @@
 
 The engine keeps one KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`;
 block `b` is the contiguous byte range `kv[b]`. Two pods can exchange blocks only when every
-dimension after the first, the dtype and the model itself (its fingerprint) agree. The wire
-carries these facts in `cbserve_pb2.ModelInfo`; `check_compatible` turns a disagreement into one
-message the pods return as `FAILED_PRECONDITION`.
+dimension after the first, the dtype and the model itself (its fingerprint) agree, and so do
+the layers' sliding windows (what each layer reads of the blocks, and so which blocks a decode
+pod may free). The wire carries these facts in `cbserve_pb2.ModelInfo`; `check_compatible` turns
+a disagreement into one message the pods return as `FAILED_PRECONDITION`.
 """
 
 from __future__ import annotations
@@ -95,13 +96,16 @@ class KVLayout:
                    dtype_from_name(info.kv_dtype))
 
     def to_model_info(self, model_name: str, model_fingerprint: str, *, max_model_len: int = 0,
-                      vocab_size: int = 0) -> cbserve_pb2.ModelInfo:
-        """The `ModelInfo` a pod advertises (Handshake) and sends with `PullKV`."""
+                      vocab_size: int = 0, layer_windows: tuple[int, ...] = ()) -> cbserve_pb2.ModelInfo:
+        """The `ModelInfo` a pod advertises (Handshake) and sends with `PullKV`; `layer_windows`:
+        each layer's sliding window (0: full), empty when every layer is full."""
+        if layer_windows and len(layer_windows) != self.num_layers:
+            raise LayoutError(f"layer_windows has {len(layer_windows)} entries for {self.num_layers} layers")
         return cbserve_pb2.ModelInfo(
             model_name=model_name, model_fingerprint=model_fingerprint,
             block_size=self.block_size, kv_dtype=self.dtype_name, num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            max_model_len=max_model_len, vocab_size=vocab_size,
+            max_model_len=max_model_len, vocab_size=vocab_size, layer_windows=layer_windows,
         )
 
     def mismatch(self, info: cbserve_pb2.ModelInfo) -> str | None:
@@ -142,6 +146,9 @@ def check_compatible(local: cbserve_pb2.ModelInfo, remote: cbserve_pb2.ModelInfo
         ours, theirs = getattr(local, name), getattr(remote, name)
         if ours != theirs:
             problems.append(f"{name}: {ours!r} here vs {theirs!r} there")
+    if list(local.layer_windows) != list(remote.layer_windows):
+        problems.append(f"layer_windows: {list(local.layer_windows) or 'none'} here vs "
+                        f"{list(remote.layer_windows) or 'none'} there")
     if not problems:
         return None
     return "KV layouts are incompatible: " + "; ".join(problems)

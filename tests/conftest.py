@@ -23,6 +23,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The image tests go last: CI builds the image in the background while the rest runs.
+    items.sort(key=lambda item: Path(str(item.path)).is_relative_to(ROOT / "tests" / "image"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -2,7 +2,11 @@
 
 Options read from the config: q/k/v (and o) biases, and per-head RMSNorm of q and k before RoPE
 (Qwen3's `q_norm` / `k_norm`, over `head_dim`, shared by every head). `head_dim` is the config's,
-independent of `hidden_size / num_heads`.
+independent of `hidden_size / num_heads`. Per layer: its sliding window (`cfg.window(layer)`, 0 =
+full; Mistral, Gemma 3's local layers, gpt-oss's sliding ones), the softmax scale
+(`query_pre_attn_scalar ** -0.5` for Gemma, else `head_dim ** -0.5`) and gpt-oss's attention
+sinks (`sinks [num_heads]`, this rank's heads). Window and sinks are kernel arguments, fixed per
+layer, so a captured CUDA graph replays them as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from engine.models.norm import RMSNorm
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, comm=None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, comm=None,
+                 layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.comm = comm   # tensor parallel: o_proj is row-parallel, its partial sums all-reduce
@@ -30,7 +35,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.sliding_window = cfg.window(layer)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.num_heads, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.sinks = None
         # (k_scale, v_scale) of an fp8 KV cache (engine/kv_dtype.py): static, from the checkpoint or 1.0.
         self.kv_scales = (1.0, 1.0)
 
@@ -48,6 +58,7 @@ class Attention(nn.Module):
         q, k = kernels.rope_and_write_kv(q, k, v, positions, rope_cache, key_cache, value_cache,
                                          meta.slot_mapping, k_scale, v_scale)   # one launch on CUDA
         out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, self.scale, k_scale, v_scale)  # [T, H, D]
+                                      meta.query_start_loc, self.scale, k_scale, v_scale,
+                                      self.sliding_window, self.sinks)  # [T, H, D]
         out = self.o_proj(out.reshape(-1, cfg.q_size))                # [T, hidden]
         return out if self.comm is None else self.comm.all_reduce(out)

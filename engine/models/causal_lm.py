@@ -6,11 +6,14 @@ the dense layers as one `[num_tokens, hidden]` matrix; only attention looks at s
 matmul each (the loader stacks the checkpoint's separate tensors, engine/models/weights.py).
 
 A family (engine/models/<family>.py) subclasses `CausalLM` and says what differs: `make_mlp`
-(dense, or a mixture of experts, per layer) and `hf_renames` (its checkpoint's module names).
+(dense, or a mixture of experts, per layer), `make_layer` (its decoder layer), `hf_renames` (its
+checkpoint's module names) and `hf_ignored` (tensors it does not load).
 Tensor parallelism: with a `shard`, the model holds only that rank's share (engine/tp_shard.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,9 @@ class CausalLM(nn.Module):
     # (regex, replacement) applied in order to each checkpoint tensor name (after "model." is
     # stripped) before the shared mapping of engine/models/weights.py; a family's own spellings.
     hf_renames: tuple[tuple[str, str], ...] = ()
+    # Regexes (matched after "model." is stripped): checkpoint tensors this family does not load
+    # (Gemma 3's vision tower in a multimodal checkpoint).
+    hf_ignored: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  max_position: int | None = None, shard=None, comm=None) -> None:
@@ -45,9 +51,7 @@ class CausalLM(nn.Module):
         else:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.cfg = cfg
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.make_mlp(cfg, i, dtype, device, self.comm), dtype, device, self.comm)
-            for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, dtype, device, self.comm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -56,6 +60,19 @@ class CausalLM(nn.Module):
         rope = cos_sin_cache(cfg.rope, cfg.head_dim, max_position or cfg.max_position_embeddings, device)
         self.register_buffer("rope_cache", rope, persistent=False)  # [max_position, head_dim] fp32
         self.requires_grad_(False)
+
+    def checkpoint_tensors(self, f) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """`(name, tensor)` for each tensor of the open safetensors file `f`: None to read it from
+        the file as it is (the default, every tensor); a family whose checkpoint stores some in
+        another layout (gpt-oss: transposed, interleaved or MXFP4 experts) yields them converted."""
+        for name in f.keys():
+            yield name, None
+
+    def make_layer(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                   comm) -> nn.Module:
+        """Decoder layer `layer` (`cfg`: this rank's config). Default: the pre-norm `DecoderLayer`
+        over `make_mlp`'s feed-forward block."""
+        return DecoderLayer(cfg, self.make_mlp(cfg, layer, dtype, device, comm), dtype, device, comm, layer)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
                  comm) -> nn.Module:

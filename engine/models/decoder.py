@@ -17,10 +17,10 @@ from engine.models.norm import RMSNorm
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device,
-                 comm=None) -> None:
+                 comm=None, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device, comm)
+        self.self_attn = Attention(cfg, dtype, device, comm, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = mlp
 

@@ -7,7 +7,9 @@ rounded to the model dtype where transformers rounds them (Qwen-MoE). The expert
 loop over the experts that got tokens, on oneDNN-packed per-expert weights once `pack()` ran.
 
 Qwen2-MoE adds a shared expert, a dense MLP every token goes through, scaled by
-`sigmoid(shared_expert_gate(x))`. Tensor parallelism: every rank holds a slice of every expert's
+`sigmoid(shared_expert_gate(x))`. gpt-oss (`cfg.moe_bias`): the router and every expert's two
+projections carry biases, and the experts gate with its clamped SwiGLU (`cfg.moe_activation`);
+under tensor parallelism only rank 0 holds the down projection's bias (the all-reduce adds it once). Tensor parallelism: every rank holds a slice of every expert's
 intermediate dim (and of the shared expert's), the routers whole; the block's partial sums meet
 in one all-reduce, as a dense MLP's do.
 """
@@ -42,7 +44,10 @@ class Experts(nn.Module):
     e4m3 weights with `gate_up_scale [E, 2I]` / `down_scale [E, H]` per output channel."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, bias: bool = False, activation: str = "silu",
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
+        """`bias`: `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]` (gpt-oss); `activation`:
+        "silu" or gpt-oss's "swiglu_oai" with its alpha and limit."""
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros((num_experts, 2 * intermediate, hidden), dtype=dtype,
                                                      device=device), requires_grad=False)
@@ -50,14 +55,23 @@ class Experts(nn.Module):
                                       requires_grad=False)
         self.register_buffer("gate_up_scale", None)     # [E, 2I] fp32, fp8 weights only
         self.register_buffer("down_scale", None)        # [E, H] fp32
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros((num_experts, 2 * intermediate), dtype=dtype,
+                                                              device=device), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.zeros((num_experts, hidden), dtype=dtype, device=device),
+                                               requires_grad=False)
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+        self.options = dict(activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None   # CPU, after pack()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; weights, ids: [T, K] -> [T, H]
+        extras = dict(w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias, **self.options)
         if self.packed is not None:
-            return fused_moe_ref(x, *self.packed, weights, ids, linear=linear)
+            return fused_moe_ref(x, *self.packed, weights, ids, linear=linear, **extras)
         return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.gate_up_scale,
-                                 self.down_scale)
+                                 self.down_scale, **extras)
 
     def pack(self) -> bool:
         """CPU: reorder every expert's two matrices into oneDNN's layout, in place of the 3-D
@@ -87,8 +101,9 @@ class SparseMoE(nn.Module):
         self.comm = comm
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.round_to = dtype if cfg.round_router_weights else None
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype, device=device)   # router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.moe_bias, dtype=dtype, device=device)  # router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+                               cfg.moe_bias, cfg.moe_activation, cfg.swiglu_alpha, cfg.swiglu_limit)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, device=device)

@@ -19,6 +19,9 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",   # the text model only (engine/models/gemma3.py)
+    "GptOssForCausalLM": "gpt_oss",
 }
 # family -> (module, class) implementing it
 FAMILIES = {
@@ -29,6 +32,8 @@ FAMILIES = {
     "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("engine.models.gemma3", "Gemma3ForCausalLM"),
+    "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -43,16 +43,19 @@ class WeightTarget:
     expert: int | None = None
 
 
-def map_name(hf_name: str, cfg: ModelConfig, renames: tuple[tuple[str, str], ...] = ()) -> WeightTarget | None:
+def map_name(hf_name: str, cfg: ModelConfig, renames: tuple[tuple[str, str], ...] = (),
+             ignored: tuple[str, ...] = ()) -> WeightTarget | None:
     """Checkpoint tensor name -> its `WeightTarget`; None for tensors that are not loaded (rotary
-    caches, the lm_head of a tied model)."""
+    caches, the lm_head of a tied model, names matching one of the `ignored` regexes)."""
     if hf_name.endswith(IGNORED_SUFFIXES):
         return None
     name = hf_name.removeprefix("model.")
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+    if any(re.match(pattern, name) for pattern in ignored):
         return None
     for pattern, repl in renames:
         name = re.sub(pattern, repl, name)
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
     expert = _EXPERT.match(name)
     if expert is not None:
         proj = expert["proj"]

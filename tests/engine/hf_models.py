@@ -63,8 +63,11 @@ CONFIGS = {
 }
 
 
-def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None = None):
-    """Write checkpoint `name` of `configs` (default `CONFIGS`) to `out_dir`; returns the HF model."""
+def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None = None, init=None):
+    """Write checkpoint `name` of `configs` (default `CONFIGS`) to `out_dir`; returns the HF model.
+
+    `init(name, param, generator)`: a family's own draw for a parameter (a tensor), or None for
+    the default below."""
     config_cls, model_cls, kwargs, *save = (configs or CONFIGS)[name]
     config = getattr(transformers, config_cls)(bos_token_id=1, eos_token_id=2, **kwargs)
     torch.manual_seed(seed)
@@ -72,7 +75,10 @@ def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if p.dim() >= 2:    # matrices; [E, out, in] expert stacks
+            drawn = None if init is None else init(pname, p, gen)
+            if drawn is not None:
+                p.copy_(drawn)
+            elif p.dim() >= 2:    # matrices; [E, out, in] expert stacks
                 std = 1.0 if "embed_tokens" in pname else 1.0 / math.sqrt(p.shape[-1])
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif "norm" in pname:

@@ -151,3 +151,66 @@ def test_block_table_tuple_follows_every_change_of_the_table():
     assert "a" not in manager.block_tables
     assert manager.reserve(request, 5)
     assert manager.block_table(request) == tuple(request.block_ids) and len(request.block_ids) == 2
+
+
+# ------------------------------------------------------------------ sliding windows
+def make_window_manager(window: int, num_blocks: int = 32, block_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(BlockPool(num_blocks, True), block_size, sliding_window=window)
+
+
+def test_window_frees_the_blocks_behind_it_as_the_table_grows():
+    manager = make_window_manager(window=6)
+    request = make_request("a", range(40))
+    compute(manager, request, 12)            # blocks 0..2 hold positions 0..11
+    assert 0 not in request.block_ids
+    # The next query (position 12) sees keys 7..12: block 0 (positions 0..3) is behind it; block 1
+    # (4..7) is not. Freeing waits for the table to grow.
+    compute(manager, request, 1)
+    assert request.block_ids[0] == 0 and all(request.block_ids[1:])
+    assert manager.block_table(request) == tuple(request.block_ids)
+    free_before = manager.num_free_blocks
+    for _ in range(15):                      # decode to position 28: one block out per block in
+        compute(manager, request, 1)
+    held = [b for b in request.block_ids if b]
+    assert len(held) <= manager.max_blocks_held(request.num_tokens, 1) == (6 - 1) // 4 + 2
+    assert manager.num_free_blocks >= free_before - 1
+    manager.free(request)
+    assert manager.num_free_blocks == manager.block_pool.num_usable_blocks
+    manager.block_pool.check_invariants()
+
+
+def test_window_hit_needs_only_the_blocks_the_window_reaches():
+    manager = make_window_manager(window=5)
+    first = make_request("a", range(20))
+    compute(manager, first, 20)
+    manager.free(first)                       # every full block stays cached, unreferenced
+    # Evict blocks 0 and 1: a full-attention lookup would now miss everything.
+    pool = manager.block_pool
+    for block_hash in manager._hashes(make_request("x", range(20)), 2):
+        pool._evict(pool.cached_blocks[block_hash])
+    second = make_request("b", list(range(20)) + [7])
+    hits, num_hit = manager.get_computed_blocks(second)
+    # 20 computed positions, 5 full blocks; the query at 20 sees 16..20: only block 4 is needed,
+    # but the longest prefix whose window is cached ends at 5 blocks (positions 16..19 cached).
+    assert num_hit == 20 and hits[:4] == [0, 0, 0, 0] and hits[4]
+    assert manager.allocate_slots(second, second.num_tokens - num_hit, hits)
+    assert pool.ref_cnt[0] == 0 and pool.ref_cnt[hits[4]] == 1
+    manager.block_pool.check_invariants()
+
+
+def test_window_hit_never_uses_a_reused_block():
+    manager = make_window_manager(window=9, num_blocks=8)
+    first = make_request("a", range(16))
+    compute(manager, first, 16)
+    manager.free(first)
+    hog = make_request("h", [99] * 28)       # takes every free block: the cached ones are reused
+    compute(manager, hog, 28)
+    assert manager.get_computed_blocks(make_request("b", list(range(16)) + [1])) == ([], 0)
+
+
+def test_window_caps_the_blocks_a_request_holds():
+    manager = make_window_manager(window=8, block_size=4)
+    assert manager.max_blocks_held(1000, 1) == 3
+    assert manager.max_blocks_held(1000, 16) == (8 + 16 - 2) // 4 + 2
+    assert manager.max_blocks_held(6, 16) == 2               # short requests: their own size
+    assert make_manager().max_blocks_held(1000, 1) == 250    # no window: everything

@@ -54,7 +54,7 @@ def test_unsupported_architecture(hf_dir, tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda raw: raw.pop("hidden_size"), "missing required field 'hidden_size'"),
     (lambda raw: raw.update(num_key_value_heads=3), "multiple of"),
-    (lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope scaling type"),
+    (lambda raw: raw.update(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope scaling type"),
     (lambda raw: raw.update(hidden_act="gelu"), "hidden_act"),
 ])
 def test_bad_config(hf_dir, tmp_path, edit, message):

@@ -163,8 +163,12 @@ def test_packed_experts_run_the_same_as_plain_ones(saved):
 
 
 def test_every_family_is_tested_against_transformers():
-    # Guard: each family of the registry has a checkpoint in the equivalence suite.
-    assert {ARCHITECTURES[model_cls] for _, model_cls, *_ in CONFIGS.values()} == set(FAMILIES)
+    # Guard: each family of the registry has a checkpoint in the equivalence suites (the window
+    # families' in test_window_models.py).
+    from tests.engine.hf_window_models import WINDOW_CONFIGS
+
+    configs = [*CONFIGS.values(), *WINDOW_CONFIGS.values()]
+    assert {ARCHITECTURES[model_cls] for _, model_cls, *_ in configs} == set(FAMILIES)
 
 
 def test_padded_moe_decode_step_equals_the_unpadded_one(saved):

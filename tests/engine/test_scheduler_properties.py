@@ -34,7 +34,8 @@ OPS = {
 
 
 @st.composite
-def schedulers(draw, role: str) -> Scheduler:
+def schedulers(draw, role: str, windows=st.none()) -> Scheduler:
+    """A small scheduler; `windows` draws the model's sliding window (None: full attention)."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     # Room for 16..48 tokens: one request fits, a few at once often do not (preemption).
     num_blocks = draw(st.integers(16, 48)) // block_size + 1
@@ -43,16 +44,22 @@ def schedulers(draw, role: str) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, 6)),
                              max_model_len=MAX_MODEL_LEN, policy=draw(st.sampled_from(["fcfs", "priority"])),
                              enable_chunked_prefill=chunked)
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()))
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()),
+                        sliding_window=draw(windows))
     return Scheduler(config, cache, role=role, eos_token_ids=(EOS,))
 
 
 def fits(scheduler: Scheduler, request: Request) -> bool:
     """Whether `add_request` must accept it (the scheduler validates exactly this)."""
     max_len = request.num_prompt_tokens + request.sampling_params.max_tokens
-    num_tokens = request.num_prompt_tokens if scheduler.role == "prefill" else max_len
-    return (max_len <= MAX_MODEL_LEN
-            and scheduler.kv_manager.num_blocks_for(num_tokens) <= scheduler.kv_manager.block_pool.num_usable_blocks)
+    kv, prompt = scheduler.kv_manager, request.num_prompt_tokens
+    if scheduler.role == "prefill":
+        num_blocks = kv.num_blocks_for(prompt)
+    else:   # a window caps what a request holds; a decode pod still reserves the whole prompt first
+        num_blocks = kv.max_blocks_held(max_len, scheduler.config.max_num_batched_tokens)
+        if scheduler.role == "decode":
+            num_blocks = max(num_blocks, kv.num_blocks_for(prompt))
+    return max_len <= MAX_MODEL_LEN and num_blocks <= kv.block_pool.num_usable_blocks
 
 
 def draw_request(data, rid: str, arrival: float) -> Request:

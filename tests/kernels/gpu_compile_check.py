@@ -53,23 +53,26 @@ def _compile(jit, pointers: dict[str, str], constants: dict[str, object], scalar
 
 def _attention_pointers(dtype: str) -> dict[str, str]:
     return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
-            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32"}
 
 
 UNIFIED_CONFIGS = [
         # mixed prefill+decode on a GPU: 128-row tiles (32 tokens x GQA 4) on 8 warps plus the decode
         # programs, bf16, head_dim 128 (launch_unified's defaults when the batch holds prefill tokens)
         ("*bf16", dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=32, BLOCK_N=64, BLOCK_SIZE=16,
-                       IEEE_FP32=False, SPLIT_DECODES=True, DECODE_ROWS=16), 8),
+                       IEEE_FP32=False, HAS_SINKS=False, SPLIT_DECODES=True, DECODE_ROWS=16), 8),
         # prefill-sized tiles without split decodes, bf16, GQA 8
         ("*bf16", dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=8, GROUP_PAD=8, BLOCK_Q=8, BLOCK_N=64, BLOCK_SIZE=16,
-                       IEEE_FP32=False, SPLIT_DECODES=False, DECODE_ROWS=16), 4),
+                       IEEE_FP32=False, HAS_SINKS=False, SPLIT_DECODES=False, DECODE_ROWS=16), 4),
         # decode-sized tiles, fp32 with ieee dots, head_dim 80 padded, one sequence (num_seqs == 1)
         ("*fp32", dict(HEAD_DIM=80, HEAD_PAD=128, GROUP=1, GROUP_PAD=1, BLOCK_Q=16, BLOCK_N=32, BLOCK_SIZE=1,
-                       IEEE_FP32=True, SPLIT_DECODES=False, DECODE_ROWS=16, num_seqs=1), 4),
+                       IEEE_FP32=True, HAS_SINKS=False, SPLIT_DECODES=False, DECODE_ROWS=16, num_seqs=1), 4),
         # fp16 mixed batch of one sequence with GQA 3 (padded group) and head_dim 80
         ("*fp16", dict(HEAD_DIM=80, HEAD_PAD=128, GROUP=3, GROUP_PAD=4, BLOCK_Q=32, BLOCK_N=64, BLOCK_SIZE=16,
-                       IEEE_FP32=False, SPLIT_DECODES=True, DECODE_ROWS=16, num_seqs=1), 8),
+                       IEEE_FP32=False, HAS_SINKS=False, SPLIT_DECODES=True, DECODE_ROWS=16, num_seqs=1), 8),
+        # gpt-oss: sinks, head_dim 64, GQA 8, bf16 mixed batch (its sliding layers: a runtime window)
+        ("*bf16", dict(HEAD_DIM=64, HEAD_PAD=64, GROUP=8, GROUP_PAD=8, BLOCK_Q=16, BLOCK_N=64, BLOCK_SIZE=16,
+                       IEEE_FP32=False, HAS_SINKS=True, SPLIT_DECODES=True, DECODE_ROWS=16), 8),
 ]
 
 
@@ -95,19 +98,21 @@ def split_k() -> None:
         pointers.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", k_cache_ptr=kv_dtype,
                         v_cache_ptr=kv_dtype)
         del pointers["out_ptr"]
+        del pointers["sinks_ptr"]
         _compile(_split_k_partial_kernel, pointers,
                  dict(HEAD_DIM=128, HEAD_PAD=128, GROUP=8, ROWS=16, BLOCK_N=64, BLOCK_SIZE=16, PARTITION_SIZE=512,
                       IEEE_FP32=False, stride_qd=1, stride_kd=1, stride_vd=1), {"scale": "fp32"})
-    _compile(_split_k_reduce_kernel,
-             {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
-              "query_start_loc_ptr": "*i32"},
-             dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1), {"v_scale": "fp32"})
+    for sinks in (False, True):
+        _compile(_split_k_reduce_kernel,
+                 {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                  "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32"},
+                 dict(HEAD_DIM=128, HEAD_PAD=128, PARTS_PAD=8, stride_od=1, HAS_SINKS=sinks), {"v_scale": "fp32"})
 
 
 def elementwise() -> None:
     from kernels.kv_write_triton import _write_kv_kernel
     from kernels.norm_triton import _rms_norm_kernel
-    from kernels.activation_triton import _silu_and_mul_kernel
+    from kernels.activation_triton import _gated_act_kernel
     from kernels.rope_kv_triton import _rope_kv_kernel
     from kernels.rope_triton import _rope_kernel
 
@@ -143,7 +148,8 @@ def elementwise() -> None:
     _compile(_rope_kv_kernel, fp8_pointers,
              dict(HALF=32, HALF_PAD=32, TAIL=16, TAIL_PAD=16, HEAD_DIM=80, HEAD_PAD=128, Q_HEADS_PAD=32,
                   K_HEADS_PAD=8, BLOCK_SIZE=16, FP8=True), cache_strides)
-    _compile(_silu_and_mul_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024))
+    for act in (0, 1):   # SwiGLU, GeGLU (tanh GELU)
+        _compile(_gated_act_kernel, {"out_ptr": "*bf16", "x_ptr": "*bf16"}, dict(BLOCK=1024, ACT=act))
     from kernels.fp8_quant_triton import _quantize_rows_kernel
     for static in (False, True):   # fp8 linears' activations: per-token, or the checkpoint's static scale
         _compile(_quantize_rows_kernel,
@@ -155,8 +161,9 @@ def fused_moe() -> None:
     from kernels.moe_triton import _moe_gemm_kernel
 
     def pointers(act: str, weight: str) -> dict[str, str]:
-        return {"c_ptr": act, "a_ptr": act, "b_ptr": weight, "b_scale_ptr": "*fp32", "weights_ptr": "*fp32",
-                "sorted_slots_ptr": "*i32", "block_experts_ptr": "*i32", "num_padded_ptr": "*i32"}
+        return {"c_ptr": act, "a_ptr": act, "b_ptr": weight, "b_scale_ptr": "*fp32", "bias_ptr": act,
+                "weights_ptr": "*fp32", "sorted_slots_ptr": "*i32", "block_experts_ptr": "*i32",
+                "num_padded_ptr": "*i32"}
 
     # gate/up (SwiGLU epilogue) at decode tiles, down (routing weight) at prefill tiles, fp32 with
     # ieee dots, and fp8 (e4m3) expert weights under bf16 activations.
@@ -169,7 +176,14 @@ def fused_moe() -> None:
                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)),
             (("*bf16", "*fp8e4nv"), dict(A_DIV=8, SWIGLU=True, MUL_WEIGHT=False, HAS_SCALE=True, IEEE_FP32=False,
                                          BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))):
-        _compile(_moe_gemm_kernel, pointers(act, weight), dict(constants, stride_bk=1))
+        _compile(_moe_gemm_kernel, pointers(act, weight), dict(constants, HAS_BIAS=False, OAI=False, stride_bk=1),
+                 {"alpha": "fp32", "limit": "fp32"})
+    # gpt-oss: per-expert biases, the clamped SwiGLU (gate/up) and the biased down projection, bf16.
+    for swiglu in (True, False):
+        _compile(_moe_gemm_kernel, pointers("*bf16", "*bf16"),
+                 dict(A_DIV=4 if swiglu else 1, SWIGLU=swiglu, MUL_WEIGHT=not swiglu, HAS_SCALE=False, HAS_BIAS=True,
+                      OAI=swiglu, IEEE_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, stride_bk=1),
+                 {"alpha": "fp32", "limit": "fp32"})
 
 
 def main() -> int:

@@ -80,8 +80,10 @@ def make_case(
     )
 
 
-def naive_attention(case: PagedCase) -> torch.Tensor:
-    """Dense causal attention per sequence and head in float64, from the unpaged K/V."""
+def naive_attention(case: PagedCase, sliding_window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense causal attention per sequence and head in float64, from the unpaged K/V; with a
+    sliding window (a query at p sees keys (p - window, p]) and sinks (transformers' gpt-oss:
+    softmax over the scores and one logit per head, whose column is then dropped)."""
     q = case.q.cpu().double()
     out = torch.zeros_like(q)
     starts = case.query_start_loc.tolist()
@@ -93,6 +95,15 @@ def naive_attention(case: PagedCase) -> torch.Tensor:
         v = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qi, k) * case.scale
         q_pos = torch.arange(query_len)[:, None] + (seq_len - query_len)
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
-        out[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        k_pos = torch.arange(seq_len)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks.double().cpu()[:, None, None].expand(-1, query_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        out[starts[i]: starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out

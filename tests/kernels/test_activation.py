@@ -50,3 +50,18 @@ def test_rejects_bad_inputs() -> None:
         kernels.silu_and_mul(torch.zeros(2, 5))
     with pytest.raises(ValueError, match="dtype"):
         kernels.silu_and_mul(torch.zeros(2, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("num_tokens, intermediate", [(1, 1), (3, 37), (2, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_tanh_triton_matches_reference(triton_backend, num_tokens: int, intermediate: int,
+                                            dtype: torch.dtype) -> None:
+    from kernels.activation_ref import gelu_tanh_and_mul_ref
+
+    x = _input(num_tokens, intermediate, dtype, triton_backend)
+    gate, up = x.chunk(2, dim=-1)
+    want = gelu_tanh_and_mul_ref(x)
+    assert torch.equal(want, F.gelu(gate, approximate="tanh") * up)
+    out = kernels.gelu_tanh_and_mul(x)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2 * torch.finfo(dtype).eps)
+    torch.testing.assert_close(out, want, **tol)

@@ -66,3 +66,16 @@ def test_check_compatible_ignores_labels():
     local = LLAMA8B.to_model_info("llama", "abc", max_model_len=4096)
     remote = LLAMA8B.to_model_info("served-name", "abc", max_model_len=8192)
     assert check_compatible(local, remote) is None
+
+
+def test_check_compatible_compares_the_layer_windows():
+    # Gemma-like interleaving vs the same model served as if every layer were global (an older
+    # pod): the blocks mean the same bytes, but not the same attention, nor the same freeing.
+    windows = tuple(4096 if i % 6 != 5 else 0 for i in range(LLAMA8B.num_layers))
+    local = LLAMA8B.to_model_info("gemma", "abc", layer_windows=windows)
+    assert list(local.layer_windows) == list(windows)
+    assert check_compatible(local, LLAMA8B.to_model_info("gemma", "abc", layer_windows=windows)) is None
+    problem = check_compatible(local, LLAMA8B.to_model_info("gemma", "abc"))
+    assert problem is not None and "layer_windows: [4096, 4096" in problem and "vs none there" in problem
+    with pytest.raises(LayoutError, match="layer_windows"):
+        LLAMA8B.to_model_info("gemma", "abc", layer_windows=(1, 2))
