@@ -99,7 +99,7 @@ class KVCacheManager:
         recomputed, so the step that finishes the prefill has logits to sample from. The blocks are
         not referenced yet; pass them to `allocate_slots` in the same step. With a sliding window
         the prefix only needs the blocks the next query's window reaches; the entries before them
-        are the null block. None for a request that must compute every prompt token
+        are the null block. Nothing for a request that must compute every prompt token
         (`Request.skip_reading_prefix_cache`).
         """
         if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
