@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+from cbserve.arg_types import gpu_memory_utilization, positive_int
+from cbserve.lora_flags import add_lora_flags, lora_config_from_args
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
@@ -43,22 +45,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the previous one's tokens are read back (on CUDA the "
                         "default overlaps them; CPU engines never overlap)")
-
-
-def positive_int(value: str) -> int:
-    """argparse type: an int >= 1."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return number
-
-
-def gpu_memory_utilization(value: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    share = float(value)
-    if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return share
+    add_lora_flags(p)
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str):
@@ -78,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),
+        lora=lora_config_from_args(args),
     )
 
 
@@ -91,16 +79,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from engine.lora.errors import LoRAError
     from engine.tp_shard import TensorParallelError
 
     try:
         engine = Engine(engine_config_from_args(args, "colocated"))
-    except TensorParallelError as e:
+    except (TensorParallelError, LoRAError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        (out,) = engine.generate([args.prompt], params)
-    except EngineRequestError as e:
+        (out,) = engine.generate([args.prompt], params, lora=args.lora_name)
+    except (EngineRequestError, LoRAError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -169,9 +158,14 @@ def cmd_pod(args: argparse.Namespace) -> int:
                     local_prefill_fallback=not getattr(args, "no_local_prefill_fallback", False),
                     stall_seconds=args.stall_seconds)
     engine_role = "prefill" if role == "prefill" else "decode"
+    from engine.lora.errors import LoRAError
     from engine.tp_shard import TensorParallelError
 
-    engine_config = engine_config_from_args(args, engine_role)
+    try:
+        engine_config = engine_config_from_args(args, engine_role)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.engine_core_fd < 0:
         # A pod's engine runs in an engine-core process started with this command line
         # (pod/core.py); this process serves gRPC.
@@ -189,7 +183,7 @@ def cmd_pod(args: argparse.Namespace) -> int:
             return e.code
     try:
         runtime = PodRuntime(engine_config, pod, role)
-    except TensorParallelError as e:
+    except (TensorParallelError, LoRAError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from pod.core import run_core
@@ -226,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--lora-name", default=None, metavar="NAME",
+                     help="apply this adapter of --lora-modules (default: the base model)")
     gen.set_defaults(func=cmd_generate)
 
     pre = sub.add_parser("prefill", help="run a prefill pod (gRPC PrefillService)")
@@ -247,10 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cbserve.up import add_up_command  # `cbserve up`: cbserve/up.py
     add_up_command(sub)
+    from cbserve.control import add_scale_command  # `cbserve scale`: cbserve/control.py
+    add_scale_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cbserve.early_listen import bind_for_up
+    bind_for_up(list(sys.argv[1:] if argv is None else argv))   # before the imports build_parser makes
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # a decode pod's engine core gets it too
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -48,6 +48,9 @@ class ClusterSpec:
     threads_per_pod: int | None = None   # CBSERVE_NUM_THREADS / OMP_NUM_THREADS of each child
     startup_timeout: float = 300.0
     drain_seconds: float = 10.0
+    # How long a request that finds no ready pod waits for one that is starting or restarting
+    # (the router's `--startup-wait-seconds`), so a burst sent as the cluster starts is served.
+    startup_wait_seconds: float = 60.0
     router_args: tuple[str, ...] = ()    # extra `cbserve router` flags, e.g. ("--admission", "reject")
     # The router's API key (None: the router reads CBSERVE_API_KEY, if set). Only the router gets
     # it, in its environment: never on a command line (`ps` shows those), never to a pod.
@@ -81,8 +84,8 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.startup_timeout <= 0 or self.drain_seconds < 0:
-            raise ValueError("startup_timeout must be > 0 and drain_seconds >= 0")
+        if self.startup_timeout <= 0 or self.drain_seconds < 0 or self.startup_wait_seconds < 0:
+            raise ValueError("startup_timeout must be > 0, drain_seconds and startup_wait_seconds >= 0")
         object.__setattr__(self, "router_args", tuple(self.router_args))
         object.__setattr__(self, "pod_args", tuple(self.pod_args))
 
@@ -139,12 +142,16 @@ class ClusterSpec:
             argv.append("--colocated")
         return argv + list(self.pod_args)
 
-    def router_argv(self, port: int, addresses: dict[str, list[str]]) -> list[str]:
+    def router_argv(self, port: int, addresses: dict[str, list[str]], pods_file: str | None = None) -> list[str]:
+        """`cbserve router ...`: the pods by address, or, with `pods_file`, the file listing them
+        (`--discovery file`: the pod set may change while the router runs)."""
         argv = ["router", "--model", self.model, "--host", self.host, "--port", str(port),
                 "--policy", self.policy, "--slo-ttft-ms", _number(self.slo_ttft_ms),
                 "--slo-tpot-ms", _number(self.slo_tpot_ms), "--drain-seconds", _number(self.drain_seconds),
-                "--kv-transport", self.kv_transport]
-        if self.colocated:
+                "--startup-wait-seconds", _number(self.startup_wait_seconds), "--kv-transport", self.kv_transport]
+        if pods_file is not None:
+            argv += ["--discovery", "file", "--pods-file", pods_file]
+        elif self.colocated:
             argv += ["--colocated", ",".join(addresses["colocated"])]
         else:
             argv += ["--prefill", ",".join(addresses["prefill"]), "--decode", ",".join(addresses["decode"])]

@@ -2,12 +2,14 @@
 
 Each child runs in its own session, so a Ctrl-C in the terminal reaches only `cbserve up`, which then
 stops the children in order (router first, then pods) instead of all of them dying at once mid-stream.
-On Linux each child also gets PR_SET_PDEATHSIG, so a parent killed with SIGKILL leaves no orphans.
+On Linux each child also gets PR_SET_PDEATHSIG, so a parent killed with SIGKILL leaves no orphans
+(children are started from one long-lived thread: the signal follows the starting thread).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import os
 import signal
@@ -31,9 +33,17 @@ def stderr_sink(line: str) -> None:
         sys.stderr.flush()
 
 
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: a pod
+# started from a short-lived thread (`LocalCluster.add_pod` from a `cbserve scale` handler, a
+# test's helper thread) got SIGTERM, and drained away, the moment that thread ended. Every child is
+# started on this one thread, which lives as long as the process.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbserve-spawner")
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec. 1 = PR_SET_PDEATHSIG: the kernel sends SIGTERM when
-    # the thread that started us exits, so the child drains as on Ctrl-C even if `up` was SIGKILLed.
+    # the thread that started us (`_SPAWNER`'s) exits, so the child drains as on Ctrl-C even if
+    # `up` was SIGKILLed.
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -44,10 +54,12 @@ class ManagedProcess:
     """One child process; stdout and stderr are merged and read line by line by a daemon thread."""
 
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], sink: LogSink | None = None,
-                 log_file: Path | None = None) -> None:
+                 log_file: Path | None = None, pass_fds: Sequence[int] = ()) -> None:
+        """`pass_fds`: file descriptors the child inherits (the router's listening socket)."""
         self.name = name
         self.argv = list(argv)
         self.env = env
+        self.pass_fds = tuple(pass_fds)
         self.sink = sink
         self.log_file = log_file
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -57,9 +69,10 @@ class ManagedProcess:
     def start(self, append_log: bool = False) -> None:
         """Start the process (again, after it exited: same argv and env; `append_log` keeps the
         log file's earlier lines)."""
-        self._proc = subprocess.Popen(
-            self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self._proc = _SPAWNER.submit(
+            subprocess.Popen, self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None, pass_fds=self.pass_fds).result()
         log = open(self.log_file, "a" if append_log else "w", encoding="utf-8") if self.log_file else None  # noqa: SIM115 (closed by reader)
         self._reader = threading.Thread(target=self._read, args=(self._proc.stdout, log),
                                         name=f"log-{self.name}", daemon=True)

@@ -52,7 +52,7 @@ class Supervisor:
         """One pass: note exits, restart what is due. Returns the names restarted now."""
         now = time.monotonic() if now is None else now
         restarted = []
-        for name, proc in self.procs.items():
+        for name, proc in list(self.procs.items()):   # pods come and go (`LocalCluster.add_pod`)
             child = self._children.setdefault(name, _Child(now))
             if proc.running:
                 continue

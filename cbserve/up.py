@@ -7,7 +7,8 @@
 
 It prints the router URL and every pod's address and metrics URL once all are ready, streams their
 logs with a `[name]` prefix, and on Ctrl-C / SIGTERM drains the router, then the pods (a second
-Ctrl-C kills at once). A process that dies is restarted like a kubelet would (same address,
+Ctrl-C kills at once). `cbserve scale --port PORT --decode N` changes the pod counts while it runs
+(`cbserve.control`). A process that dies is restarted like a kubelet would (same address,
 exponential backoff capped at 30 s; `cbserve.supervisor`) while the others keep serving; with
 `--exit-on-failure` it makes `up` stop the rest and exit 1 with its log tail instead.
 The Python API is `LocalCluster` (re-exported here).
@@ -22,8 +23,10 @@ import signal
 import sys
 import time
 
-from cbserve.cli import gpu_memory_utilization, positive_int
+from cbserve.arg_types import gpu_memory_utilization, positive_int
 from cbserve.cluster_spec import KV_TRANSPORTS, POLICIES, ClusterSpec
+from cbserve.control import ControlServer, default_socket_path
+from cbserve.early_listen import take
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -75,7 +78,12 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
                    help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--drain-seconds", type=float, default=10.0)
+    p.add_argument("--startup-wait-seconds", type=float, default=60.0, metavar="SECONDS",
+                   help="a request sent while the pods are still starting (or restarting) waits this long for "
+                        "one, then gets 503 with Retry-After (the router's flag)")
     p.add_argument("--log-dir", default=None, help="also write each process's log to DIR/<name>.log")
+    from cbserve.lora_flags import add_lora_flags
+    add_lora_flags(p)   # passed to every pod; the router gets --enable-lora (and runtime updating)
     add_up_arguments(p)
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
@@ -94,6 +102,9 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    from cbserve.lora_flags import lora_cluster_args
+
+    lora_pod_args, lora_router_args = lora_cluster_args(args)
     return ClusterSpec(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
         host=args.host, port=args.port, policy=args.policy, slo_ttft_ms=args.slo_ttft_ms,
@@ -104,8 +115,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
-        drain_seconds=args.drain_seconds, api_key=api_key_from_args(args),
-        router_args=up_router_args(args)
+        drain_seconds=args.drain_seconds, startup_wait_seconds=args.startup_wait_seconds,
+        api_key=api_key_from_args(args), pod_args=tuple(lora_pod_args),
+        router_args=up_router_args(args) + tuple(lora_router_args)
         + (("--enable-tokenizer-info-endpoint",) if args.enable_tokenizer_info_endpoint else ()))
 
 
@@ -160,10 +172,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_interrupt)
     for name in ("httpx", "httpx2", "httpcore", "openai"):   # not one line per readiness probe
         logging.getLogger(name).setLevel(logging.WARNING)
-    cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir)
+    cluster = LocalCluster(spec, sink=stderr_sink, log_dir=args.log_dir, listener=take(spec.host, spec.port))
+    control = None
     try:
         cluster.start()
+        control = ControlServer(cluster, default_socket_path(cluster.router_port)).start()
         print(describe(cluster), flush=True)
+        print(f"Change the pod counts with: cbserve scale --port {cluster.router_port} --decode N", flush=True)
         if args.demo:
             run_demo(cluster)
         while True:
@@ -189,3 +204,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         cluster.stop()
         return 1
+    finally:
+        if control is not None:
+            control.close()

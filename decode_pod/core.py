@@ -32,6 +32,7 @@ from kvtransfer.grpc_options import channel_options
 from kvtransfer.grpc_transport import KVSink, pull_kv
 from kvtransfer.pair_setup import open_pair
 from pod.core import EngineCore
+from pod.lora import lora_request, with_adapter
 from pod.runtime import RequestFailed, logprobs_from_pb, logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class DecodeCore(EngineCore):
             req = engine.scheduler.get_request(req_id)
             if req is not None:
                 self.rt.loop.loop.call_soon_threadsafe(self._start_pull, req_id, tuple(req.block_ids),
-                                                       req.num_prompt_tokens)
+                                                       req.num_prompt_tokens, req.lora.identity if req.lora else "")
         self.rt.after_step(engine)
 
     def fill_outputs(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], extra) -> None:
@@ -98,6 +99,7 @@ class DecodeCore(EngineCore):
         rt, req_id = self.rt, request.request_id
         try:
             prompt, params = rt.validate(request)
+            lora = lora_request(rt, request)
         except RequestFailed as e:
             self.failure(req_id, e)
             return
@@ -108,7 +110,6 @@ class DecodeCore(EngineCore):
         job.kv_handle = request.kv_handle if request.HasField("kv_handle") else None
         job.structured = params.structured
         remote = bool(request.prefill_from)
-        added = rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority, remote_kv=remote))
 
         def on_added(future) -> None:   # engine thread
             if future.exception() is not None:
@@ -121,7 +122,13 @@ class DecodeCore(EngineCore):
             if compiled.exception() is not None:
                 error = RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(compiled.exception()))
                 rt.loop.loop.call_soon_threadsafe(self._fail, req_id, error)
-        added.add_done_callback(on_added)
+
+        def add() -> None:   # the adapter, if any, is in host memory now
+            if self.jobs.get(req_id) is not job:   # aborted while its adapter was read
+                return
+            rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority, remote_kv=remote,
+                                                 lora=lora)).add_done_callback(on_added)
+        with_adapter(rt, lora, add, lambda error: self.failure(req_id, error))
 
     def forget(self, req_id: str) -> None:
         job = self.jobs.pop(req_id, None)
@@ -133,10 +140,11 @@ class DecodeCore(EngineCore):
             self._add(command.add)
 
     # ------------------------------------------------------------------ KV pull (event loop)
-    def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
+    def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int,
+                    lora_identity: str = "") -> None:
         job = self.jobs.get(req_id)
         if job is not None and job.task is None and job.prefill_from:
-            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens))
+            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens, lora_identity))
 
     def _stub(self, address: str) -> cbserve_pb2_grpc.PrefillServiceStub:
         stub = self._stubs.get(address)
@@ -163,7 +171,8 @@ class DecodeCore(EngineCore):
             self._groups[address] = group
             return group
 
-    async def _pull(self, req_id: str, job: Job, block_ids: tuple[int, ...], num_prompt_tokens: int) -> None:
+    async def _pull(self, req_id: str, job: Job, block_ids: tuple[int, ...], num_prompt_tokens: int,
+                    lora_identity: str = "") -> None:
         rt = self.rt
         try:
             group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
@@ -172,7 +181,7 @@ class DecodeCore(EngineCore):
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,
                                                 nccl_group=group.group_name if group else "",
-                                                kv_handle=job.kv_handle)
+                                                kv_handle=job.kv_handle, lora_identity=lora_identity)
             result = await pull_kv(self._stub(job.prefill_from), request, sink, timeout=job.remaining())
             job.kv_pulled_at = time.monotonic()
             job.kv_transfer_seconds = result.seconds

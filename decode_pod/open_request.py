@@ -15,16 +15,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from wire import cbserve_pb2
 from engine.grammar.spec import StructuredSpec
+from pod.core_client import CoreRuntime
 from pod.runtime import RequestFailed
-
-if TYPE_CHECKING:
-    from decode_pod.server import DecodeServicer
 
 
 @dataclass
@@ -47,6 +45,14 @@ class Job:
         return max(0.0, self.deadline - time.monotonic())
 
 
+class JobRegistry(Protocol):
+    """What an open request needs from the pod's servicer (`decode_pod.server.DecodeServicer`):
+    the runtime, and the jobs by request id it registers itself in."""
+
+    rt: CoreRuntime
+    jobs: dict[str, Job]
+
+
 class DeadlineExceeded(RequestFailed):
     """Queued by a request's deadline timer: ends the request as a timeout."""
 
@@ -58,7 +64,7 @@ class OpenRequest:
     """A request admitted to this pod: `start` it, feed `respond` its queued outputs until
     `finished` (or an error), then `close` it exactly once."""
 
-    def __init__(self, servicer: DecodeServicer, request: cbserve_pb2.GenerateRequest, timeout: float,
+    def __init__(self, servicer: JobRegistry, request: cbserve_pb2.GenerateRequest, timeout: float,
                  deliver: Callable[[object], None]) -> None:
         rt = self.rt = servicer.rt
         self.servicer = servicer

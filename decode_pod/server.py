@@ -79,7 +79,7 @@ class DecodeServicer(CommonRPCs, cbserve_pb2_grpc.DecodeServiceServicer):
 
     async def Session(self, request_iterator, context):
         """Many requests on one stream, one message per engine step (see `decode_pod.session`)."""
-        async for message in Session(self).run(request_iterator):
+        async for message in Session(self.open).run(request_iterator):
             yield message
 
 

@@ -15,21 +15,23 @@ Closing the stream, from either side, closes every request still open on it (the
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import concurrent.futures
+from collections.abc import Callable
 
 from wire import cbserve_pb2
 from decode_pod.open_request import OpenRequest
 from pod.runtime import RequestFailed, refused
 
-if TYPE_CHECKING:
-    from decode_pod.server import DecodeServicer
-
 HEARTBEAT_SECONDS = 1.0
+# `DecodeServicer.open`: validate and register one request, queue it in the engine core (raises
+# RequestFailed). Passed in, so this module needs nothing from the servicer's.
+OpenRequestFn = Callable[[cbserve_pb2.GenerateRequest, float, Callable[[object], None]],
+                         tuple[OpenRequest, concurrent.futures.Future]]
 
 
 class Session:
-    def __init__(self, servicer: DecodeServicer) -> None:
-        self.servicer = servicer
+    def __init__(self, open_request: OpenRequestFn) -> None:
+        self._open_request = open_request
         self._open: dict[str, OpenRequest] = {}
         self._pending: dict[str, list] = {}          # request id -> outputs/failures since the last message
         self._refusals: list[cbserve_pb2.RequestError] = []
@@ -56,7 +58,7 @@ class Session:
         req_id = request.request_id
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 3600.0
         try:
-            req, added = self.servicer.open(request, timeout, lambda item: self._put(req_id, item))
+            req, added = self._open_request(request, timeout, lambda item: self._put(req_id, item))
         except RequestFailed as e:
             self._refuse(req_id, e)
             return

@@ -13,3 +13,4 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     seq_lens: torch.Tensor          # [num_seqs] int32: context length after this step
     block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32
+    lora_slots: torch.Tensor | None = None   # [num_tokens] int32 LoRA adapter slot (-1: none); None: no adapter

@@ -33,6 +33,7 @@ import logging
 import operator
 import time
 
+import numpy as np
 import torch
 
 from engine.progress import progress
@@ -95,10 +96,13 @@ class DecodeBuckets:
     writes logits `[bs, vocab]` into `out` (the runner supplies it)."""
 
     def __init__(self, forward, vocab_size: int, dtype: torch.dtype, block_size: int, device: torch.device,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, lora: bool = False) -> None:
+        """`lora`: every step stages its tokens' LoRA slots (engine/lora/), so graphs include the
+        LoRA kernels (rows without an adapter skip them on the device)."""
         if device.type == "cuda":
             check_graph_backend(device)
         self.forward = forward
+        self._no_lora = np.empty(0, np.int32) if lora else None
         self.device = device
         self.batch_sizes = batch_size_buckets(max_num_seqs)
         self.width = graph_width(max_model_len, block_size)
@@ -118,10 +122,10 @@ class DecodeBuckets:
             return None
         return bs
 
-    def run(self, scheduled, bucket: int, prev=None) -> torch.Tensor:
+    def run(self, scheduled, bucket: int, prev=None, lora_slots=None) -> torch.Tensor:
         """Logits `[len(scheduled), vocab]` of a decode-only batch, padded to `bucket` sequences."""
         t = self.inputs.prepare(scheduled, pad_to=bucket, width=self.width,
-                                prev_rows=None if prev is None else prev.rows)
+                                prev_rows=None if prev is None else prev.rows, lora_slots=lora_slots)
         if prev is not None:
             t.fill_from(prev.token_ids)
         graph = self.graphs.get(bucket)
@@ -143,7 +147,7 @@ class DecodeBuckets:
             current = torch.cuda.current_stream(self.device)
             bar = progress(desc="capturing decode CUDA graphs", total=len(self.batch_sizes), unit="graph")
             for bs in sorted(self.batch_sizes, reverse=True):
-                t = self.inputs.prepare([], pad_to=bs, width=self.width)   # all padding: harmless
+                t = self.inputs.prepare([], pad_to=bs, width=self.width, lora_slots=self._no_lora)   # all padding
                 stream.wait_stream(current)
                 with torch.cuda.stream(stream):
                     for _ in range(2):   # compile and specialise every kernel for this shape

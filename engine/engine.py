@@ -31,6 +31,8 @@ from engine.kv_cache import allocate_kv_cache
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
+from engine.lora.config import LoRAConfig
+from engine.lora.request import LoRARequest
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PrevSample
 from engine.outputs import EngineStats, RequestOutput, StepSample
@@ -83,6 +85,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     detokenize: bool = True             # False: text only for requests with stop strings (pods: the
                                         # router detokenizes; the engine must, to stop on a string)
+    lora: LoRAConfig | None = None      # multi-LoRA (--enable-lora; engine/lora/); None: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -140,6 +143,11 @@ class Engine:
             self.fingerprint += f"+{self.quantization}"
         if self.kv_dtype is FP8_KV_DTYPE:  # pods exchanging fp8 KV must dequantize with the same scales
             self.fingerprint += kv_scales_suffix(self.model)
+        # Adapter slots before the KV cache is sized: their memory is the model's, fixed at start.
+        self.lora = None
+        if config.lora is not None:
+            from engine.lora.manager import LoRAManager
+            self.lora = LoRAManager(config.lora, self.model, self.model_config, self.tp)
         # After loading: on CUDA the cache takes what the weights and one worst-case step leave.
         cache_cfg = size_cache(config.cache, self.model, self.kv_dtype, self.device,
                                ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
@@ -160,7 +168,7 @@ class Engine:
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
                                   max_model_len=max_len, enforce_eager=None if self.decode_graphs else True,
-                                  tp=self.tp)
+                                  tp=self.tp, lora_slot_of=None if self.lora is None else self.lora.slots.slot_of_request)
         self.runner.warm_up()               # every kernel variant compiled now, not while serving
         self.runner.capture_cuda_graphs()
         # The prefill role ends a request at its first token: there is no next step to overlap.
@@ -172,7 +180,8 @@ class Engine:
         self.structured = StructuredOutputs.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids, self.device)
         self.failed: dict[str, Exception] = {}   # requests ended by an error since `take_failures`
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids)
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
+                                   lora_slots=None if self.lora is None else self.lora.slots)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()
@@ -210,7 +219,9 @@ class Engine:
             quantization=self.quantization, cache=dataclasses.asdict(config.cache),
             max_num_batched_tokens=sched_cfg.max_num_batched_tokens, max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=max_len, eos_token_ids=tuple(self.eos_token_ids),
-            headroom_bytes=headroom_bytes(self._graph_memory_estimate(config, sched_cfg)), size=size)
+            headroom_bytes=headroom_bytes(self._graph_memory_estimate(config, sched_cfg)), size=size,
+            lora_slots=0 if config.lora is None else config.lora.max_loras,
+            lora_rank=0 if config.lora is None else config.lora.slot_rank)
         log.info("tensor parallel: %d ranks on %s", size, self.device.type)
         return TPDriver.launch(spec, self.device)
 
@@ -232,8 +243,11 @@ class Engine:
         return self.scheduler_config.max_model_len
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validates and builds a `Request` (raises `EngineRequestError`); does not queue it."""
+                     priority: int = 0, arrival_time: float | None = None,
+                     lora: str | LoRARequest | None = None) -> Request:
+        """Validates and builds a `Request` (raises `EngineRequestError`, or a `LoRAError` for
+        `lora`: an adapter name or handle, read from disk here if its host copy is not there:
+        pods load it off the engine thread first); does not queue it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineRequestError("this model has no tokenizer: send token ids")
@@ -254,13 +268,19 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.scheduler.get_request(rid) is not None:
             raise EngineRequestError(f"request id {rid!r} is already in use")
+        if lora is not None:
+            if self.lora is None:
+                raise EngineRequestError("LoRA adapters are not enabled on this engine (--enable-lora)")
+            lora = self.lora.request(lora)
         return Request(rid, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                       priority)
+                       priority, lora=lora)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, remote_kv: bool = False) -> Request:
-        """Queues a request. `remote_kv` (decode role): its KV comes from a prefill pod."""
-        req = self.make_request(prompt, params or SamplingParams(), request_id, priority)
+                    request_id: str | None = None, priority: int = 0, remote_kv: bool = False,
+                    lora: str | LoRARequest | None = None) -> Request:
+        """Queues a request. `remote_kv` (decode role): its KV comes from a prefill pod. `lora`:
+        its adapter (see `make_request`)."""
+        req = self.make_request(prompt, params or SamplingParams(), request_id, priority, lora=lora)
         # Two tokenizer decodes per token: only where the text is read (offline, or to find a stop).
         if self.tokenizer is not None and (self.config.detokenize or req.sampling_params.stop):
             self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
@@ -315,7 +335,7 @@ class Engine:
         if not self.async_scheduling:
             return self._step_sync()
         t0 = time.perf_counter()
-        out = self.last_schedule = self.scheduler.schedule()
+        out = self._schedule()
         prev, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         if out.scheduled:
@@ -390,9 +410,15 @@ class Engine:
         failed, self.failed = self.failed, {}
         return list(failed.items())
 
+    def _schedule(self):
+        out = self.last_schedule = self.scheduler.schedule()
+        if self.lora is not None:
+            self.lora.activate_loads()   # adapters given a slot by this schedule, before its forward
+        return out
+
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        out = self.last_schedule = self.scheduler.schedule()
+        out = self._schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
@@ -495,15 +521,18 @@ class Engine:
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: Iterable[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress_desc: str | None = None) -> list[RequestOutput]:
+                 progress_desc: str | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Runs the prompts to completion (continuous batching) and returns one output each, in order
         (with its prompt logprobs when asked).
 
-        `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks)."""
+        `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks).
+        `lora`: one adapter name for every prompt, or one per prompt (None: the base model)."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        reqs = [self.add_request(p, sp, lora=a) for p, sp, a in zip(prompts, params, loras)]
         final: dict[str, RequestOutput] = {}
         scores: dict[str, PromptLogprobs] = {}   # from each first output, kept on the final one
         bar = progress(desc=progress_desc or "", total=len(reqs), unit="req", leave=True,
@@ -532,4 +561,6 @@ class Engine:
             num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_usable_blocks,
             kv_cache_usage=pool.usage, prefix_cache_hit_ratio=s.kv_manager.hit_ratio,
             num_preemptions=s.num_preemptions, step_seconds_ewma=self._step_ewma,
-            prefill_tokens_per_second=self._prefill_rate, num_steps=self.num_steps)
+            prefill_tokens_per_second=self._prefill_rate, num_steps=self.num_steps,
+            lora_adapters=() if self.lora is None else self.lora.stats(s),
+            max_loras=0 if self.lora is None else self.lora.config.max_loras)

@@ -86,7 +86,8 @@ class KVCacheManager:
             hashes = self._block_hashes[request.request_id] = []
         if len(hashes) < num_full_blocks:
             bs, tokens, chain = self.block_size, request.token_ids, hash_block_tokens
-            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            # An adapter's requests chain from its own root: KV computed under it is its own.
+            parent = hashes[-1] if hashes else (ROOT_BLOCK_HASH if request.lora is None else request.lora.root_hash)
             for i in range(len(hashes), num_full_blocks):
                 parent = chain(parent, tokens[i * bs:(i + 1) * bs])
                 hashes.append(parent)

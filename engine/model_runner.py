@@ -19,6 +19,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeBuckets
@@ -70,11 +71,15 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
-                 max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None) -> None:
+                 max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None,
+                 lora_slot_of: dict[str, int] | None = None) -> None:
         """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
-        inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs)."""
+        inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs).
+        `lora_slot_of` (LoRA enabled): request id -> its adapter's slot, kept current by the
+        scheduler (`engine.lora.slots`); each step stages its tokens' slots from it."""
         self.model = model
         self.tp = tp
+        self.lora_slot_of = lora_slot_of
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, KVH, D]
         self.block_size = block_size
         self.device = device
@@ -92,7 +97,8 @@ class ModelRunner:
         use_buckets = (device.type == "cuda" if enforce_eager is None else not enforce_eager) and tp is None
         self.decode_buckets = DecodeBuckets(
             self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
-            min(max_num_seqs, max_num_batched_tokens), max_model_len) if use_buckets else None
+            min(max_num_seqs, max_num_batched_tokens), max_model_len,
+            lora=lora_slot_of is not None) if use_buckets else None
 
     def capture_cuda_graphs(self) -> float:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
@@ -106,7 +112,17 @@ class ModelRunner:
     def prepare(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
         return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows,
-                                   extra_logits_rows=None if extra is None else extra.rows)
+                                   extra_logits_rows=None if extra is None else extra.rows,
+                                   lora_slots=self._lora_slots(scheduled))
+
+    def _lora_slots(self, scheduled, graphs: bool = False) -> np.ndarray | None:
+        """Each seq's adapter slot (-1: none), or None when no seq has one (no LoRA work in the
+        step); `graphs`: an array whenever LoRA is on (a captured graph's layout includes it)."""
+        slot_of = self.lora_slot_of
+        if slot_of is None or not (slot_of or graphs):
+            return None
+        slots = np.fromiter((slot_of.get(seq[0], -1) for seq in scheduled), np.int32, len(scheduled))
+        return slots if graphs or (slots >= 0).any() else None
 
     @inference_mode
     def run(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> torch.Tensor:
@@ -121,7 +137,7 @@ class ModelRunner:
         if self.decode_buckets is not None and extra is None:
             bucket = self.decode_buckets.bucket(scheduled)
             if bucket is not None:
-                return self.decode_buckets.run(scheduled, bucket, prev)
+                return self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
         t = self.prepare(scheduled, prev, extra)
         if prev is not None:
             t.fill_from(prev.token_ids)

@@ -54,3 +54,5 @@ class EngineStats:
     step_seconds_ewma: float
     prefill_tokens_per_second: float
     num_steps: int
+    lora_adapters: tuple = ()          # engine.lora.stats.LoRAAdapterStats, by name (LoRA enabled)
+    max_loras: int = 0                 # adapters one batch can hold (0: LoRA disabled)

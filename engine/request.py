@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value is served first under the `priority` policy
+    lora: LoRARequest | None = None   # its LoRA adapter (engine/lora/), None: the base model
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

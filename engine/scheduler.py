@@ -156,6 +156,8 @@ class Scheduler(SchedulerState):
         now = time.monotonic()
         while waiting and budget and len(self.running) + len(self.waiting_for_remote_kv) < config.max_num_seqs:
             request = waiting.peek()
+            if request.lora is not None and not self.lora_slots.can_acquire(request):
+                break          # every slot serves other adapters' running requests: wait for one
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -165,6 +167,8 @@ class Scheduler(SchedulerState):
             if not kv.allocate_slots(request, num_new, hits):
                 break          # head-of-line: keep policy order rather than skip to a smaller one
             waiting.pop()
+            if request.lora is not None:
+                self.lora_slots.acquire(request)
             request.status = _RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.first_scheduled_time is None:
@@ -194,6 +198,7 @@ class Scheduler(SchedulerState):
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the blocks; the request re-enters the front of the queue."""
         self.running.remove(request)
+        self._release_lora(request)
         self.kv_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -263,6 +268,7 @@ class Scheduler(SchedulerState):
                 # The first token ends the prefill; the blocks stay referenced for the KV pull.
                 request.status = RequestStatus.FINISHED_PREFILLED
                 request.finished_time = now
+                self._release_lora(request)
                 self.held[request_id] = request
                 self._finished_ids.append(request_id)
                 any_finished = True
@@ -275,6 +281,7 @@ class Scheduler(SchedulerState):
                 continue
             if self._check_stop(request, token_id):
                 request.finished_time = now
+                self._release_lora(request)
                 kv.free(request)
                 del self.requests[request_id]
                 self._finished_ids.append(request_id)

@@ -43,11 +43,13 @@ class SchedulerState:
     ready `KVCacheManager`. `eos_token_ids` end a request unless its `ignore_eos` is set.
     `reserve_watermark` (decode role) is the fraction of blocks kept free, when anything is running
     or reserved, so that running decodes can still grow after remote prompts are reserved.
+    `lora_slots` (`engine.lora.slots.LoRASlots`, LoRA enabled): a request with an adapter holds a
+    slot from admission (or reservation) until it leaves the batch; none free: it waits.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv: CacheConfig | KVCacheManager,
                  role: str = "colocated", eos_token_ids: Iterable[int] = (),
-                 reserve_watermark: float = 0.01) -> None:
+                 reserve_watermark: float = 0.01, lora_slots=None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if isinstance(kv, CacheConfig):
@@ -63,6 +65,7 @@ class SchedulerState:
         self.block_size = kv.block_size
         self.role = role
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.lora_slots = lora_slots
         self._watermark_blocks = max(1, int(reserve_watermark * kv.block_pool.num_usable_blocks))
 
         self.requests: dict[str, Request] = {}   # every request this scheduler still tracks
@@ -216,12 +219,18 @@ class SchedulerState:
             del self.waiting_for_remote_kv[request_id]
         elif old is RequestStatus.FINISHED_PREFILLED:
             del self.held[request_id]
+        self._release_lora(request)
         self.kv_manager.free(request)
         del self.requests[request_id]
         if not old.is_finished:      # a held request already reported its end
             request.status = status
             request.finished_time = time.monotonic()
             self._finished_ids.append(request_id)
+
+    def _release_lora(self, request: Request) -> None:
+        """The request left the batch: its adapter's slot is free for others once unused."""
+        if request.lora is not None:
+            self.lora_slots.release(request.request_id)
 
     # ------------------------------------------------------------------ decode role
     def _reserve_remote(self) -> list[str]:
@@ -236,8 +245,12 @@ class SchedulerState:
             spare = kv.num_free_blocks - kv.num_blocks_for(request.num_prompt_tokens)
             if spare < (self._watermark_blocks if busy else 0):
                 break
+            if request.lora is not None and not self.lora_slots.can_acquire(request):
+                break          # every slot serves other adapters' requests: wait for one
             reserved_ok = kv.reserve(request, request.num_prompt_tokens)
             assert reserved_ok
+            if request.lora is not None:
+                self.lora_slots.acquire(request)
             queue.popleft()
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
             if request.first_scheduled_time is None:
@@ -265,6 +278,7 @@ class SchedulerState:
         request.first_token_time = now
         if self._check_stop(request, first_token_id):
             request.finished_time = now
+            self._release_lora(request)
             self.kv_manager.free(request)
             del self.requests[request_id]
             self._finished_ids.append(request_id)
@@ -285,6 +299,7 @@ class SchedulerState:
             self.waiting_for_blocks.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_remote_kv[request_id]
+            self._release_lora(request)
             self.kv_manager.free(request)
         else:
             return False

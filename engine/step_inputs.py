@@ -50,7 +50,7 @@ def _aligned(n: int) -> int:
 
 
 class Layout(NamedTuple):
-    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill).
+    """Byte offsets of every field for one (num_tokens, num_seqs, width, num_sampled, num_fill, lora).
     A NamedTuple: hashed and compared in C, several times a step (the memoised offsets, the
     cached views, the steady-batch check)."""
 
@@ -59,12 +59,14 @@ class Layout(NamedTuple):
     width: int
     num_sampled: int
     num_fill: int
+    lora: int = 0      # 1: the step carries each token's LoRA adapter slot (engine/lora/)
 
     @property
     def fields(self) -> tuple[tuple[str, np.dtype, tuple[int, ...]], ...]:
         t, s, w = self.num_tokens, self.num_seqs, self.width
         return (("input_ids", np.int64, (t,)), ("positions", np.int64, (t,)),
-                ("slot_mapping", np.int64, (t,)), ("query_start_loc", np.int32, (s + 1,)),
+                ("slot_mapping", np.int64, (t,)), ("lora_slots", np.int32, (t if self.lora else 0,)),
+                ("query_start_loc", np.int32, (s + 1,)),
                 ("seq_lens", np.int32, (s,)), ("block_tables", np.int32, (s, w)),
                 ("logits_indices", np.int64, (self.num_sampled,)),
                 ("fill_dst", np.int64, (self.num_fill,)), ("fill_src", np.int64, (self.num_fill,)))
@@ -96,7 +98,7 @@ def _offsets(layout: Layout) -> tuple[tuple[str, np.dtype, tuple[int, ...], int,
 
 
 def max_layout_bytes(max_num_tokens: int, max_num_seqs: int, max_width: int) -> int:
-    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs).nbytes + 64
+    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs, 1).nbytes + 64
 
 
 @dataclass
@@ -170,7 +172,8 @@ class StepInputs:
             dev = {name: buf[off:off + size].view(_TORCH[dtype]).view(shape)
                    for name, dtype, shape, off, size in _offsets(layout)}
             meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
-                                     seq_lens=dev["seq_lens"], block_tables=dev["block_tables"])
+                                     seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
+                                     lora_slots=dev["lora_slots"] if layout.lora else None)
             cached = self._device_cache[layout] = (dev, meta)
         return cached
 
@@ -185,7 +188,8 @@ class StepInputs:
         return cached
 
     def prepare(self, scheduled, pad_to: int | None = None, width: int | None = None,
-                prev_rows: dict[str, int] | None = None, extra_logits_rows: np.ndarray | None = None) -> StepTensors:
+                prev_rows: dict[str, int] | None = None, extra_logits_rows: np.ndarray | None = None,
+                lora_slots: np.ndarray | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's device tensors.
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
@@ -193,6 +197,7 @@ class StepInputs:
         whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids.
         `extra_logits_rows` (eager steps): more token rows for the head, after the sampled ones
         (prompt logprobs, `engine.prompt_logprobs`).
+        `lora_slots` ([num seqs] int32): each seq's LoRA adapter slot (-1: none); None: no adapter.
 
         Host-side planning is numpy, fed by C-level iteration (`zip(*scheduled)`, `map(len, ...)`,
         `np.fromiter`): a Python-level pass over the batch costs ~50 ns a request, and a decode
@@ -218,7 +223,7 @@ class StepInputs:
             sample = np.array(samples, dtype=np.bool_)                                           # [S]
             num_sampled = int(sample.sum())
         num_extra = 0 if extra_logits_rows is None else len(extra_logits_rows)
-        layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, num_fill)
+        layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, num_fill, int(lora_slots is not None))
         self._wait_for_last_copy()
         if layout.nbytes > self.capacity:
             if not self.growable:
@@ -275,6 +280,9 @@ class StepInputs:
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
         if num_extra:
             h["logits_indices"][num_sampled:] = extra_logits_rows
+        if lora_slots is not None:   # each token takes its sequence's adapter slot (any step: rows move)
+            h["lora_slots"][:num_real_tokens] = lora_slots if decode_only else lora_slots[seq_index]
+            h["lora_slots"][num_real_tokens:] = -1
         if num_seqs > num_real and not steady:   # padding rows: harmless decodes of the null block
             input_ids[num_real_tokens:] = 0
             positions[num_real_tokens:] = 0

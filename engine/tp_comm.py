@@ -4,7 +4,7 @@ Every rank runs the same model code; `TPComm` is what the model calls at its two
 projections per layer (all-reduce), the vocab-parallel embedding (all-reduce) and the head
 (all-gather of the vocab shards). Backends: NCCL on CUDA, Gloo on CPU.
 
-Step message: rank 0 alone schedules. Before each forward it broadcasts a 6-int64 header
+Step message: rank 0 alone schedules. Before each forward it broadcasts a 7-int64 header
 (command and the `engine.step_inputs.Layout` of the step), then the step's staged input bytes (the
 one buffer `StepInputs` already packs: ids, positions, slots, block tables, ...). Tensors only;
 nothing is pickled. The other ranks rebuild the same views over the same bytes and run the same
@@ -22,7 +22,8 @@ from engine.step_inputs import Layout
 
 CMD_STEP, CMD_HEARTBEAT, CMD_STOP = 1, 2, 3
 CMD_KV_GATHER, CMD_KV_SCATTER = 4, 5     # KV transfer of a P/D pod (engine/tp_kv.py)
-HEADER_LEN = 6
+CMD_LORA_SLOT = 6                        # an adapter into a slot (engine/lora/manager.py), count = slot
+HEADER_LEN = 7
 
 
 def backend_for(device: torch.device) -> str:
@@ -63,8 +64,8 @@ class TPComm:
     # ------------------------------------------------------------------ the step message
     def send_header(self, command: int, layout: Layout | None = None, count: int = 0) -> None:
         """Rank 0: announce the next message (a step's `layout`, or a KV command's block `count`)."""
-        fields = (count, 0, 0, 0, 0) if layout is None else (layout.num_tokens, layout.num_seqs, layout.width,
-                                                              layout.num_sampled, layout.num_fill)
+        fields = (count, 0, 0, 0, 0, 0) if layout is None else (
+            layout.num_tokens, layout.num_seqs, layout.width, layout.num_sampled, layout.num_fill, layout.lora)
         dist.broadcast(torch.tensor((command, *fields), dtype=torch.int64, device=self.device), src=0)
 
     def recv_header(self) -> tuple[int, Layout | int]:

@@ -44,6 +44,8 @@ class WorkerSpec:
     eos_token_ids: tuple[int, ...]
     headroom_bytes: int
     size: int
+    lora_slots: int = 0             # LoRA: adapter slots (engine/lora/layers.py); 0: off
+    lora_rank: int = 0              # their (padded) rank
     rank: int = 0
     store_path: str = ""            # the rendezvous FileStore, in a 0700 directory of rank 0's (tp_launch)
     timeout_s: float = 300.0
@@ -85,7 +87,7 @@ def run(spec: WorkerSpec) -> None:
     from engine.model_runner import ModelRunner
     from engine.quant import quantize_model
     from engine.sampler import Sampler
-    from engine.tp_comm import CMD_KV_GATHER, CMD_KV_SCATTER, CMD_STEP, CMD_STOP, TPComm
+    from engine.tp_comm import CMD_KV_GATHER, CMD_KV_SCATTER, CMD_LORA_SLOT, CMD_STEP, CMD_STOP, TPComm
     from engine.tp_kv import serve_kv_command
     from engine.tp_shard import TPShard
 
@@ -100,6 +102,10 @@ def run(spec: WorkerSpec) -> None:
                        shard=TPShard(cfg, spec.rank, spec.size), comm=comm)
     if spec.quantization:
         quantize_model(model, spec.quantization, device)
+    lora = None
+    if spec.lora_slots:   # the same slots as rank 0's, holding this rank's shards
+        from engine.lora.layers import attach_lora
+        lora = attach_lora(model, spec.lora_slots, spec.lora_rank, TPShard(cfg, spec.rank, spec.size))
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype, device)
     sized = size_cache(cache, model, kv_dtype, device,
                        ProfileBatch.worst_case(spec.max_num_batched_tokens, spec.max_num_seqs, spec.max_model_len),
@@ -119,6 +125,9 @@ def run(spec: WorkerSpec) -> None:
             runner.run_received(layout)
         elif command in (CMD_KV_GATHER, CMD_KV_SCATTER):
             serve_kv_command(comm, command, layout, kv_cache)
+        elif command == CMD_LORA_SLOT:
+            from engine.lora.manager import serve_lora_command
+            serve_lora_command(comm, layout, lora.storage)
     # No destroy_process_group here: it would wait on rank 0, which waits for this process to exit.
 
 

@@ -16,13 +16,15 @@ from kernels.attention_ref import paged_attention_ref
 from kernels.fp8_quant_ref import quantize_fp8_rows_ref
 from kernels.grammar_mask_ref import apply_grammar_mask_ref
 from kernels.kv_write_ref import write_kv_ref
+from kernels.lora_ref import LoRAPlan, lora_expand_ref, lora_plan_ref, lora_shrink_ref
 from kernels.moe_ref import fused_moe_ref
 from kernels.norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rope_kv_ref import rope_and_write_kv_ref
 from kernels.rope_ref import apply_rope_ref
 
 __all__ = ["paged_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv",
-           "silu_and_mul", "gelu_tanh_and_mul", "quantize_fp8_rows", "apply_grammar_mask", "fused_moe"]
+           "silu_and_mul", "gelu_tanh_and_mul", "quantize_fp8_rows", "apply_grammar_mask", "fused_moe", "LoRAPlan",
+           "lora_plan", "lora_shrink", "lora_expand"]
 
 _use_triton = backend.use_triton
 _triton_fn = backend.triton_fn
@@ -208,3 +210,45 @@ def fused_moe(
         return _triton_fn("moe_triton", "fused_moe_triton")(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
                                                             **extras)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **extras)
+
+
+def lora_plan(
+    slot_ids: torch.Tensor,  # [num_tokens] int32: each token's adapter slot, -1 = none
+    num_slots: int,
+) -> LoRAPlan:
+    """Group a step's tokens by adapter slot, once per step, for every ``lora_shrink`` /
+    ``lora_expand`` of the step. Triton: sorted and padded to blocks on the device (no host read,
+    CUDA-graph safe); elsewhere the reference reads the slots present once."""
+    checks.check_lora_plan(slot_ids, num_slots)
+    if _use_triton(slot_ids):
+        return _triton_fn("lora_triton", "lora_plan_triton")(slot_ids, num_slots)
+    return lora_plan_ref(slot_ids, num_slots)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    a: torch.Tensor,  # [num_slots, rank_rows, in_features]: each slot's A rows (parts stacked)
+    plan: LoRAPlan,
+) -> torch.Tensor:
+    """``h[t] = a[slot[t]] @ x[t]`` -> ``[num_tokens, rank_rows]`` in x's dtype; rows of tokens
+    without an adapter are unspecified (``lora_expand`` never reads them)."""
+    checks.check_lora_shrink(x, a, plan.slot_ids)
+    if plan.align is not None:
+        return _triton_fn("lora_triton", "lora_shrink_triton")(x, a, plan)
+    return lora_shrink_ref(x, a, plan)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [num_tokens, out_features], updated in place
+    h: torch.Tensor,  # [num_tokens, len(slice_starts) * rank]
+    b: torch.Tensor,  # [num_slots, out_features, rank]: each slot's B (scaling folded in)
+    plan: LoRAPlan,
+    slice_starts: tuple[int, ...] = (0,),  # output column where each part of a fused projection starts
+) -> None:
+    """``y[t, slice i] += b[slot[t], slice i] @ h[t, i*rank:(i+1)*rank]`` for tokens with an
+    adapter; the others' rows of ``y`` are untouched. ``rank`` is a power of two >= 16."""
+    checks.check_lora_expand(y, h, b, plan.slot_ids, slice_starts)
+    if plan.align is not None:
+        _triton_fn("lora_triton", "lora_expand_triton")(y, h, b, plan, slice_starts)
+    else:
+        lora_expand_ref(y, h, b, plan, slice_starts)

@@ -278,3 +278,60 @@ def check_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
     raise ValueError(f"fp8 experts need float32 w13_scale {tuple(w13.shape[:2])} and w2_scale {tuple(w2.shape[:2])} "
                      f"(per output channel); other dtypes take none")
+
+
+def check_lora_plan(slot_ids: torch.Tensor, num_slots: int) -> None:
+    """Validate the input of ``lora_plan``: int32 ``slot_ids [T]`` (-1 or a slot in ``[0, num_slots)``,
+    values not checked: that would read them back), ``num_slots >= 1``."""
+    if len(slot_ids.shape) == 1 and slot_ids.dtype is _I32 and num_slots >= 1:
+        return
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    raise ValueError(f"slot_ids must be int32 [num_tokens], got {slot_ids.dtype} {tuple(slot_ids.shape)}")
+
+
+def check_lora_shrink(x: torch.Tensor, a: torch.Tensor, slot_ids: torch.Tensor) -> None:
+    """Validate the inputs of ``lora_shrink``: ``x [T, K]`` floating point, ``a [S, R, K]`` in x's
+    dtype with unit stride along K, one slot id per row of x."""
+    xs, as_ = x.shape, a.shape
+    if (len(xs) == 2 and len(as_) == 3 and as_[2] == xs[1] and a.dtype is x.dtype and x.dtype in _FLOATS
+            and a.stride(2) == 1 and slot_ids.shape[0] == xs[0]):
+        return
+    if not (x.dim() == 2 and x.dtype in FLOAT_DTYPES):
+        raise ValueError(f"x must be [num_tokens, in_features] floating point, got {x.dtype} {tuple(x.shape)}")
+    if not (a.dim() == 3 and a.shape[2] == x.shape[1] and a.stride(2) == 1):
+        raise ValueError(f"a must be [num_slots, rank, {x.shape[1]}] with unit stride along its last dim, got "
+                         f"{tuple(a.shape)} strides {a.stride()}")
+    if a.dtype is not x.dtype:
+        raise ValueError(f"a ({a.dtype}) must have x's dtype ({x.dtype})")
+    raise ValueError(f"the plan has {slot_ids.shape[0]} tokens, x has {x.shape[0]}")
+
+
+def check_lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slot_ids: torch.Tensor,
+                      slice_starts: tuple[int, ...]) -> None:
+    """Validate the inputs of ``lora_expand``: ``y [T, N]`` (unit column stride), ``h [T, n * r]`` and
+    ``b [S, N, r]`` all of one float dtype, ``r`` a power of two >= 16, 1 to 3 increasing
+    ``slice_starts`` from 0 below N."""
+    ys, hs, bs = y.shape, h.shape, b.shape
+    n = len(slice_starts)
+    if (len(ys) == 2 and len(hs) == 2 and len(bs) == 3 and hs[0] == ys[0] == slot_ids.shape[0]
+            and bs[1] == ys[1] and hs[1] == n * bs[2] and y.dtype is h.dtype is b.dtype and y.dtype in _FLOATS
+            and y.stride(1) == 1 and bs[2] >= 16 and bs[2] & (bs[2] - 1) == 0 and 1 <= n <= 3
+            and slice_starts[0] == 0 and all(slice_starts[i] < slice_starts[i + 1] for i in range(n - 1))
+            and slice_starts[-1] < ys[1]):
+        return
+    if not (y.dim() == 2 and h.dim() == 2 and b.dim() == 3):
+        raise ValueError(f"y must be [T, N], h [T, slices * rank], b [num_slots, N, rank]; got {tuple(ys)}, "
+                         f"{tuple(hs)}, {tuple(bs)}")
+    if not (y.dtype is h.dtype is b.dtype and y.dtype in FLOAT_DTYPES):
+        raise ValueError(f"y ({y.dtype}), h ({h.dtype}) and b ({b.dtype}) must share one float dtype")
+    if not (bs[2] >= 16 and bs[2] & (bs[2] - 1) == 0):
+        raise ValueError(f"b's rank dim ({bs[2]}) must be a power of two >= 16 (pad the adapter's rank)")
+    if not (1 <= n <= 3 and slice_starts[0] == 0 and all(slice_starts[i] < slice_starts[i + 1] for i in range(n - 1))
+            and slice_starts[-1] < ys[1]):
+        raise ValueError(f"slice_starts must be 1 to 3 increasing column offsets from 0 below {ys[1]}, got "
+                         f"{slice_starts}")
+    if y.stride(1) != 1:
+        raise ValueError(f"y must have unit column stride, got strides {y.stride()}")
+    raise ValueError(f"shapes disagree: y {tuple(ys)}, h {tuple(hs)} (must be [T, {n} * {bs[2]}]), "
+                     f"b {tuple(bs)}, {slot_ids.shape[0]} planned tokens")

@@ -46,6 +46,8 @@ from engine.engine import Engine
 from engine.grammar.stats import structured_stats_to_pb
 from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
+from engine.lora.stats import stats_to_pb as lora_stats_to_pb
+from pod.lora import LORA_COMMANDS, lora_command
 from pod.runtime import PodRuntime, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,8 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats, num_held: 
     message.step_seconds_ewma = stats.step_seconds_ewma
     message.prefill_tokens_per_second = stats.prefill_tokens_per_second
     message.num_held_kv = num_held
+    message.max_loras = stats.max_loras
+    lora_stats_to_pb(stats.lora_adapters, message.lora_adapters)
     message.first_sample_step = samples[0][0] if samples else 0
     for _, s in samples:
         message.samples.add(num_seqs=s.num_seqs, num_context_tokens=s.num_context_tokens,
@@ -280,6 +284,7 @@ class EngineCore:
         ready = cbserve_pb2.CoreEvents()
         ready.ready.model.CopyFrom(rt.model_info)
         ready.ready.block_size, ready.ready.max_num_seqs = rt.block_size, rt.max_num_seqs
+        ready.ready.max_num_batched_tokens = rt.max_num_batched_tokens
         stats_to_pb(rt.snapshot, [], ready.stats)
         ready.iteration_at = time.monotonic()
         self.outbox.put(lambda events: events.MergeFrom(ready))
@@ -314,6 +319,8 @@ class EngineCore:
             self.abort(command.abort_request_id, command.call_id)
         elif kind == "stop":
             self._stopped.set()
+        elif kind in LORA_COMMANDS:
+            lora_command(self, kind, command)
         else:
             self.command(kind, command)
 

@@ -33,6 +33,7 @@ from wire import cbserve_pb2
 from pod.core import FrameReader, frame
 from engine.loop import Subscribers
 from engine.outputs import EngineStats
+from engine.lora.stats import stats_from_pb as lora_stats_from_pb
 from pod.runtime import PodRuntime, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class CoreRuntime(PodRuntime):
     def apply_ready(self, ready: cbserve_pb2.CoreReady) -> None:
         self.model_info = ready.model
         self.block_size, self.max_num_seqs = ready.block_size, ready.max_num_seqs
+        self.max_num_batched_tokens = ready.max_num_batched_tokens
 
     def apply_stats(self, stats: cbserve_pb2.CoreStats) -> None:
         self._refreshed_at = time.monotonic()
@@ -99,7 +101,8 @@ class CoreRuntime(PodRuntime):
             num_total_blocks=stats.num_total_blocks, kv_cache_usage=stats.kv_cache_usage,
             prefix_cache_hit_ratio=stats.prefix_cache_hit_ratio, num_preemptions=stats.num_preemptions,
             step_seconds_ewma=stats.step_seconds_ewma, prefill_tokens_per_second=stats.prefill_tokens_per_second,
-            num_steps=stats.num_steps)
+            num_steps=stats.num_steps, lora_adapters=lora_stats_from_pb(stats.lora_adapters),
+            max_loras=stats.max_loras)
         self.num_held = stats.num_held_kv
         self.metrics.update(self.snapshot, self.num_held)
         # StepSample messages read like engine.outputs.StepSample (load reports, the stall threshold)

@@ -32,6 +32,7 @@ from prometheus_client import start_http_server
 from wire import cbserve_pb2
 from engine.engine import Engine, EngineConfig, EngineRequestError
 from engine.loop import EngineLoop
+from engine.lora.stats import stats_to_pb as lora_stats_to_pb
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats
 from engine.sampler import TokenLogprobs
@@ -39,6 +40,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, from_pro
 from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
+from pod.lora_rpc import lora_rpc
 from pod.security import ClusterSecurity, advertise_address
 from pod.stall import DEFAULT_STALL_SECONDS, stall_threshold, watch_engine
 
@@ -138,7 +140,7 @@ class PodRuntime:
         self.engine_config = engine_config
         self.engine: Engine | None = None
         self.model_info: cbserve_pb2.ModelInfo | None = None
-        self.block_size = self.max_num_seqs = 0
+        self.block_size = self.max_num_seqs = self.max_num_batched_tokens = 0
         self.snapshot: EngineStats | None = None
         if self.owns_engine:
             self._load_engine(engine_config)
@@ -174,6 +176,7 @@ class PodRuntime:
             vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows)
         self.block_size = self.engine.cache_config.block_size
         self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = self.engine.scheduler_config.max_num_batched_tokens
         self.snapshot = self.engine.stats()
 
     # ------------------------------------------------------------------ engine thread hooks
@@ -311,10 +314,12 @@ class PodRuntime:
             num_total_blocks=s.num_total_blocks, step_seconds_ewma=s.step_seconds_ewma,
             prefill_tokens_per_second=s.prefill_tokens_per_second, timestamp=time.time(),
             draining=self.draining, block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held,
+            max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held, max_loras=s.max_loras,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             step_samples=[cbserve_pb2.StepSample(num_seqs=x.num_seqs, num_context_tokens=x.num_context_tokens,
                                                  num_prefill_tokens=x.num_prefill_tokens, seconds=x.seconds)
                           for x in samples[-32:]])
+        lora_stats_to_pb(s.lora_adapters, report.lora_adapters)
         return report, last
 
     async def get_load(self, request, context) -> cbserve_pb2.LoadReport:
@@ -442,6 +447,12 @@ class CommonRPCs:
 
     async def Abort(self, request, context):
         return await self.rt.abort(request, context)
+
+    async def LoadLoRAAdapter(self, request, context):
+        return await lora_rpc(self.rt, "load_lora_adapter", request, context)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        return await lora_rpc(self.rt, "unload_lora_adapter", request, context)
 
 
 class _Inflight:

@@ -33,6 +33,7 @@ from kvtransfer.leases import HeldKVTable
 from kvtransfer.pair_setup import accept_pair
 from kvtransfer.progress import KVProgress
 from pod.core import EngineCore
+from pod.lora import identity_mismatch, lora_request, with_adapter
 from pod.runtime import RequestFailed, logprobs_to_pb, prompt_logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class PrefillCore(EngineCore):
         self.progress: dict[str, KVProgress] = {}         # request id -> prefill progress
         self.arrived: dict[str, asyncio.Event] = {}       # pulls that came before their Prefill
         self.pulling: dict[str, asyncio.Task] = {}        # requests with an open pull
+        self.lora_identity: dict[str, str] = {}           # request id -> its adapter's identity ("": none)
         self.held = HeldKVTable(runtime.pod.kv_ttl_seconds)
         self.groups: dict[str, PairGroup] = {}
         self._expired = 0
@@ -108,6 +110,7 @@ class PrefillCore(EngineCore):
             engine.scheduler.release_request(req_id)
             self._expired += 1
             progress = self.progress.pop(req_id, None)
+            self.lora_identity.pop(req_id, None)
             if progress is not None:
                 progress.fail("KV lease expired before a decode pod pulled it")
             log.info("request %s: KV not pulled within %.0fs, released", req_id, self.rt.pod.kv_ttl_seconds)
@@ -159,18 +162,25 @@ class PrefillCore(EngineCore):
             return
         try:
             prompt, params = rt.validate(request)
+            lora = lora_request(rt, request)
         except RequestFailed as e:
             self.failure(req_id, e)
             return
-        self.progress[req_id] = KVProgress(len(prompt))
+        progress = self.progress[req_id] = KVProgress(len(prompt))
+        self.lora_identity[req_id] = lora.identity if lora else ""
         if req_id in self.arrived:
             self.arrived[req_id].set()
-        added = rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority))
 
         def on_added(future) -> None:   # engine thread
             if future.exception() is not None:
                 self.failure(req_id, refused(future.exception()))
-        added.add_done_callback(on_added)
+
+        def add() -> None:   # the adapter, if any, is in host memory now
+            if self.progress.get(req_id) is not progress:   # aborted while its adapter was read
+                return
+            rt.loop.call(lambda e: e.add_request(prompt, params, req_id, request.priority,
+                                                 lora=lora)).add_done_callback(on_added)
+        with_adapter(rt, lora, add, lambda error: self.failure(req_id, error))
 
     def forget(self, request_id: str) -> None:
         """A failed request (refused, step failed): nothing will be pulled."""
@@ -179,6 +189,7 @@ class PrefillCore(EngineCore):
 
     def _forget(self, req_id: str, reason: str) -> None:
         self.held.release(req_id)
+        self.lora_identity.pop(req_id, None)
         progress = self.progress.pop(req_id, None)
         if progress is not None:
             progress.fail(reason)
@@ -207,6 +218,9 @@ class PrefillCore(EngineCore):
     async def _stream(self, request: cbserve_pb2.PullKVRequest, group: PairGroup | None, timeout: float) -> int:
         req_id, rt = request.request_id, self.rt
         progress = await self._wait_for_prefill(req_id, timeout)
+        mismatch = identity_mismatch(req_id, request.lora_identity, self.lora_identity.get(req_id, ""))
+        if mismatch:
+            raise _PullEnded(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         self.held.take(req_id)  # the stream holds the lease from now on
         source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens,
                           max_chunk_bytes=request.max_chunk_bytes, group=group, **rt.kv_source_args())

@@ -3,8 +3,9 @@
 Startup (the app's lifespan) loads the tokenizer, starts discovery and load tracking, and wires
 policy, admission and dispatch together. Routes: `/v1/completions`, `/v1/chat/completions`,
 `/v1/responses` (stateless), `/v1/models`, `/tokenize`, `/detokenize`, `/tokenizer_info` (with its
-flag; API key checked on these and every `/v1` route when one is configured), `/health` (liveness),
-`/ready` (503 while draining or with no pod to route to), `/metrics`.
+flag; API key checked on these and every `/v1` route when one is configured; 503 with Retry-After
+until a pod can serve the model), `/health` (liveness), `/ready` (503 with Retry-After while
+draining or with no pod to route to), `/metrics`.
 
 The OpenAPI document (`app.openapi()`, not served) carries the request bodies' JSON schemas, so
 the schema fuzz (tests/router/test_openapi_fuzz.py) can generate requests from it.
@@ -29,12 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.tokenizer import Tokenizer
-from router.admission import AdmissionController
+from router.admission import STARTING_RETRY_AFTER_SECONDS, AdmissionController
 from router.config import RouterConfig
 from router.discovery import Discovery, build_discovery
 from router.dispatch import Dispatcher
-from router.errors import APIError, unauthorized
+from router.errors import APIError, unauthorized, unavailable
 from router.load import LoadTracker
+from router.lora.admin import LoRAAdmin, add_lora_routes, model_cards
 from router.metrics import RouterMetrics
 from router.policy import PrefixIndex, build_policy
 from router.chat import create_chat_completion
@@ -92,7 +94,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
                               close_grace_seconds=config.request_timeout_seconds,
                               pod_inactivity_seconds=config.pod_inactivity_seconds, security=config.security)
         prefix_index = PrefixIndex(config.prefix_affinity_entries)
-        admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics)
+        admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics,
+                                        config.startup_wait_seconds)
         tracker.add_listener(admission.wake)
         policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second,
                               config.local_prefill_fallback)
@@ -102,15 +105,20 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         output = await asyncio.to_thread(OutputFeatures.from_config, config, tokenizer)
         app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN,
                                          encoder, output=output)
+        app.state.lora_admin = LoRAAdmin(tracker)
+        app.state.lora_admin.start()
         discovery.subscribe(tracker.set_endpoints)
         await discovery.start()
         log.info("router serving %r with policy %s, admission %s", config.model_name, config.policy, config.admission)
         try:
             yield
         finally:
-            await discovery.stop()
-            await tracker.close()
-            encoder.close()
+            try:
+                await discovery.stop()
+            finally:             # every pod channel closes with the router, whatever stopped first
+                await app.state.lora_admin.stop()
+                await tracker.close()
+                encoder.close()
 
     app = FastAPI(title="cbserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
@@ -158,13 +166,18 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    def not_ready_retry_after(state: ServingState) -> str:
+        starting = state.dispatcher.pods_starting()
+        return str(int(STARTING_RETRY_AFTER_SECONDS if starting else 1))
+
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         state = serving(request)
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
         if not state.dispatcher.is_ready():
-            return JSONResponse({"status": "no ready pods"}, status_code=503)
+            return JSONResponse({"status": "no ready pods"}, status_code=503,
+                                headers={"Retry-After": not_ready_retry_after(state)})
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
@@ -173,10 +186,15 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models(request: Request) -> dict[str, Any]:
+        # Listed only once a pod can serve it, as vLLM does: clients and load generators poll this
+        # to know when to start, so a 200 before the pods are ready would send them into 503s.
         state = serving(request)
+        if not state.dispatcher.is_ready():
+            raise unavailable(f"The model '{config.model_name}' is not ready yet: no pod can serve it.",
+                              code="no_ready_pods", retry_after_seconds=float(not_ready_retry_after(state)))
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "cbserve",
-            "max_model_len": state.max_model_len()}]}
+            "max_model_len": state.max_model_len()}, *model_cards(state, int(time.time()))]}
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)], openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -205,6 +223,7 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
         async def tokenizer_info(request: Request) -> dict[str, Any]:
             return tok.tokenizer_info(serving(request))
 
+    add_lora_routes(app, serving, check_api_key)
     return app
 
 

@@ -30,7 +30,7 @@ from router.tools.request import template_tools
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
     arrival = time.monotonic()
     request = await parse_body(http, ChatCompletionRequest, state.config.max_request_body_bytes)
-    check_common(state, request)
+    lora = check_common(state, request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     check_prompt_logprobs(request)
@@ -50,8 +50,8 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
                                       "messages", max_tokens_param)
     plan = await plan_output(state.encoder, features, constraint, tools, prompt.text)
     params = with_plan(sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), rename), plan)
-    request_id, created, model = new_request_id("chatcmpl"), int(time.time()), state.config.model_name
-    specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority)
+    request_id, created, model = new_request_id("chatcmpl"), int(time.time()), lora or state.config.model_name
+    specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority, lora)
     names = TokenNames(state.tokenizer, request.return_tokens_as_token_ids)
     output_spec = plan.output
 

@@ -33,7 +33,7 @@ from router.structured.surface import requested_constraint
 async def create_completion(state: ServingState, http: Request) -> Response:
     arrival = time.monotonic()
     request = await parse_body(http, CompletionRequest, state.config.max_request_body_bytes)
-    check_common(state, request)
+    lora = check_common(state, request)
     if request.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -53,8 +53,8 @@ async def create_completion(state: ServingState, http: Request) -> Response:
         max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens, max_len, "prompt", "max_tokens")
         sampling = sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens))
         params.append(replace(sampling, structured=structured) if structured is not None else sampling)
-    request_id, created, model = new_request_id("cmpl"), int(time.time()), state.config.model_name
-    specs = build_specs(state, http, request_id, prompts, request.n, params, request.priority)
+    request_id, created, model = new_request_id("cmpl"), int(time.time()), lora or state.config.model_name
+    specs = build_specs(state, http, request_id, prompts, request.n, params, request.priority, lora)
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
     tokenizer = state.tokenizer
     names = TokenNames(tokenizer, request.return_tokens_as_token_ids)

@@ -15,7 +15,7 @@ from router.structured.flags import check_output_flags
 
 POLICIES = ("goodput", "round_robin", "least_loaded")
 ADMISSION_MODES = ("queue", "reject")
-DISCOVERY_MODES = ("static", "kubernetes")
+DISCOVERY_MODES = ("static", "file", "kubernetes")
 
 
 def _check_address(address: str) -> None:
@@ -44,8 +44,14 @@ class RouterConfig:
     served_model_name: str | None = None     # the `model` clients send; default: `model`
     host: str = "127.0.0.1"
     port: int = 8000
-    # Discovery: static addresses, or Kubernetes EndpointSlices of the named Services.
+    # A listening socket inherited as this file descriptor, served instead of binding host:port
+    # (`cbserve up` binds first, so a client never sees "connection refused" while the router
+    # process starts or restarts; systemd socket activation works the same way).
+    listen_fd: int | None = None
+    # Discovery: static addresses, a JSON file of them re-read when it changes (`pods_file`), or
+    # Kubernetes EndpointSlices of the named Services.
     discovery: str = "static"
+    pods_file: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
@@ -61,6 +67,9 @@ class RouterConfig:
     admission: str = "queue"
     max_queue_seconds: float = 5.0
     max_queue_size: int = 1024
+    # A request that finds no ready pod while discovery knows pods that are starting (or restarting,
+    # or being replaced) waits this long for one, then gets 503 with Retry-After. 0: 503 at once.
+    startup_wait_seconds: float = 60.0
     max_retries: int = 2                     # extra attempts on other pods, before the first token only
     kv_transport: str = ""                   # GenerateRequest.kv_transport: "" (grpc), "grpc" or "nccl"
     local_prefill_fallback: bool = True      # no prefill pod routable: decode pods prefill locally
@@ -81,6 +90,10 @@ class RouterConfig:
     pod_inactivity_seconds: float = 10.0
     default_prefill_tokens_per_second: float = 20000.0   # until a pod reports its measured rate
     prefix_affinity_entries: int = 200_000   # block hashes remembered for prefix affinity
+    # LoRA: requests may name an adapter the pods serve (`model`); runtime loading through
+    # /v1/load_lora_adapter, fanned out to every pod (which must allow it too).
+    enable_lora: bool = False
+    allow_runtime_lora_updating: bool = False
     # Trust: the deployment secret every pod call carries, KV handles, TLS (pod/security.py).
     security: ClusterSecurity = ClusterSecurity()
     # Structured outputs, tool calls, reasoning (router/structured/, router/tools/, router/reasoning/).
@@ -108,6 +121,8 @@ class RouterConfig:
             raise ValueError(f"kv_transport must be 'grpc' or 'nccl', got {self.kv_transport!r}")
         if self.discovery not in DISCOVERY_MODES:
             raise ValueError(f"discovery must be one of {DISCOVERY_MODES}, got {self.discovery!r}")
+        if self.discovery == "file" and not self.pods_file:
+            raise ValueError("--discovery file needs --pods-file PATH")
         if self.discovery == "static":
             if self.colocated and (self.prefill or self.decode):
                 raise ValueError("use either --colocated or --prefill/--decode, not both")
@@ -119,7 +134,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.load_interval_seconds > 0.1:
             raise ValueError("load_interval_seconds must be <= 0.1 (routing needs fresh load)")
-        for name in ("max_queue_seconds", "drain_seconds"):
+        for name in ("max_queue_seconds", "drain_seconds", "startup_wait_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_queue_size < 0 or self.max_retries < 0:
@@ -128,6 +143,8 @@ class RouterConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        if self.listen_fd is not None and self.listen_fd < 0:
+            raise ValueError(f"listen_fd must be >= 0, got {self.listen_fd}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         check_output_flags(self)

@@ -18,52 +18,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 
-from wire import cbserve_pb2 as pb
-from engine.sampling_params import SamplingParams
-from router.admission import AdmissionController
+from router.admission import STARTING_RETRY_AFTER_SECONDS, AdmissionController
 from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
+from router.lora.state import serves
 from router.metrics import RouterMetrics
 from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
+from router.predict import client_tpot
 from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
+from router.sequence import SequenceSpec, SequenceTrace
 
 log = logging.getLogger(__name__)
 
 _NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-
-
-@dataclass(frozen=True)
-class SequenceSpec:
-    """One output sequence to generate (a request with n=2 has two)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    routing: RoutingRequest
-    arrival_time: float          # unix seconds at the router
-    deadline: float              # monotonic seconds; every RPC's timeout counts down to it
-    priority: int = 0
-
-
-@dataclass
-class SequenceTrace:
-    """What happened to one sequence, for metrics and for explaining a slow request."""
-
-    router_queue_seconds: float = 0.0
-    prefill_queue_seconds: float | None = None
-    prefill_seconds: float | None = None
-    kv_transfer_seconds: float | None = None
-    decode_queue_seconds: float | None = None
-    pd_gap_seconds: float | None = None    # P's first token to D's first token, as the router saw them
-    num_cached_tokens: int = 0
-    local_prefill: bool = False
-    attempts: list[str] = field(default_factory=list)   # "P@addr+D@addr" per attempt
 
 
 class PodLost(APIError):
@@ -77,9 +50,10 @@ class PodLost(APIError):
 
 
 def with_ttft_budget_left(routing: RoutingRequest, waited_seconds: float) -> RoutingRequest:
-    """The request as a routing attempt after `waited_seconds` in the router's queue: its TTFT SLO
-    shrinks by the wait, because the client's TTFT counts it. A request that waited most of its
-    SLO is admitted only where it still fits (or to an idle pod), not where a fresh one would."""
+    """The request as a routing attempt after waiting `waited_seconds` for SLO headroom in the
+    router's queue: its TTFT SLO shrinks by the wait, because the client's TTFT counts it. A request
+    that waited most of its SLO is admitted only where it still fits (or to an idle pod), not where
+    a fresh one would. (A wait for a pod to start does not count: see `router.admission`.)"""
     if waited_seconds <= 0:
         return routing
     return replace(routing, slo_ttft_seconds=max(1e-3, routing.slo_ttft_seconds - waited_seconds))
@@ -100,17 +74,31 @@ class Dispatcher:
         self.kv_transport = kv_transport
         self._background: set[asyncio.Task] = set()
 
-    def pods_by_role(self) -> dict[str, list[PodState]]:
-        return {role: self.tracker.routable(role) for role in ("prefill", "decode", "colocated")}
+    def pods_by_role(self, lora_name: str = "") -> dict[str, list[PodState]]:
+        """Routable pods by role; with `lora_name`, only those serving that adapter (no prefill
+        pod has it: the decode pod prefills locally, as when none is routable)."""
+        pods = {role: self.tracker.routable(role) for role in ("prefill", "decode", "colocated")}
+        return {role: [p for p in ps if serves(p, lora_name)] for role, ps in pods.items()} if lora_name else pods
+
+    def pods_starting(self, exclude: frozenset[str] = frozenset()) -> bool:
+        """Discovery knows a pod that could serve but is not routable yet: starting, restarting,
+        stalled, or a replacement coming up (not one that drains: it is on its way out)."""
+        roles = ("decode", "colocated") if self.policy.local_prefill_fallback else ("prefill", "decode", "colocated")
+        return any(not p.routable and p.role in roles and p.address not in exclude
+                   and not (p.report is not None and p.report.draining)
+                   for p in self.tracker.pods.values())
 
     def _try_route(self, routing: RoutingRequest) -> RoutingDecision | NoRoute:
-        """Route and, on success, reserve the pods at once (in-flight accounting, prefix index)."""
-        decision = self.policy.route(routing, self.pods_by_role())
+        """Route and, on success, reserve the pods at once (in-flight accounting, prefix index).
+        With no pod to route to, "starting" if one is on its way (admission waits for it)."""
+        decision = self.policy.route(routing, self.pods_by_role(routing.lora_name))
+        if isinstance(decision, NoRoute) and decision.reason == "no_pods" and self.pods_starting(routing.exclude):
+            return NoRoute("starting", STARTING_RETRY_AFTER_SECONDS)
         if isinstance(decision, RoutingDecision):
             first = decision.prefill or decision.decode
-            first.on_dispatch(routing.num_prompt_tokens)
+            first.on_dispatch(routing.num_prompt_tokens, self.prefix_index.uncached_tokens(routing, first.address))
             if decision.prefill is not None:
-                decision.decode.on_dispatch(routing.num_prompt_tokens)
+                decision.decode.on_dispatch(routing.num_prompt_tokens, 0)
             self.prefix_index.record(routing.block_hashes, first.address)
             self.metrics.running.inc()
         return decision
@@ -129,7 +117,7 @@ class Dispatcher:
         """
         start = time.monotonic()
         decision = await self.admission.admit(
-            lambda: self._try_route(with_ttft_budget_left(spec.routing, time.monotonic() - start)),
+            lambda headroom_waited: self._try_route(with_ttft_budget_left(spec.routing, headroom_waited)),
             spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
         trace.router_queue_seconds = time.monotonic() - start
         self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
@@ -179,23 +167,22 @@ class Dispatcher:
             pod.ttft_calibration.observe(ttft_seconds, decision.predicted_ttft_seconds)
             self.metrics.calibration(pod.address, "ttft", pod.ttft_calibration.factor)
 
-    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int) -> None:
-        """Feed the decode pod's calibration with the TPOT measured here, as the client sees it
-        (the P→D gap included, as in the SLO it is compared with)."""
-        if decision.predicted_tpot_seconds is not None and num_tokens > 1:
-            pod = decision.decode
-            pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), decision.predicted_tpot_seconds)
-            self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
-
-    @staticmethod
-    def record_generate_trace(item: pb.GenerateResponse, trace: SequenceTrace) -> None:
-        trace.local_prefill = item.local_prefill
-        if item.local_prefill:
-            trace.prefill_queue_seconds = item.queue_seconds
-            trace.num_cached_tokens = item.num_cached_tokens
-        else:
-            trace.kv_transfer_seconds = item.kv_transfer_seconds
-            trace.decode_queue_seconds = item.queue_seconds
+    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int,
+                     pd_gap_seconds: float | None = None) -> None:
+        """Feed the decode pod's measurements with what the client saw after its first token: the
+        P→D hand-over (`pd_gap_seconds`, with P/D) into its typical gap, and the TPOT over what the
+        model predicts for this many tokens (its step, with the typical gap spread over them:
+        `predict.client_tpot`) into its calibration."""
+        pod = decision.decode
+        if pd_gap_seconds is not None:
+            pod.pd_gap.observe(pd_gap_seconds)
+        if decision.predicted_tpot_seconds is None or num_tokens <= 1:
+            return
+        gap = (pod.pd_gap.value or pd_gap_seconds) if pd_gap_seconds is not None else None
+        predicted = decision.predicted_tpot_seconds if gap is None else \
+            client_tpot(decision.predicted_tpot_seconds, gap, num_tokens)
+        pod.tpot_calibration.observe(decode_seconds / (num_tokens - 1), predicted)
+        self.metrics.calibration(pod.address, "tpot", pod.tpot_calibration.factor)
 
     def spawn(self, coro) -> None:
         """Run `coro` in the background (best-effort calls such as Abort)."""

@@ -9,6 +9,7 @@ sending traffic), requests in flight run to completion, and the process exits wh
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from types import FrameType
 
@@ -21,12 +22,20 @@ log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first exit signal starts a drain instead of a shutdown."""
+    """A uvicorn server whose first exit signal starts a drain instead of a shutdown.
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_seconds: float) -> None:
+    `handover`: the listening socket is shared with whoever starts our successor (`--listen-fd`:
+    `cbserve up` holds it and its supervisor restarts us on it). Then the drain also stops
+    accepting at once: new connections wait in the socket's backlog for the successor, instead of
+    being taken by a process about to exit, and the drain ends as soon as the requests it already
+    has are done. Without it (a Kubernetes pod), it keeps accepting while the endpoint removal
+    that /ready's 503 starts reaches the load balancers."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_seconds: float, handover: bool = False) -> None:
         super().__init__(config)
         self.app = app
         self.drain_seconds = drain_seconds
+        self.handover = handover
         self.drain_started: float | None = None
 
     def start_drain(self) -> None:
@@ -35,7 +44,12 @@ class DrainingServer(uvicorn.Server):
             serving = getattr(self.app.state, "serving", None)
             if serving is not None:
                 serving.draining = True
-            log.info("draining: /ready is 503; waiting up to %.0fs for in-flight requests", self.drain_seconds)
+            if self.handover:
+                for server in getattr(self, "servers", []):
+                    server.close()       # our copy of the socket; the successor's stays open
+            log.info("draining: /ready is 503%s; waiting up to %.0fs for in-flight requests",
+                     ", no new connections (the next router takes them)" if self.handover else "",
+                     self.drain_seconds)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_started is not None:
@@ -48,6 +62,9 @@ class DrainingServer(uvicorn.Server):
         if self.drain_started is not None:
             elapsed = time.monotonic() - self.drain_started
             if not self.server_state.tasks or elapsed >= self.drain_seconds:
+                if self.server_state.tasks:
+                    log.warning("drain window (%.0fs) over with %d requests still running: they are cut off",
+                                self.drain_seconds, len(self.server_state.tasks))
                 self.config.timeout_graceful_shutdown = max(0.1, self.drain_seconds - elapsed)
                 return True
         return await super().on_tick(counter)
@@ -55,5 +72,10 @@ class DrainingServer(uvicorn.Server):
 
 def serve_with_drain(app: FastAPI, config: RouterConfig) -> None:
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           timeout_keep_alive=30), app, config.drain_seconds)
-    server.run()
+                                           timeout_keep_alive=30), app, config.drain_seconds,
+                            handover=config.listen_fd is not None)
+    if config.listen_fd is None:
+        server.run()
+        return
+    # The parent bound and listens on it; connections made before we got here wait in its backlog.
+    server.run(sockets=[socket.socket(fileno=config.listen_fd)])

@@ -46,14 +46,19 @@ def unauthorized() -> APIError:
                     code="invalid_api_key")
 
 
-def rate_limited(message: str, retry_after_seconds: float, code: str = "rate_limit_exceeded") -> APIError:
+def _whole_seconds(seconds: float) -> str:
     # Retry-After is whole seconds (RFC 9110); round up so a client never comes back too early.
-    seconds = max(1, int(-(-retry_after_seconds // 1)))
-    return APIError(429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(seconds)})
+    return str(max(1, int(-(-seconds // 1))))
 
 
-def unavailable(message: str, code: str = "service_unavailable") -> APIError:
-    return APIError(503, message, type="service_unavailable_error", code=code, headers={"Retry-After": "1"})
+def rate_limited(message: str, retry_after_seconds: float, code: str = "rate_limit_exceeded") -> APIError:
+    return APIError(429, message, type="rate_limit_error", code=code,
+                    headers={"Retry-After": _whole_seconds(retry_after_seconds)})
+
+
+def unavailable(message: str, code: str = "service_unavailable", retry_after_seconds: float = 1.0) -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code=code,
+                    headers={"Retry-After": _whole_seconds(retry_after_seconds)})
 
 
 def upstream_error(message: str, code: str = "upstream_error") -> APIError:

@@ -26,16 +26,22 @@ from wire import cbserve_pb2 as pb
 from pod.security import ClusterSecurity
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
-from router.predict import LatencyCalibration, StepTimeModel, ttft_calibration
+from router.predict import LatencyCalibration, RecentQuantile, StepTimeModel, ttft_calibration
 
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_SECONDS = 2.0
-# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long is likely
-# frozen or cut off (keepalive ends its connection within ~8 s), so new requests go to another pod
-# of its role meanwhile. Only to another: a pod whose event loop was merely starved on a busy
-# machine must not turn into a 503 when it is the only one.
-LOAD_SILENCE_SECONDS = 3.0
+# A pod streams a report every `load_interval_seconds` (50 ms); one silent for this long (20
+# reports) is likely frozen or cut off (keepalive ends its connection within ~8 s), so new requests
+# go to another pod of its role meanwhile: a frozen pod's last report says it is idle, and it would
+# draw every request until keepalive noticed. Only to another pod: one whose event loop was merely
+# starved on a busy machine must not turn into a 503 when it is the only one, and with several
+# starved, all of them still count.
+LOAD_SILENCE_SECONDS = 1.0
+# ... and while the others sent this many reports each: a router whose own event loop stalled for
+# a second (a loaded machine) has read nobody's reports meanwhile, and must not take the first pod
+# it hears from again as the only live one.
+LOAD_SILENCE_REPORTS = 10
 
 
 @dataclass(eq=False)   # identity: a pod is itself, whatever its load
@@ -46,19 +52,26 @@ class PodState:
     client: PodClient
     report: pb.LoadReport | None = None
     report_time: float = 0.0                 # monotonic time the last report arrived
+    report_seq: int = 0                      # `LoadTracker.num_reports` when it arrived
     model: pb.ModelInfo | None = None
     healthy: bool = False
     serving: bool = True                     # its gRPC health is not NOT_SERVING (engine stalled, drain)
     num_inflight: int = 0                    # requests the router sent and has not seen finish
-    # (monotonic send time, prompt tokens) of requests sent since the last report.
-    unreported: deque[tuple[float, int]] = field(default_factory=deque)
+    # (monotonic send time, prefill tokens, context tokens) of requests sent since the last report:
+    # what it has to compute (the prompt less what its prefix cache probably holds), and what it
+    # will hold.
+    unreported: deque[tuple[float, int, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
     # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
     tpot_calibration: LatencyCalibration = field(default_factory=LatencyCalibration)
+    # Seconds from P's first token to this decode pod's first new one (the KV pull, its first step):
+    # the median of recent ones (the tail is the calibration's).
+    pd_gap: RecentQuantile = field(default_factory=lambda: RecentQuantile(quantile=0.5))
     # Observed / predicted TTFT (from routing to the first token) here (prefill and colocated pods).
     ttft_calibration: LatencyCalibration = field(default_factory=ttft_calibration)
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
     poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
+    admitted_before: bool = False            # it was routable once: a re-admission forgets its history
 
     @property
     def address(self) -> str:
@@ -94,9 +107,24 @@ class PodState:
                                 sample.seconds)
             self.last_context_tokens = sample.num_context_tokens
 
-    def on_dispatch(self, num_prompt_tokens: int) -> None:
+    def forget_history(self) -> None:
+        """Back in routing after being out (restarted, thawed, reconnected): what was learnt about
+        it describes another process, or one that was stalled; a 10 s step or a calibration fed by
+        requests that hung there would keep it looking slow (and shed its load) long after."""
+        self.step_model = StepTimeModel()
+        self.tpot_calibration = LatencyCalibration()
+        self.pd_gap = RecentQuantile(quantile=0.5)
+        self.ttft_calibration = ttft_calibration()
+        self.unreported.clear()
+        self.last_context_tokens = 0
+        self.report = None
+
+    def on_dispatch(self, num_prompt_tokens: int, num_prefill_tokens: int | None = None) -> None:
+        """The router sent it a request of `num_prompt_tokens`, `num_prefill_tokens` of which it
+        has to compute (default: all; a decode pod that pulls the KV: 0)."""
         self.num_inflight += 1
-        self.unreported.append((time.monotonic(), num_prompt_tokens))
+        prefill = num_prompt_tokens if num_prefill_tokens is None else num_prefill_tokens
+        self.unreported.append((time.monotonic(), prefill, num_prompt_tokens))
 
     def on_finish(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)
@@ -105,7 +133,7 @@ class PodState:
     @property
     def queued_prefill_tokens(self) -> int:
         reported = self.report.prefill_queue_tokens if self.report else 0
-        return reported + sum(tokens for _, tokens in self.unreported)
+        return reported + sum(tokens for _, tokens, _ in self.unreported)
 
     @property
     def num_requests(self) -> int:
@@ -115,13 +143,18 @@ class PodState:
 
     @property
     def context_tokens(self) -> int:
-        return self.last_context_tokens + sum(tokens for _, tokens in self.unreported)
+        return self.last_context_tokens + sum(tokens for _, _, tokens in self.unreported)
 
     @property
     def free_block_ratio(self) -> float:
         if self.report is None or self.report.num_total_blocks <= 0:
             return 1.0
         return self.report.num_free_blocks / self.report.num_total_blocks
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The pod's token budget per step (0: not reported)."""
+        return self.report.max_num_batched_tokens if self.report else 0
 
     @property
     def step_seconds_ewma(self) -> float:
@@ -140,9 +173,10 @@ class LoadTracker:
         self.close_grace_seconds = close_grace_seconds   # longest wait for a removed pod's calls
         self.pod_inactivity_seconds = pod_inactivity_seconds
         self.pods: dict[str, PodState] = {}
+        self.num_reports = 0                             # load reports received, from every pod
         self._tasks: dict[str, asyncio.Task] = {}
         self._health_tasks: dict[str, asyncio.Task] = {}
-        self._closing: set[asyncio.Task] = set()
+        self._closing: dict[asyncio.Task, PodState] = {}   # removed pods, until their channel closed
         self._listeners: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -156,7 +190,18 @@ class LoadTracker:
     def routable(self, role: str) -> list[PodState]:
         """The pods of `role` that may get requests: routable ones, the silent ones only if no other."""
         pods = [p for p in self.pods.values() if p.role == role and p.routable]
-        return [p for p in pods if not p.silent] or pods
+        return [p for p in pods if not self.silent(p)] or pods
+
+    def silent(self, pod: PodState) -> bool:
+        """No report from `pod` for `LOAD_SILENCE_SECONDS` while the other pods sent
+        `LOAD_SILENCE_REPORTS` each: likely frozen or cut off, not just a slow router loop."""
+        others = sum(1 for p in self.pods.values() if p is not pod and p.healthy)
+        return pod.silent and self.num_reports - pod.report_seq >= LOAD_SILENCE_REPORTS * max(1, others)
+
+    def _apply(self, pod: PodState, report: pb.LoadReport) -> None:
+        pod.apply_report(report, time.monotonic())
+        self.num_reports += 1
+        pod.report_seq = self.num_reports
 
     def set_endpoints(self, endpoints: frozenset[PodEndpoint]) -> None:
         """Discovery listener: start tracking new endpoints, drop vanished ones."""
@@ -183,8 +228,8 @@ class LoadTracker:
         self._tasks.pop(address).cancel()
         self._health_tasks.pop(address).cancel()
         task = asyncio.get_running_loop().create_task(self._close_when_idle(pod))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing[task] = pod
+        task.add_done_callback(self._closing.pop)
 
     async def _close_when_idle(self, pod: PodState) -> None:
         deadline = time.monotonic() + self.close_grace_seconds
@@ -205,8 +250,14 @@ class LoadTracker:
         self._notify()
 
     async def close(self) -> None:
-        for task in list(self._closing):
+        """Stop tracking and close every pod's channel, removed pods' included: a grpc.aio channel
+        left open outlives its event loop and gets its next event (a GOAWAY) on a closed one."""
+        closing = dict(self._closing)
+        for task in closing:
             task.cancel()
+        await asyncio.gather(*closing, return_exceptions=True)
+        for pod in closing.values():    # a task cancelled before it ran did not close its channel
+            await pod.client.close()
         for address in list(self.pods):
             pod = self.pods.pop(address)
             tasks = [self._tasks.pop(address), self._health_tasks.pop(address)]
@@ -216,7 +267,8 @@ class LoadTracker:
             await pod.client.close()
 
     async def _probe(self, pod: PodState) -> bool:
-        """Handshake (model info) and one GetLoad; both must answer for the pod to be routable."""
+        """Handshake (model info) and one GetLoad; both must answer for the pod to be routable.
+        A pod that was routable before starts its history afresh (`PodState.forget_history`)."""
         try:
             handshake = await pod.client.handshake(_PROBE_TIMEOUT_SECONDS)
             report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)
@@ -226,8 +278,10 @@ class LoadTracker:
         except Exception:  # a malformed answer must not end tracking: the pod just stays out
             log.exception("probe of %s failed", pod.address)
             return False
+        if pod.admitted_before:
+            pod.forget_history()
         pod.model = handshake.model
-        pod.apply_report(report, time.monotonic())
+        self._apply(pod, report)
         return True
 
     async def _track(self, pod: PodState, initial_delay: float) -> None:
@@ -237,7 +291,7 @@ class LoadTracker:
             if not await self._probe(pod):
                 await asyncio.sleep(self.probe_interval_seconds)
                 continue
-            pod.healthy = True
+            pod.healthy = pod.admitted_before = True
             self._notify()
             try:
                 await self._follow_load(pod)
@@ -281,7 +335,7 @@ class LoadTracker:
             try:
                 async for report in call:
                     received = True
-                    pod.apply_report(report, time.monotonic())
+                    self._apply(pod, report)
                     self._notify()
                 return
             except grpc.aio.AioRpcError as exc:
@@ -296,5 +350,5 @@ class LoadTracker:
         while True:
             await asyncio.sleep(self.load_interval_seconds)
             report = await pod.client.get_load(_PROBE_TIMEOUT_SECONDS)
-            pod.apply_report(report, time.monotonic())
+            self._apply(pod, report)
             self._notify()

@@ -87,6 +87,14 @@ class PodClient:
             request.kv_handle.CopyFrom(self._kv_handles.issue(
                 request.request_id, request.prefill_from, time.time() + timeout))
 
+    async def load_lora_adapter(self, name: str, path: str, timeout: float) -> pb.LoRAAdapterResponse:
+        return await self._stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path),
+                                                timeout=timeout, metadata=self._auth)
+
+    async def unload_lora_adapter(self, name: str, timeout: float) -> pb.LoRAAdapterResponse:
+        return await self._stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name), timeout=timeout,
+                                                  metadata=self._auth)
+
     async def abort(self, request_id: str, timeout: float = 1.0) -> None:
         """Best-effort Abort: cancellation already frees the pod's state; this covers a lost cancel."""
         try:

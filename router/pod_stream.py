@@ -16,23 +16,39 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from wire import cbserve_pb2 as pb
 from engine.sampling_params import to_proto
-from router.errors import upstream_error
+from router.errors import APIError, upstream_error
+from router.sequence import SequenceSpec, SequenceTrace
 from router.structured.handoff import FirstTokenHandoff
 
 if TYPE_CHECKING:
-    from router.dispatch import Dispatcher, SequenceSpec, SequenceTrace
-    from router.load import PodState
+    from router.load import LoadTracker, PodState
     from router.policy import RoutingDecision
 
 # Connection-level failures: the pod is taken out of routing. Others only exclude it for this request.
 POD_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                       grpc.StatusCode.DATA_LOSS})
+
+
+class AttemptOwner(Protocol):
+    """What an attempt needs from whoever routed it (`router.dispatch.Dispatcher`): where failures,
+    measurements and finished attempts go."""
+
+    kv_transport: str
+    tracker: LoadTracker
+
+    def failure_error(self, failed: PodFailure, retry: bool) -> APIError | None: ...
+    def observe_ttft(self, decision: RoutingDecision, ttft_seconds: float) -> None: ...
+    def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int,
+                     pd_gap_seconds: float | None = None) -> None: ...
+    def spawn(self, coro: Coroutine) -> None: ...
+    def release(self, decision: RoutingDecision) -> None: ...
 
 
 class PodFailure(Exception):
@@ -49,7 +65,7 @@ class SequenceStream:
     """One try on one (P, D) pair. After `first()`, `first_message` holds the first tokens and each
     `next()` returns the next message with new tokens, until one has `finished` set."""
 
-    def __init__(self, dispatcher: Dispatcher, spec: SequenceSpec, decision: RoutingDecision, attempt: int,
+    def __init__(self, dispatcher: AttemptOwner, spec: SequenceSpec, decision: RoutingDecision, attempt: int,
                  trace: SequenceTrace) -> None:
         self._dispatcher = dispatcher
         self._decision = decision
@@ -65,13 +81,14 @@ class SequenceStream:
         self._gen_call = self.decode_pod.client.generate(pb.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
             priority=spec.priority, prefill_from=self.prefill_pod.address if pd else "",
-            kv_transport=dispatcher.kv_transport if pd else "", arrival_time=spec.arrival_time), timeout=timeout)
+            kv_transport=dispatcher.kv_transport if pd else "", arrival_time=spec.arrival_time,
+            lora_name=spec.lora_name), timeout=timeout)
         self._prefill_call = None
         self._prefill: asyncio.Future | None = None     # P's answer, until first() has looked at it
         if pd:
             self._prefill_call = self.prefill_pod.client.prefill(pb.PrefillRequest(
                 request_id=self.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
-                priority=spec.priority, arrival_time=spec.arrival_time), timeout=timeout)
+                priority=spec.priority, arrival_time=spec.arrival_time, lora_name=spec.lora_name), timeout=timeout)
             self._prefill = asyncio.ensure_future(self._prefill_call)
         self._read: asyncio.Future | None = None        # a read of D's stream started while racing P
         self._prefill_failure: grpc.aio.AioRpcError | None = None
@@ -127,6 +144,14 @@ class SequenceStream:
             if message is not None:
                 return message
 
+    @property
+    def _measures_the_pods(self) -> bool:
+        """The attempt ran as routed, so its latencies calibrate the pods' predictions. Not when
+        its prefill pod failed and the decode pod prefilled locally: that TTFT and that TPOT hold
+        the failure (seconds of keepalive or a dead connection), and charged to the healthy decode
+        pod, or to the prefill pod once it is back, they would make it look slow long after."""
+        return self._prefill_failure is None and not (self.prefill_pod is not None and self._trace.local_prefill)
+
     def _result(self, response: pb.GenerateResponse | BaseException) -> pb.GenerateResponse:
         """D's message, or the failure it stands for."""
         if isinstance(response, pb.GenerateResponse):
@@ -174,7 +199,7 @@ class SequenceStream:
         index, count, finished = message.index, len(message.token_ids), message.finished
         if not from_prefill:
             if index == 0 and count:
-                self._dispatcher.record_generate_trace(message, self._trace)
+                self._trace.record_generate(message)
             if finished and message.finish_reason == "abort":
                 # The pod gave the request up (draining, out of room): like a failed call.
                 raise PodFailure(self.decode_pod, grpc.StatusCode.ABORTED, "the pod aborted the request")
@@ -196,7 +221,8 @@ class SequenceStream:
             self.next_index += count
             if self.first_token_at is None:
                 self.first_token_at = now = time.monotonic()
-                self._dispatcher.observe_ttft(self._decision, now - self._routed_at)
+                if self._measures_the_pods:
+                    self._dispatcher.observe_ttft(self._decision, now - self._routed_at)
                 if from_prefill and not finished:
                     self._gap_from = now
             elif self._gap_from is not None:      # D's first new token after P's
@@ -204,9 +230,9 @@ class SequenceStream:
                 self._gap_from = None
         if finished:
             self.finished = True
-            if self.first_token_at is not None:
+            if self.first_token_at is not None and self._measures_the_pods:
                 self._dispatcher.observe_tpot(self._decision, time.monotonic() - self.first_token_at,
-                                              self.next_index)
+                                              self.next_index, self._trace.pd_gap_seconds)
             self.close()
         return message
 

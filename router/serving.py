@@ -28,6 +28,7 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher, SequenceSpec
 from router.errors import APIError, bad_request, not_found
 from router.generation import ChoiceEvent, RequestRun
+from router.lora.state import prefix_root, served_adapters
 from router.metrics import RouterMetrics
 from router.policy import RoutingRequest, block_hashes
 from router.prompts import Prompt, PromptEncoder
@@ -132,16 +133,22 @@ def slo_seconds(request: Request, header: str, default_ms: float) -> float:
     return value / 1000.0
 
 
-def check_model(state: ServingState, name: str | None) -> None:
-    if name is not None and name != state.config.model_name:
-        raise not_found(f"The model '{name}' does not exist; this server serves '{state.config.model_name}'.",
-                        code="model_not_found")
+def check_model(state: ServingState, name: str | None) -> str | None:
+    """The LoRA adapter `name` selects (None: the base model), or 404 for an unknown model."""
+    if name is None or name == state.config.model_name:
+        return None
+    if state.config.enable_lora and name in served_adapters(state.dispatcher.tracker.pods.values()):
+        return name
+    raise not_found(f"The model '{name}' does not exist; this server serves '{state.config.model_name}'"
+                    f"{' and its LoRA adapters (GET /v1/models)' if state.config.enable_lora else ''}.",
+                    code="model_not_found")
 
 
-def check_common(state: ServingState, request: CompletionRequest | ChatCompletionRequest) -> None:
+def check_common(state: ServingState, request: CompletionRequest | ChatCompletionRequest) -> str | None:
     """What both endpoints refuse before looking at the prompt: an unknown model, `logit_bias`,
-    `stream_options` without streaming (OpenAI answers 400), stop token ids outside the vocabulary."""
-    check_model(state, request.model)
+    `stream_options` without streaming (OpenAI answers 400), stop token ids outside the vocabulary.
+    Returns the LoRA adapter the request selects (None: the base model)."""
+    lora = check_model(state, request.model)
     if request.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if request.stream_options is not None and not request.stream:
@@ -151,6 +158,7 @@ def check_common(state: ServingState, request: CompletionRequest | ChatCompletio
         if not 0 <= token_id < vocab_size:
             raise bad_request(f"stop_token_ids: token id {token_id} is out of range [0, {vocab_size})",
                               param="stop_token_ids")
+    return lora
 
 
 def sampling_or_400(build: Callable[[], SamplingParams], rename: dict[str, str] | None = None) -> SamplingParams:
@@ -163,14 +171,14 @@ def sampling_or_400(build: Callable[[], SamplingParams], rename: dict[str, str] 
 
 
 def build_specs(state: ServingState, http: Request, request_id: str, prompts: list[Prompt], n: int,
-                params: list[SamplingParams], priority: int) -> list[SequenceSpec]:
+                params: list[SamplingParams], priority: int, lora: str | None = None) -> list[SequenceSpec]:
     slo_ttft = slo_seconds(http, SLO_TTFT_HEADER, state.config.slo_ttft_ms)
     slo_tpot = slo_seconds(http, SLO_TPOT_HEADER, state.config.slo_tpot_ms)
     deadline = time.monotonic() + state.config.request_timeout_seconds
     specs = []
     block_size = state.block_size()
     for p, prompt in enumerate(prompts):
-        hashes = block_hashes(prompt.token_ids, block_size)
+        hashes = block_hashes(prompt.token_ids, block_size, prefix_root(lora))
         for j in range(n):
             index = p * n + j
             sampling = params[p]
@@ -178,9 +186,9 @@ def build_specs(state: ServingState, http: Request, request_id: str, prompts: li
                 # Same seed for every choice would give n identical samples.
                 sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
             routing = RoutingRequest(f"{request_id}-{index}", len(prompt.token_ids), sampling.max_tokens,
-                                     slo_ttft, slo_tpot, hashes, block_size)
+                                     slo_ttft, slo_tpot, hashes, block_size, lora_name=lora or "")
             specs.append(SequenceSpec(f"{request_id}-{index}", prompt.token_ids, sampling, routing,
-                                      time.time(), deadline, priority))
+                                      time.time(), deadline, priority, lora_name=lora or ""))
     return specs
 
 

@@ -1,5 +1,6 @@
 """Suite-wide settings: built-in presets go to a cache inside the checkout, never $HOME; Triton's
-interpreter on machines without CUDA.
+interpreter on machines without CUDA; no cbserve process outlives the session, and no grpc.aio
+channel or server outlives its test's event loop (every test stops what it started).
 
 TRITON_INTERPRET is read when triton is first imported (its own `triton.language` helpers are
 decorated then), so it is set here, before any test module is collected: a module that imports
@@ -10,16 +11,40 @@ Without CUDA the rest of the suite runs the torch kernels, so the interpreter ch
 """
 
 import os
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import grpc_leaks
+from tests.process_leaks import SESSION_ENV, is_cbserve, marked, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("CBSERVE_CACHE_DIR", str(ROOT / ".cache"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# Every process this session starts inherits the mark (tests/process_leaks.py); a fresh one per
+# session, so a session never blames another's processes (other developers', or its parent's).
+os.environ[SESSION_ENV] = uuid.uuid4().hex
+# A process stopped at the very end of a test may take its drain to exit.
+LEAK_GRACE_SECONDS = 20.0
+
+
+grpc_leaks.track()
+
+
+@pytest.fixture(autouse=True)
+def grpc_objects_closed_with_their_loop():
+    """Fail the test that leaves a grpc.aio channel or server open after its event loop stopped
+    (`tests/grpc_leaks.py`): grpc would deliver its next event to the closed loop, and the
+    `Event loop is closed` it raises would fail a later test."""
+    yield
+    leaked = grpc_leaks.open_on_stopped_loops()
+    assert not leaked, f"left open after their event loop stopped: {', '.join(leaked)}"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,3 +56,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a cbserve process (router, pod, `cbserve up`, engine core, tensor-parallel
+    rank, the image's entry point) that this session started is still running; then stop it, so it
+    does not outlive the run either."""
+    if not Path("/proc/self/environ").exists():
+        return
+    mark = os.environ[SESSION_ENV]
+    deadline = time.monotonic() + LEAK_GRACE_SECONDS
+    while (leaked := [p for p in marked(SESSION_ENV, mark) if is_cbserve(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not leaked:
+        return
+    lines = "\n".join(f"  {p}" for p in leaked)
+    message = (f"{len(leaked)} cbserve process(es) outlived the test session (a test did not stop what it "
+               f"started); stopping them now:\n{lines}")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "leaked processes", red=True)
+        reporter.write_line(message)
+    else:
+        print(message, file=sys.stderr)
+    stop(SESSION_ENV, mark)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -113,7 +113,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., token_ranks: _Optional[_Iterable[int]] = ..., num_top: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("pod_id", "role", "num_waiting", "num_running", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "step_seconds_ewma", "prefill_tokens_per_second", "step_samples", "timestamp", "draining", "block_size", "max_num_seqs", "num_held_kv")
+    __slots__ = ("pod_id", "role", "num_waiting", "num_running", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "step_seconds_ewma", "prefill_tokens_per_second", "step_samples", "timestamp", "draining", "block_size", "max_num_seqs", "num_held_kv", "max_num_batched_tokens", "lora_adapters", "max_loras")
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,9 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_KV_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     pod_id: str
     role: str
     num_waiting: int
@@ -144,7 +147,46 @@ class LoadReport(_message.Message):
     block_size: int
     max_num_seqs: int
     num_held_kv: int
-    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., timestamp: _Optional[float] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_held_kv: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterState]
+    max_loras: int
+    def __init__(self, pod_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., timestamp: _Optional[float] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_held_kv: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapterState(_message.Message):
+    __slots__ = ("name", "identity", "registered", "resident", "num_running", "num_waiting")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity: str
+    registered: bool
+    resident: bool
+    num_running: int
+    num_waiting: int
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., registered: _Optional[bool] = ..., resident: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResponse(_message.Message):
+    __slots__ = ("identity",)
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    identity: str
+    def __init__(self, identity: _Optional[str] = ...) -> None: ...
 
 class StepSample(_message.Message):
     __slots__ = ("num_seqs", "num_context_tokens", "num_prefill_tokens", "seconds")
@@ -197,18 +239,20 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "arrival_time")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "arrival_time", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     priority: int
     arrival_time: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "num_cached_tokens", "queue_seconds", "prefill_seconds", "finished", "finish_reason", "grammar_fingerprint", "prompt_logprobs")
@@ -243,20 +287,22 @@ class KVHandle(_message.Message):
     def __init__(self, expires_unix_ms: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "model", "transport", "nccl_group", "max_chunk_bytes", "kv_handle")
+    __slots__ = ("request_id", "model", "transport", "nccl_group", "max_chunk_bytes", "kv_handle", "lora_identity")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NCCL_GROUP_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: ModelInfo
     transport: str
     nccl_group: str
     max_chunk_bytes: int
     kv_handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    lora_identity: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_identity: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint", "prompt_logprobs")
@@ -305,7 +351,7 @@ class SetupTransportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill_from", "kv_transport", "arrival_time", "timeout_seconds", "kv_handle")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill_from", "kv_transport", "arrival_time", "timeout_seconds", "kv_handle", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +361,7 @@ class GenerateRequest(_message.Message):
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -324,7 +371,8 @@ class GenerateRequest(_message.Message):
     arrival_time: float
     timeout_seconds: float
     kv_handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_from: _Optional[str] = ..., kv_transport: _Optional[str] = ..., arrival_time: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_from: _Optional[str] = ..., kv_transport: _Optional[str] = ..., arrival_time: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "local_prefill", "kv_transfer_seconds", "queue_seconds", "num_cached_tokens", "prompt_logprobs")
@@ -383,7 +431,7 @@ class SessionResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class CoreCommand(_message.Message):
-    __slots__ = ("add", "abort_request_id", "stop", "prefill", "pull", "end_pull_request_id", "setup_transport", "call_id", "timeout_seconds")
+    __slots__ = ("add", "abort_request_id", "stop", "prefill", "pull", "end_pull_request_id", "setup_transport", "load_lora_adapter", "unload_lora_adapter", "call_id", "timeout_seconds")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +439,8 @@ class CoreCommand(_message.Message):
     PULL_FIELD_NUMBER: _ClassVar[int]
     END_PULL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SETUP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     add: GenerateRequest
@@ -400,9 +450,11 @@ class CoreCommand(_message.Message):
     pull: PullKVRequest
     end_pull_request_id: str
     setup_transport: SetupTransportRequest
+    load_lora_adapter: LoadLoRAAdapterRequest
+    unload_lora_adapter: UnloadLoRAAdapterRequest
     call_id: int
     timeout_seconds: float
-    def __init__(self, add: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., stop: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., pull: _Optional[_Union[PullKVRequest, _Mapping]] = ..., end_pull_request_id: _Optional[str] = ..., setup_transport: _Optional[_Union[SetupTransportRequest, _Mapping]] = ..., call_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, add: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., stop: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., pull: _Optional[_Union[PullKVRequest, _Mapping]] = ..., end_pull_request_id: _Optional[str] = ..., setup_transport: _Optional[_Union[SetupTransportRequest, _Mapping]] = ..., load_lora_adapter: _Optional[_Union[LoadLoRAAdapterRequest, _Mapping]] = ..., unload_lora_adapter: _Optional[_Union[UnloadLoRAAdapterRequest, _Mapping]] = ..., call_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class CoreReply(_message.Message):
     __slots__ = ("call_id", "code", "message", "found")
@@ -481,7 +533,7 @@ class StructuredOutputStats(_message.Message):
     def __init__(self, request_kinds: _Optional[_Iterable[str]] = ..., compile_seconds: _Optional[_Iterable[float]] = ..., compile_cache_hits: _Optional[int] = ..., first_token_rejected_fingerprint: _Optional[int] = ..., first_token_rejected_token: _Optional[int] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples", "num_held_kv")
+    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples", "num_held_kv", "lora_adapters", "max_loras")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +548,8 @@ class CoreStats(_message.Message):
     FIRST_SAMPLE_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_KV_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     prefill_queue_tokens: int
@@ -510,17 +564,21 @@ class CoreStats(_message.Message):
     first_sample_step: int
     samples: _containers.RepeatedCompositeFieldContainer[StepSample]
     num_held_kv: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., num_held_kv: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterState]
+    max_loras: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., num_held_kv: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class CoreReady(_message.Message):
-    __slots__ = ("model", "block_size", "max_num_seqs")
+    __slots__ = ("model", "block_size", "max_num_seqs", "max_num_batched_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     block_size: int
     max_num_seqs: int
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    max_num_batched_tokens: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class CoreEvents(_message.Message):
     __slots__ = ("outputs", "errors", "iteration_at", "step_seconds", "stats", "ready", "token_request_ids", "num_new_tokens", "token_ids", "replies", "pull_chunks", "lease_expiries", "structured_outputs")

@@ -69,6 +69,16 @@ class PrefillServiceStub:
                 request_serializer=wire_dot_cbserve__pb2.SetupTransportRequest.SerializeToString,
                 response_deserializer=wire_dot_cbserve__pb2.SetupTransportResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/cbserve.v1.PrefillService/LoadLoRAAdapter',
+                request_serializer=wire_dot_cbserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/cbserve.v1.PrefillService/UnloadLoRAAdapter',
+                request_serializer=wire_dot_cbserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -116,6 +126,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.SetupTransport,
                     request_deserializer=wire_dot_cbserve__pb2.SetupTransportRequest.FromString,
                     response_serializer=wire_dot_cbserve__pb2.SetupTransportResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=wire_dot_cbserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=wire_dot_cbserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +386,60 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.PrefillService/LoadLoRAAdapter',
+            wire_dot_cbserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.PrefillService/UnloadLoRAAdapter',
+            wire_dot_cbserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -393,6 +479,16 @@ class DecodeServiceStub:
                 '/cbserve.v1.DecodeService/WatchLoad',
                 request_serializer=wire_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=wire_dot_cbserve__pb2.LoadReport.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/cbserve.v1.DecodeService/LoadLoRAAdapter',
+                request_serializer=wire_dot_cbserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/cbserve.v1.DecodeService/UnloadLoRAAdapter',
+                request_serializer=wire_dot_cbserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -435,6 +531,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -467,6 +575,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=wire_dot_cbserve__pb2.WatchLoadRequest.FromString,
                     response_serializer=wire_dot_cbserve__pb2.LoadReport.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=wire_dot_cbserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=wire_dot_cbserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=wire_dot_cbserve__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -631,6 +749,60 @@ class DecodeService:
             '/cbserve.v1.DecodeService/WatchLoad',
             wire_dot_cbserve__pb2.WatchLoadRequest.SerializeToString,
             wire_dot_cbserve__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.DecodeService/LoadLoRAAdapter',
+            wire_dot_cbserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.DecodeService/UnloadLoRAAdapter',
+            wire_dot_cbserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            wire_dot_cbserve__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

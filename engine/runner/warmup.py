@@ -11,8 +11,9 @@ by the kind of step, not its size:
 CUDA graphs warm up their own buckets before capture (`engine.cuda_graphs`); the steps here cover
 what runs eagerly around them: one mixed step, and decodes at every power-of-two context the
 eager path can see (kernel choices change with the context at most there, for power-of-two block
-sizes and partitions), one of them a full batch. Together with the graphs that is every variant a
-step can need, so no step while serving waits for a compile (`tests/engine/test_kernel_variants.py`
+sizes and partitions), one of them a full batch; with LoRA on, the mixed step once more with its
+tokens in slot 0 (the LoRA kernels key on module shapes, not on the batch). Together with the
+graphs that is every variant a step can need, so no step while serving waits for a compile (`tests/engine/test_kernel_variants.py`
 checks that on CPU, by recording what reaches Triton's key across a sweep of batches).
 
 The steps use only block 0 (the null block, never a request's; only padding rows read it and their
@@ -67,6 +68,14 @@ def warm_up(runner) -> float:
                               runner.max_model_len, None if buckets is None else buckets.width)
     for batch in batches:
         runner.run(batch)
+    slot_of = runner.lora_slot_of
+    if slot_of is not None and batches:   # no request runs yet: the map is the warm-up's alone
+        slot_of.update((seq.request_id, 0) for seq in batches[0])
+        try:
+            runner.run(batches[0])
+        finally:
+            for seq in batches[0]:
+                del slot_of[seq.request_id]
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start

@@ -122,6 +122,7 @@ spec:
             {{- else if and (eq $role "decode") $pool.disableLocalPrefillFallback }}
             - --no-local-prefill-fallback
             {{- end }}
+            {{- with (include "cbserve.loraArgs" (dict "root" $root "role" $role) | trim) }}{{ . | nindent 12 }}{{ end }}
             {{- include "cbserve.trustArgs" (dict "root" $root "role" $role) | nindent 12 }}
           env:
             {{- with (include "cbserve.commonEnv" $root | trim) }}{{ . | nindent 12 }}{{ end }}
@@ -183,10 +184,12 @@ spec:
           volumeMounts:
             {{- with (include "cbserve.scratchVolumeMounts" (dict "root" $root "shmSizeLimit" $pool.shmSizeLimit) | trim) }}{{ . | nindent 12 }}{{ end }}
             {{- with (include "cbserve.modelVolumeMounts" (dict "root" $root "copy" true) | trim) }}{{ . | nindent 12 }}{{ end }}
+            {{- with (include "cbserve.loraVolumeMounts" $root | trim) }}{{ . | nindent 12 }}{{ end }}
             {{- include "cbserve.trustVolumeMounts" $root | nindent 12 }}
       volumes:
         {{- with (include "cbserve.scratchVolumes" (dict "root" $root "shmSizeLimit" $pool.shmSizeLimit) | trim) }}{{ . | nindent 8 }}{{ end }}
         {{- with (include "cbserve.modelVolumes" (dict "root" $root "copy" true) | trim) }}{{ . | nindent 8 }}{{ end }}
+        {{- with (include "cbserve.loraVolumes" $root | trim) }}{{ . | nindent 8 }}{{ end }}
         {{- include "cbserve.trustVolumes" $root | nindent 8 }}
       {{- with $pool.nodeSelector }}
       nodeSelector:

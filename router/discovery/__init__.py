@@ -9,7 +9,7 @@ __all__ = ["Discovery", "PodEndpoint", "StaticDiscovery", "build_discovery"]
 
 
 def build_discovery(config) -> Discovery:
-    """The discovery `config.discovery` names ("static" or "kubernetes")."""
+    """The discovery `config.discovery` names ("static", "file" or "kubernetes")."""
     if config.discovery == "kubernetes":
         from router.discovery.kubernetes import KubernetesDiscovery
 
@@ -17,4 +17,8 @@ def build_discovery(config) -> Discovery:
         if config.colocated_service:
             services = {"colocated": config.colocated_service}
         return KubernetesDiscovery(config.namespace, services, config.grpc_port_name)
+    if config.discovery == "file":
+        from router.discovery.file import FileDiscovery
+
+        return FileDiscovery(config.pods_file)
     return StaticDiscovery.from_config(config)

@@ -27,6 +27,7 @@ class RoutingRequest:
     block_hashes: tuple[int, ...] = ()       # chain hashes of the prompt's full blocks
     block_size: int = 16
     exclude: frozenset[str] = frozenset()    # addresses already tried (retries go elsewhere)
+    lora_name: str = ""                      # LoRA adapter; "" = the base model
 
 
 class Filter(Protocol):
@@ -101,7 +102,8 @@ class RoutingDecision:
 
 @dataclass(frozen=True)
 class NoRoute:
-    """Why nothing was chosen: "no_pods" (none routable) or "slo" (none predicted to meet it)."""
+    """Why nothing was chosen: "no_pods" (none routable) or "slo" (none predicted to meet it);
+    the dispatcher turns "no_pods" into "starting" when a pod that could serve is on its way."""
 
     reason: str
     retry_after_seconds: float = 1.0

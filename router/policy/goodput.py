@@ -6,7 +6,8 @@ units of the SLO: 1 - predicted / slo (1 = idle, 0 = exactly at the SLO, < 0 = a
 headroom is the smaller of its prefill pod's TTFT headroom and its decode pod's TPOT headroom;
 TTFT depends only on P and TPOT only on D, so taking the best P and the best D maximises it.
 
-The TPOT compared with the SLO is the step model's prediction times the decode pod's calibration
+The TPOT compared with the SLO is the step model's prediction, with the decode pod's typical P→D
+hand-over spread over the request's tokens (`predict.client_tpot`), times the pod's calibration
 factor (a high quantile of observed / predicted TPOT there): the SLO is on the quantile clients
 see, not on the mean model step. Each decision carries the uncalibrated prediction so that the
 dispatcher can feed the calibration when the request finishes.
@@ -20,7 +21,7 @@ from router.load import PodState
 from router.policy.base import NoRoute, Policy, Profile, RoutingDecision, RoutingRequest
 from router.policy.kv_cache import KVCacheScorer
 from router.policy.prefix_affinity import PrefixAffinityScorer, PrefixIndex
-from router.predict import predict_tpot, predict_ttft
+from router.predict import client_tpot, predict_tpot, predict_ttft, predict_ttft_in_steps
 
 
 class LatencyPredictor:
@@ -30,17 +31,21 @@ class LatencyPredictor:
         self.prefix_index = prefix_index
         self.default_prefill_tokens_per_second = default_prefill_tokens_per_second
 
-    def uncached_tokens(self, request: RoutingRequest, pod: PodState) -> int:
-        matched = self.prefix_index.matched_blocks(request.block_hashes, pod.address)
-        # The last prompt token is always computed (its logits give the first token).
-        return max(1, request.num_prompt_tokens - matched * request.block_size)
-
     def model_ttft(self, request: RoutingRequest, pod: PodState, calibration: float = 1.0) -> float:
-        """The queue model's TTFT on this pod (uncalibrated by default)."""
+        """The queue model's TTFT on this pod (uncalibrated by default): the steps its queue and
+        this prompt take, priced by the pod's step model; at its measured rate until it has one."""
+        uncached = self.prefix_index.uncached_tokens(request, pod.address)
+        prefill_only = pod.role == "prefill"
+        seconds = predict_ttft_in_steps(
+            pod.step_model, pod.queued_prefill_tokens + uncached, pod.max_num_batched_tokens,
+            num_seqs=pod.num_requests + 1, num_context_tokens=0 if prefill_only else pod.context_tokens,
+            fallback_step_seconds=pod.step_seconds_ewma)
+        if seconds is not None:
+            return calibration * seconds
         rate = pod.report.prefill_tokens_per_second if pod.report is not None else 0.0
         if rate <= 0:
             rate = self.default_prefill_tokens_per_second
-        return predict_ttft(pod.queued_prefill_tokens, self.uncached_tokens(request, pod), rate, calibration)
+        return predict_ttft(pod.queued_prefill_tokens, uncached, rate, calibration)
 
     def ttft(self, request: RoutingRequest, pod: PodState) -> float:
         """The TTFT quantile a client would see: the queue model times the pod's calibration."""
@@ -52,8 +57,13 @@ class LatencyPredictor:
                             pod.step_seconds_ewma, calibration)
 
     def tpot(self, request: RoutingRequest, pod: PodState) -> float:
-        """The TPOT quantile a client would see: the model's TPOT times the pod's calibration."""
-        return self.model_tpot(request, pod, pod.tpot_calibration.factor)
+        """The TPOT quantile a client would see: the model's step, on a decode pod with its typical
+        P→D hand-over spread over the request's tokens (once it has seen some), times the pod's
+        calibration."""
+        step = self.model_tpot(request, pod)
+        gap = pod.pd_gap.value if pod.role == "decode" else None
+        tpot = step if gap is None else client_tpot(step, gap, request.max_tokens)
+        return pod.tpot_calibration.factor * tpot
 
     def headroom(self, request: RoutingRequest, pod: PodState) -> float:
         """1 - predicted / SLO for what this pod decides (TTFT, TPOT, or both when colocated)."""

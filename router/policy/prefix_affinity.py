@@ -14,10 +14,11 @@ from router.load import PodState
 from router.policy.base import RoutingRequest
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Chain hash of every full block: hash i covers tokens [0, (i + 1) * block_size)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, root: int = 0) -> tuple[int, ...]:
+    """Chain hash of every full block: hash i covers tokens [0, (i + 1) * block_size); `root`
+    starts the chain (a LoRA adapter's own: `router.lora.state.prefix_root`)."""
     hashes = []
-    parent = 0
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)
@@ -51,6 +52,12 @@ class PrefixIndex:
                 break
             matched += 1
         return matched
+
+    def uncached_tokens(self, request: RoutingRequest, address: str) -> int:
+        """The prompt tokens `address` probably has to compute for `request`: all but its cached
+        leading blocks, and always the last one (its logits give the first token)."""
+        matched = self.matched_blocks(request.block_hashes, address)
+        return max(1, request.num_prompt_tokens - matched * request.block_size)
 
     def __len__(self) -> int:
         return len(self._pods_by_hash)

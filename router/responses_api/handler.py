@@ -57,7 +57,7 @@ def _echoed(request: ResponsesRequest, model: str) -> dict[str, Any]:
 async def create_response(state: ServingState, http: Request) -> Response:
     arrival = time.monotonic()
     request = await parse_body(http, ResponsesRequest, state.config.max_request_body_bytes)
-    check_common(state, request)
+    lora = check_common(state, request)     # the adapter `model` names, or None (the base model)
     request.check_supported()
     sampling_or_400(lambda: request.sampling_params(default_max_tokens=1), _RENAME)   # types and ranges first
     features = state.output
@@ -76,9 +76,9 @@ async def create_response(state: ServingState, http: Request) -> Response:
     params = with_plan(sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), _RENAME),
                        plan)
     response_id = new_id("resp")
-    specs = build_specs(state, http, response_id, [prompt], 1, [params], request.priority)
+    specs = build_specs(state, http, response_id, [prompt], 1, [params], request.priority, lora)
     names = TokenNames(state.tokenizer, request.return_tokens_as_token_ids)
-    builder = ResponseBuilder(response_id, int(time.time()), _echoed(request, state.config.model_name))
+    builder = ResponseBuilder(response_id, int(time.time()), _echoed(request, lora or state.config.model_name))
     output_spec = plan.output
 
     def logprobs_of(token_ids, logprobs) -> list | None:

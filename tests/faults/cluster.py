@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 import httpx
 
-from pod.auth import SECRET_ENV
-from tests.pods.podproc import ROOT, SECRET, Pod, free_port
+from pod.auth import SECRET_ENV, auth_metadata
+from tests.pods.podproc import ROOT, SECRET, Pod, free_port, get_load
 from wire import cbserve_pb2 as pb
 
 STARTUP_SECONDS = 180.0
@@ -71,6 +71,19 @@ def wait_idle(pods: list[Pod], timeout: float = IDLE_SECONDS) -> float:
                                                          waiting=r.num_waiting) for a, r in reports.items()}
             raise AssertionError(f"pods not idle after {timeout}s: {described}")
         time.sleep(0.1)
+
+
+class ClusterPod:
+    """A pod of a `LocalCluster`, read like a `Pod` here (`load`, `metrics_port`): its GetLoad
+    carries that cluster's secret."""
+
+    def __init__(self, info, secret: str) -> None:
+        self.name, self.role, self.address = info.name, info.role, info.address
+        self.metrics_port = info.ports[1]
+        self._auth = auth_metadata(secret)
+
+    def load(self) -> pb.LoadReport:
+        return get_load(self.address, self.role, self._auth)
 
 
 def metric(pod: Pod, name: str) -> float:

@@ -117,6 +117,7 @@ def test_label_values_are_ones_cbserve_emits():
                                            "cbserve_kv_cache_usage_ratio", "by (deployment)"]),
     ("preemptions", ["cbserve_preemptions_total"]),
     ("KV transfer bytes and time", ["cbserve_kv_transfer_bytes_total", "cbserve_kv_transfer_seconds_bucket"]),
+    ("LoRA adapters per pod", ["cbserve_lora_requests_info", "running_lora_adapters", "cbserve_lora_adapters"]),
     ("structured outputs", ["cbserve_structured_output_requests_total",
                             "cbserve_structured_output_compile_seconds_bucket",
                             "cbserve_structured_output_compile_cache_hits_total",

@@ -17,13 +17,15 @@ POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quant
               "kv-ttl-seconds", "drain-seconds", "max-num-batched-tokens", "max-num-seqs", "block-size",
               "num-blocks", "kv-cache-memory-mb", "gpu-memory-utilization", "enforce-eager", "pod-id",
               "tensor-parallel-size", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
-              "tls-server-name", "health-port"}
+              "tls-server-name", "health-port", "enable-lora", "max-loras", "max-cpu-loras", "max-lora-rank",
+              "lora-modules", "allow-runtime-lora-updating", "lora-root"}
 DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
-                "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds",
+                "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds", "startup-wait-seconds",
                 "api-key-env", "drain-seconds", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
                 "tls-server-name", "max-request-body-bytes", "tool-call-parser", "enable-auto-tool-choice",
-                "max-tools", "max-schema-bytes", "max-schema-depth", "reasoning-parser"}
+                "max-tools", "max-schema-bytes", "max-schema-depth", "reasoning-parser", "enable-lora",
+                "allow-runtime-lora-updating"}
 GRPC_SERVICE = {"prefill": "cbserve.v1.PrefillService", "decode": "cbserve.v1.DecodeService"}
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 
@@ -136,6 +138,15 @@ def test_router_probes_use_health_and_ready():
     assert main["livenessProbe"]["httpGet"]["path"] == "/health"
     assert main["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert main["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_router_startup_wait_carries_the_value():
+    # A request that finds the pools still starting (or a rolling update's replacements) waits.
+    assert flags(container(render().get("Deployment", name("router")))["args"])["startup-wait-seconds"] == "60"
+    main = container(render(sets=("router.startupWaitSeconds=0",)).get("Deployment", name("router")))
+    assert flags(main["args"])["startup-wait-seconds"] == "0"
+    with pytest.raises(HelmError, match="startupWaitSeconds"):
+        render(sets=("router.startupWaitSeconds=-1",))
 
 
 def test_gpus_shm_and_device():

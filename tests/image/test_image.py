@@ -32,6 +32,7 @@ import pytest
 from openai import OpenAI
 
 from cbserve.local_cluster import free_ports
+from tests.process_leaks import SESSION_ENV, marked, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "localhost/cbserve:ci"
@@ -39,6 +40,24 @@ BUILD_TIMEOUT_S = 2400          # a cold build on 2 busy cores: debootstrap, two
 READY_TIMEOUT_S = 600           # three engines loading torch at once on a loaded machine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_TIMEOUT_S + READY_TIMEOUT_S)]
+# Marks every process this module starts inside the image (see `Buildah.run_args`).
+RUN_ENV = "CBSERVE_IMAGE_TEST_RUN"
+RUN_ID = secrets.token_hex(8)
+
+
+def stop_container_processes() -> None:
+    """Stop whatever still runs inside the image, and fail if anything needed more than SIGTERM.
+
+    `buildah run` (chroot isolation) runs the command as the last of a chain of its own
+    processes, each relaying stdio for the next. SIGTERM to buildah's process group makes buildah
+    exit, the chain goes with it and takes the image's tini down without tini passing the signal
+    on: the cbserve process under it is reparented to init. So the router, which rarely writes to
+    its stdout, kept running as uid 10001 after CI (the pods, which log often, died of the broken
+    pipe). The container's processes are found by their mark and signalled directly instead."""
+    stubborn = stop(RUN_ENV, RUN_ID, grace_seconds=30.0)
+    assert not stubborn, f"needed SIGKILL after 30 s: {[str(p) for p in stubborn]}"
+    left = marked(RUN_ENV, RUN_ID)
+    assert not left, f"still running: {[str(p) for p in left]}"
 
 
 def _unavailable(reason: str) -> None:
@@ -60,8 +79,12 @@ class Buildah:
         return proc.stdout
 
     def run_args(self, container: str, user: str, command: list[str], env: dict[str, str] | None = None) -> list[str]:
-        """argv that runs `command` in `container` as `user` on the host network, as a pod would."""
-        extra = [arg for key, value in (env or {}).items() for arg in ("--env", f"{key}={value}")]
+        """argv that runs `command` in `container` as `user` on the host network, as a pod would.
+
+        The processes inside get a hand-made environment: it carries the session's leak mark
+        (tests/process_leaks.py) and `RUN_ENV`, by which teardown finds them wherever they run."""
+        env = {SESSION_ENV: os.environ.get(SESSION_ENV, ""), RUN_ENV: RUN_ID, **(env or {})}
+        extra = [arg for key, value in env.items() for arg in ("--env", f"{key}={value}")]
         return [*self.base, "run", "--isolation", "chroot", "--network", "host", "--user", user,
                 "--env", "OMP_NUM_THREADS=1", *extra, container, "--", *command]
 
@@ -131,19 +154,22 @@ def test_generate_on_the_tiny_preset_as_uid_10001(built, container, config):
     buildah, _ = built
     # Exactly what the container runtime would exec: the entrypoint plus the chart's arguments.
     argv = [*config["Entrypoint"], "generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "8"]
-    proc = subprocess.run(buildah.run_args(container, config["User"], ["sh", "-c", 'id -u; exec "$@"', "sh", *argv]),
-                          capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    try:
+        proc = subprocess.run(buildah.run_args(container, config["User"], ["sh", "-c", 'id -u; exec "$@"', "sh", *argv]),
+                              capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    finally:
+        stop_container_processes()   # on a timeout, subprocess.run killed buildah only
     assert proc.returncode == 0, proc.stderr[-3000:]
     uid, _, text = proc.stdout.partition("\n")
     assert uid == "10001"
     assert text.strip(), f"no generated text; stderr: {proc.stderr[-2000:]}"
 
 
-def _wait_ready(url: str, procs: dict[str, subprocess.Popen]) -> None:
+def _wait_ready(url: str, procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         for name, proc in procs.items():
-            assert proc.poll() is None, f"{name} exited with {proc.returncode}: {proc.stdout.read()[-3000:]}"
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}: {logs[name].read_text()[-3000:]}"
         try:
             if httpx.get(url + "/ready", timeout=5).status_code == 200:
                 return
@@ -169,14 +195,15 @@ def test_router_prefill_and_decode_from_the_image_answer_over_loopback(built, co
     # The router and the pods share one deployment secret (the chart mounts it as a file).
     secret = {"CBSERVE_CLUSTER_SECRET": secrets.token_urlsafe(24)}
     procs: dict[str, subprocess.Popen] = {}
+    # Logs go to files: a pipe nobody reads until the end fills up and blocks a chatty pod.
+    logs = {name: tmp_path / f"{name}.log" for name in commands}
     try:
         for name, argv in commands.items():
-            # Own session: teardown signals exactly the group this test started.
-            procs[name] = subprocess.Popen(buildah.run_args(container, config["User"], argv, secret),
-                                           stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            with logs[name].open("w") as log:
+                procs[name] = subprocess.Popen(buildah.run_args(container, config["User"], argv, secret),
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{http_port}"
-        _wait_ready(url, procs)
+        _wait_ready(url, procs, logs)
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True)
@@ -189,9 +216,8 @@ def test_router_prefill_and_decode_from_the_image_answer_over_loopback(built, co
                        if line.startswith('cbserve_kv_transfer_bytes_total{role="decode"}')]
         assert kv_bytes > 0, metrics
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+        # Everything inside the image, by its mark; each `buildah run` exits once its command has.
+        stop_container_processes()
         for proc in procs.values():
             try:
                 proc.wait(timeout=60)

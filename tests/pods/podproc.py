@@ -43,6 +43,13 @@ def vouched(request: pb.GenerateRequest, ttl: float = 300.0) -> pb.GenerateReque
     return request
 
 
+def get_load(address: str, role: str, metadata=AUTH) -> pb.LoadReport:
+    """One GetLoad from the pod at `address` (`metadata`: its cluster's secret)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = (pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub)(channel)
+        return stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=metadata)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,9 +105,7 @@ class Pod:
         raise TimeoutError(f"{self.role} pod not ready after {timeout}s:\n{self.log_tail()}")
 
     def load(self) -> pb.LoadReport:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = (pb_grpc.PrefillServiceStub if self.role == "prefill" else pb_grpc.DecodeServiceStub)(channel)
-            return stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=AUTH)
+        return get_load(self.address, self.role)
 
     def wait_free_blocks(self, expected: int, timeout: float) -> float:
         """Seconds until the pod reports `expected` free blocks; raises after `timeout`."""

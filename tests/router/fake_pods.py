@@ -69,7 +69,9 @@ class Script:
     max_model_len: int = 256
     vocab_size: int = 260
     block_size: int = 16
-    load: pb.LoadReport = field(default_factory=pb.LoadReport)
+    load: pb.LoadReport = field(default_factory=pb.LoadReport)   # LoRA adapters: load.lora_adapters
+    # LoadLoRAAdapter of this adapter name fails with (code, details); and as a whole.
+    lora_refusals: dict[str, tuple[grpc.StatusCode, str]] = field(default_factory=dict)
 
 
 class _Records:
@@ -79,6 +81,7 @@ class _Records:
         self.cancelled: list[str] = []
         self.aborted: list[str] = []
         self.cancel_seen = asyncio.Event()
+        self.lora_calls: list[tuple[str, str]] = []     # ("load" | "unload", adapter name)
 
     @property
     def num_requests(self) -> int:
@@ -207,6 +210,30 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
     async def Abort(self, request, context):
         self.records.aborted.append(request.request_id)
         return pb.AbortResponse(found=True)
+
+    # -- LoRA adapters (the registry is the reported list) ---------------------------------------------
+    async def LoadLoRAAdapter(self, request, context):
+        await self._check_up(context)
+        self.records.lora_calls.append(("load", request.lora_name))
+        refusal = self.script.lora_refusals.get(request.lora_name)
+        if refusal is not None:
+            await context.abort(*refusal)
+        adapters = self.script.load.lora_adapters
+        if any(a.name == request.lora_name for a in adapters):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {request.lora_name!r} is already loaded")
+        adapters.add(name=request.lora_name, identity=f"id-{request.lora_path}", registered=True)
+        return pb.LoRAAdapterResponse(identity=f"id-{request.lora_path}")
+
+    async def UnloadLoRAAdapter(self, request, context):
+        await self._check_up(context)
+        self.records.lora_calls.append(("unload", request.lora_name))
+        adapters = self.script.load.lora_adapters
+        kept = [a for a in adapters if a.name != request.lora_name]
+        if len(kept) == len(adapters):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not loaded")
+        del adapters[:]
+        adapters.extend(kept)
+        return pb.LoRAAdapterResponse()
 
     # -- prefill ----------------------------------------------------------------------------------------
     async def Prefill(self, request, context):

@@ -78,9 +78,10 @@ async def serve_app(app):
 
 @contextlib.asynccontextmanager
 async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[Script] = (),
-                         colocated: list[Script] = (), pod_interceptors=(), **config):
+                         colocated: list[Script] = (), pod_interceptors=(), wait_routable: int | None = None,
+                         **config):
     """Start fake pods (with `pod_interceptors` on their servers) and a router over them; yields
-    a Harness once every pod is routable."""
+    a Harness once every pod is routable (or `wait_routable` of them: 0 for pods that start down)."""
     pods = {"prefill": await start_pods("prefill", list(prefill), pod_interceptors),
             "decode": await start_pods("decode", list(decode), pod_interceptors),
             "colocated": await start_pods("colocated", list(colocated), pod_interceptors)}
@@ -92,7 +93,7 @@ async def running_router(tokenizer, *, prefill: list[Script] = (), decode: list[
     try:
         async with serve_app(app) as url:
             harness = Harness(url, app, **pods)
-            await harness.wait_routable(len(harness.pods))
+            await harness.wait_routable(len(harness.pods) if wait_routable is None else wait_routable)
             try:
                 yield harness
             finally:

@@ -22,12 +22,15 @@ ROUTED = RoutingDecision(None, object())
 
 
 class Capacity:
-    """A scripted try_route: `free` slots; each successful route takes one."""
+    """A scripted try_route: `free` slots; each successful route takes one. `waited` records the
+    headroom waits admission passed in."""
 
     def __init__(self, free: int, reason: str = "slo", retry_after: float = 2.5) -> None:
         self.free, self.reason, self.retry_after = free, reason, retry_after
+        self.waited: list[float] = []
 
-    def try_route(self):
+    def try_route(self, headroom_waited: float = 0.0):
+        self.waited.append(headroom_waited)
         if self.free > 0:
             self.free -= 1
             return ROUTED
@@ -105,6 +108,82 @@ async def test_full_queue_rejects_at_once():
         await admission.admit(capacity.try_route)
     assert err.value.status == 429 and err.value.code == "rate_limit_exceeded"
     first.cancel()
+
+
+async def test_a_request_waits_for_a_starting_pod_in_either_mode():
+    for mode in ("queue", "reject"):
+        admission = AdmissionController(mode, 0.1, 10, startup_wait_seconds=5.0)
+        capacity = Capacity(0, reason="starting")
+        waiter = asyncio.create_task(admission.admit(capacity.try_route))
+        await asyncio.sleep(0.3)                 # past max_queue_seconds: a startup wait is not bound by it
+        assert not waiter.done() and admission.num_waiting == 1
+        capacity.free = 1
+        admission.wake()                         # the pod became routable
+        assert await asyncio.wait_for(waiter, 1.0) is ROUTED
+
+
+async def test_the_startup_wait_ends_with_503_and_retry_after():
+    metrics = RouterMetrics()
+    admission = AdmissionController("queue", 5.0, 10, metrics, startup_wait_seconds=0.3)
+    start = time.monotonic()
+    with pytest.raises(APIError) as err:
+        await admission.admit(Capacity(0, reason="starting", retry_after=5.0).try_route)
+    assert 0.3 <= time.monotonic() - start < 2.0
+    assert err.value.status == 503 and err.value.code == "no_ready_pods"
+    assert err.value.headers["Retry-After"] == "5"
+    assert b'cbserve_rejected_total{reason="startup_timeout",role="router"} 1.0' in metrics.render()
+    assert admission.num_waiting == 0
+
+
+async def test_the_request_deadline_bounds_a_startup_wait():
+    admission = AdmissionController("queue", 5.0, 10, startup_wait_seconds=60.0)
+    with pytest.raises(APIError) as err:
+        await admission.admit(Capacity(0, reason="starting").try_route, deadline=time.monotonic() + 0.2)
+    assert err.value.status == 503
+
+
+async def test_time_waiting_for_a_pod_to_start_is_not_taken_off_the_ttft_budget():
+    # The pod came up after 0.4 s, but is busy: the SLO wait (0.3 s) counts from then, and the
+    # headroom waits handed to try_route start at 0.
+    admission = AdmissionController("queue", 5.0, 10, startup_wait_seconds=10.0)
+    capacity = Capacity(0, reason="starting")
+    waiter = asyncio.create_task(admission.admit(capacity.try_route, slo_wait_seconds=0.3))
+    await asyncio.sleep(0.4)
+    capacity.reason = "slo"
+    admission.wake()
+    await asyncio.sleep(0.1)
+    assert not waiter.done()                 # 0.5 s in line, 0.1 s of it for headroom
+    capacity.free = 1
+    admission.wake()
+    assert await asyncio.wait_for(waiter, 1.0) is ROUTED
+    assert capacity.waited[0] == 0.0 and 0.05 < capacity.waited[-1] < 0.3
+
+
+async def test_a_waiter_whose_pods_vanished_gets_503_at_the_next_pass():
+    admission = AdmissionController("queue", 5.0, 10, startup_wait_seconds=10.0)
+    capacity = Capacity(0, reason="starting")
+    waiter = asyncio.create_task(admission.admit(capacity.try_route))
+    await asyncio.sleep(0.05)
+    capacity.reason = "no_pods"               # discovery dropped them
+    admission.wake()
+    with pytest.raises(APIError) as err:
+        await asyncio.wait_for(waiter, 1.0)
+    assert err.value.status == 503
+
+
+async def test_a_request_joining_a_startup_queue_waits_for_the_pods_too():
+    # It cannot tell why the others wait before its first pass: it must not take the SLO's bound.
+    admission = AdmissionController("queue", 0.1, 10, startup_wait_seconds=5.0)
+    capacity = Capacity(0, reason="starting")
+    first = asyncio.create_task(admission.admit(capacity.try_route, slo_wait_seconds=0.1))
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(admission.admit(capacity.try_route, slo_wait_seconds=0.1))
+    await asyncio.sleep(0.4)
+    assert not first.done() and not second.done()
+    capacity.free = 2
+    admission.wake()
+    assert await asyncio.wait_for(asyncio.gather(first, second), 1.0) == [ROUTED, ROUTED]
+    assert capacity.waited == [0.0] * len(capacity.waited)   # neither waited for headroom
 
 
 def _overloaded() -> pb.LoadReport:

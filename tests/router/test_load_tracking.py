@@ -10,9 +10,9 @@ import pytest
 
 from wire import cbserve_pb2 as pb
 from fake_pods import Script, start_pods
-from policy_pods import pod
+from policy_pods import pod, tracker_of
 from router.discovery.base import PodEndpoint
-from router.load import LOAD_SILENCE_SECONDS, LoadTracker
+from router.load import LOAD_SILENCE_REPORTS, LoadTracker
 
 pytestmark = pytest.mark.anyio
 
@@ -107,13 +107,20 @@ async def test_vanished_endpoint_stops_tracking():
 
 
 def test_silent_pod_gets_requests_only_when_no_other_pod_can():
-    tracker = LoadTracker()
-    fresh, silent, lone = pod("d1", "decode"), pod("d2", "decode"), pod("p1", "prefill")
-    now = time.monotonic()
-    fresh.report_time, silent.report_time = now, now - LOAD_SILENCE_SECONDS - 1
-    lone.report_time = now - LOAD_SILENCE_SECONDS - 1
-    tracker.pods = {p.address: p for p in (fresh, silent, lone)}
+    fresh, silent, lone = pod("d1", "decode"), pod("d2", "decode", silent=True), pod("p1", "prefill", silent=True)
+    tracker = tracker_of([fresh, silent, lone])
     assert tracker.routable("decode") == [fresh]
     assert tracker.routable("prefill") == [lone]       # silent, but the only one: keepalive decides
     fresh.serving = False                              # its gRPC health says NOT_SERVING
     assert tracker.routable("decode") == [silent]
+
+
+def test_after_the_router_itself_stalled_no_pod_is_silent():
+    # A second without reading any report (the router's loop starved): the first pod heard from
+    # again must not look like the only live one.
+    first, late = pod("d1", "decode"), pod("d2", "decode", silent=True)
+    tracker = tracker_of([first, late])
+    late.report_seq = tracker.num_reports - 1      # it missed only the one report that came meanwhile
+    assert tracker.routable("decode") == [first, late]
+    late.report_seq -= LOAD_SILENCE_REPORTS         # the other pod kept reporting: it is silent
+    assert tracker.routable("decode") == [first]

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from router.predict import LatencyCalibration, StepTimeModel, predict_tpot, predict_ttft, ttft_calibration
+from router.predict import (LatencyCalibration, StepTimeModel, client_tpot, predict_tpot, predict_ttft,
+                            predict_ttft_in_steps,
+                            ttft_calibration)
 
 
 def test_ttft_is_queue_plus_uncached_over_rate():
@@ -143,3 +145,53 @@ def test_ttft_calibration_may_shrink_a_pessimistic_queue_model():
         calibration.observe(0.1, 0.5)          # 0.2x: clamped, one odd stretch cannot open the gates
     assert calibration.factor == pytest.approx(0.5)
     assert predict_ttft(400, 100, 1000.0, calibration.factor) == pytest.approx(0.25)
+
+
+def test_one_paused_step_does_not_move_the_model_but_a_lasting_slowdown_does():
+    model = StepTimeModel()
+    for i in range(64):
+        model.add(1 + i % 8, 100, 0, 0.010)
+    before = model.predict(4, 100)
+    model.add(4, 100, 0, 10.0)                  # SIGSTOP mid-step: a 10 s "step"
+    assert model.predict(4, 100) == pytest.approx(before, rel=0.01)
+    for _ in range(StepTimeModel.OUTLIER_RUN):  # the pod really is 10x slower now
+        model.add(4, 100, 0, 0.2)
+    assert model.predict(4, 100) > 2 * before
+
+
+def test_ttft_in_steps_prices_the_steps_a_queue_takes():
+    model = StepTimeModel()
+    for i in range(64):
+        seqs, prefill = 1 + i % 8, 512 * (i % 2)
+        model.add(seqs, prefill, prefill, 0.010 + 0.001 * seqs + 2e-5 * prefill)
+    one_step = predict_ttft_in_steps(model, 16, 512, num_seqs=16)
+    assert one_step == pytest.approx(0.010 + 0.016 + 2e-5 * 16, rel=0.15)   # sixteen short prompts: one step
+    four_steps = predict_ttft_in_steps(model, 4 * 512, 512, num_seqs=4)
+    assert four_steps == pytest.approx(4 * (0.010 + 0.001 + 2e-5 * 512), rel=0.1)
+    # Before the model has samples: the pod's step EWMA per step, if the budget is known.
+    assert predict_ttft_in_steps(StepTimeModel(), 1025, 512, 1, fallback_step_seconds=0.05) == pytest.approx(0.15)
+    assert predict_ttft_in_steps(StepTimeModel(), 1025, 0, 1, fallback_step_seconds=0.05) is None
+
+
+@pytest.mark.parametrize("max_tokens,expected", [(1, 0.01), (2, 0.06), (8, (0.06 + 6 * 0.01) / 7),
+                                                 (200, (0.06 + 198 * 0.01) / 199)])
+def test_client_tpot_spreads_the_hand_over_over_the_answer(max_tokens, expected):
+    assert client_tpot(0.01, 0.06, max_tokens) == pytest.approx(expected)
+
+
+def test_the_hand_over_is_measured_apart_and_spread_over_the_answer():
+    from policy_pods import pod
+    from router.dispatch import Dispatcher
+    from router.metrics import RouterMetrics
+    from router.policy import RoutingDecision
+
+    decode = pod("d", "decode")
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.metrics = RouterMetrics()
+    decision = RoutingDecision(pod("p"), decode, predicted_tpot_seconds=0.01)
+    for _ in range(decode.tpot_calibration.min_samples):
+        # 8 tokens: a 60 ms hand-over, then 6 steps of 15 ms (1.5x the model's 10 ms).
+        dispatcher.observe_tpot(decision, 0.06 + 6 * 0.015, 8, pd_gap_seconds=0.06)
+    assert decode.pd_gap.value == pytest.approx(0.06)
+    # Observed (0.06 + 0.09) / 7 against predicted (0.06 + 0.06) / 7: 1.25, not 0.15 / 7 / 0.01 = 2.1.
+    assert decode.tpot_calibration.factor == pytest.approx(1.25)

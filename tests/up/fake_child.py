@@ -1,7 +1,8 @@
 """A stand-in for `cbserve prefill|decode|router`, so LocalCluster's process handling is tested alone.
 
 Pods serve the standard gRPC health service (SERVING after FAKE_READY_DELAY seconds) and a plain
-/metrics; the router serves /ready (200 once every pod it was given answers SERVING). Knobs, by env:
+/metrics; the router serves /ready (200 once every pod it was given answers SERVING), on the
+socket LocalCluster bound for it (`--listen-fd`). Knobs, by env:
 FAKE_FAIL=<name> exits 3 at start; FAKE_IGNORE_SIGTERM=<name> makes that process a straggler;
 FAKE_RECORD_DIR writes each process's argv, thread env and API key env to <dir>/<name>.json.
 """
@@ -12,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,13 +31,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--pod-id", default="router")
+    p.add_argument("--listen-fd", type=int, default=None)
     for flag in ("--prefill", "--decode"):
         p.add_argument(flag, default="")
     args, _ = p.parse_known_args(argv)
     return args
 
 
-def serve_http(port: int, routes: dict) -> ThreadingHTTPServer:
+def serve_http(port: int, routes: dict, listen_fd: int | None = None) -> ThreadingHTTPServer:
+    """Serve `routes` on 127.0.0.1:`port`, or on the inherited listening socket `listen_fd`."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             status, body = routes.get(self.path, lambda: (404, b"not found"))()
@@ -47,7 +51,12 @@ def serve_http(port: int, routes: dict) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    if listen_fd is None:
+        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    else:   # as `cbserve router --listen-fd`: LocalCluster bound it
+        server = ThreadingHTTPServer(("127.0.0.1", port), Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = socket.socket(fileno=listen_fd)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -83,8 +92,13 @@ def main() -> None:
         # "--colocated" is a value flag on the router but a switch on pods: read it by hand.
         colocated = argv[argv.index("--colocated") + 1] if "--colocated" in argv else ""
         pods = [a for a in ",".join([args.prefill, args.decode, colocated]).split(",") if a]
-        ready = lambda: (200, b"ready") if pods and all(map(pod_serving, pods)) else (503, b"not ready")  # noqa: E731
-        serve_http(args.port, {"/ready": ready, "/health": lambda: (200, b"ok")})
+        if "--pods-file" in argv:   # --discovery file, as LocalCluster starts it: read at every probe
+            pods_file = Path(argv[argv.index("--pods-file") + 1])
+            listed = lambda: [a for addresses in json.loads(pods_file.read_text()).values() for a in addresses]  # noqa: E731
+        else:
+            listed = lambda: pods  # noqa: E731
+        ready = lambda: (200, b"ready") if (now := listed()) and all(map(pod_serving, now)) else (503, b"not ready")  # noqa: E731
+        serve_http(args.port, {"/ready": ready, "/health": lambda: (200, b"ok")}, args.listen_fd)
     else:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         servicer = health.HealthServicer()

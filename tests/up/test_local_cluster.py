@@ -32,6 +32,9 @@ def test_starts_pods_and_router_and_stops_them(tmp_path, monkeypatch):
         assert all(grpc_serving(p.address) for p in c.pods)
         assert http_ready(c.url + "/ready")
         assert c.base_url == c.url + "/v1"
+        # The router finds the pods in a file it re-reads (`add_pod`/`remove_pod` rewrite it).
+        listed = json.loads(c.pods_file.read_text())
+        assert listed == {"prefill": [p.address for p in c.pods[:2]], "decode": [c.pods[2].address]}
         procs = c.processes
     assert all(not p.running for p in procs.values())
     assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
@@ -41,8 +44,7 @@ def test_starts_pods_and_router_and_stops_them(tmp_path, monkeypatch):
     router = json.loads((tmp_path / "router.json").read_text())
     argv = router["argv"]
     assert argv[argv.index("--policy") + 1] == "round_robin"
-    prefill = argv[argv.index("--prefill") + 1].split(",")
-    assert prefill == [p.address for p in c.pods[:2]]
+    assert argv[argv.index("--discovery") + 1] == "file" and "--listen-fd" in argv
     pod = json.loads((tmp_path / "prefill-0.json").read_text())
     assert pod["threads"] == "1"
     assert pod["argv"][0] == "prefill" and "--no-prefix-caching" in pod["argv"]
@@ -53,11 +55,9 @@ def test_colocated_engines_are_decode_pods_with_colocated_flag(tmp_path, monkeyp
     monkeypatch.setenv("FAKE_RECORD_DIR", str(tmp_path))
     with cluster(ClusterSpec(num_colocated=2, port=0, drain_seconds=1)) as c:
         assert [p.role for p in c.pods] == ["colocated", "colocated"]
+        assert json.loads(c.pods_file.read_text()) == {"colocated": [p.address for p in c.pods]}
     pod = json.loads((tmp_path / "colocated-1.json").read_text())["argv"]
     assert pod[0] == "decode" and "--colocated" in pod
-    router = json.loads((tmp_path / "router.json").read_text())["argv"]
-    assert router[router.index("--colocated") + 1] == ",".join(p.address for p in c.pods)
-    assert "--prefill" not in router
 
 
 def test_child_dying_during_startup_fails_with_its_log_tail(monkeypatch):
@@ -137,3 +137,38 @@ def test_only_the_router_gets_the_api_key(tmp_path, monkeypatch, given):
     assert records["router"]["api_key"] == "s3cret"
     assert records["prefill-0"]["api_key"] is None and records["decode-0"]["api_key"] is None
     assert all("s3cret" not in " ".join(r["argv"]) for r in records.values())
+
+
+def test_pods_added_and_removed_while_it_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_READY_DELAY", "0.3")
+    lines: list[str] = []
+    with cluster(ClusterSpec(port=0, drain_seconds=1), lines) as c:
+        c.supervise_in_background(interval=0.1)
+        added = c.add_pod("decode")
+        assert added.name == "decode-1" and grpc_serving(added.address)
+        assert json.loads(c.pods_file.read_text())["decode"] == [c.pods[1].address, added.address]
+        assert c.remove_pod("decode-0") is False          # drained on SIGTERM, not killed
+        assert [p.name for p in c.pods] == ["prefill-0", "decode-1"]
+        assert json.loads(c.pods_file.read_text())["decode"] == [added.address]
+        time.sleep(0.5)
+        assert "decode-0" not in c.processes and c.restarts("decode-0") == 0   # retired: not restarted
+        assert c.add_pod("decode").name == "decode-2"     # names are never reused
+        with pytest.raises(ClusterError, match="not colocated"):
+            c.add_pod("colocated")
+        assert http_ready(c.url + "/ready")
+    assert "[decode-0] decode-0 drained" in lines
+
+
+def test_a_pod_added_from_a_thread_outlives_the_thread(tmp_path, monkeypatch):
+    # PR_SET_PDEATHSIG follows the thread that forked the child: a pod added from a `cbserve scale`
+    # handler thread used to get SIGTERM as soon as that thread ended.
+    import threading
+
+    monkeypatch.setenv("FAKE_READY_DELAY", "0.1")
+    with cluster(ClusterSpec(port=0, drain_seconds=1)) as c:
+        added = []
+        thread = threading.Thread(target=lambda: added.append(c.add_pod("decode")))
+        thread.start()
+        thread.join()
+        time.sleep(1.0)
+        assert c.processes[added[0].name].running and grpc_serving(added[0].address)
