@@ -9,9 +9,13 @@ histogram), error rate, preemptions (pods' counters), SLO attainment and goodput
     python -m bench.goodput --quick                                  # smoke test, ~3 min on tiny
     python -m bench.goodput --model tiny --rates 1 2 4 8 --duration 30 --json docs/goodput_tiny.json
     python -m bench.goodput --model small --rates 0.25 0.5 1 2 --duration 60
+    python -m bench.goodput --trace traffic.jsonl --configs colocated-2 1P1D --rates 2 4   # a trace
 
-Pods cache prefixes only for the mix whose prompts share them (`--prefix-caching auto`); otherwise a
-benchmark that repeats prompts would measure the cache. Plots: docs/goodput_<model>_<mix>.png.
+`--trace FILE` replays a trace's request shapes (JSON lines, `cbserve/goodput/trace.py`) instead of
+the mixes, at each rate, as `cbserve plan --trace FILE` predicts them. Configurations: the names
+below, `colocated-K` or `xPyD` (`cbserve/goodput/configs.py`). Pods cache prefixes only for the
+workload whose prompts share them (`--prefix-caching auto`); otherwise a benchmark that repeats
+prompts would measure the cache. Plots: docs/goodput_<model>_<mix>.png.
 """
 
 from __future__ import annotations
@@ -30,22 +34,21 @@ from pathlib import Path
 if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import prom
-from bench.loadgen import run_open_loop
-from bench.plots import plot_mix
-from bench.report import format_table, goodput_ratios, print_ratios
-from bench.stats import Slo, summarize
-from bench.workloads import MIXES, Mix, build_requests, warmup_requests
+from cbserve.goodput import prom
+from cbserve.goodput.loadgen import run_open_loop
+from cbserve.goodput.plots import plot_mix
+from cbserve.goodput.report import format_table, goodput_ratios, print_ratios
+from cbserve.goodput.stats import Slo, summarize
+from cbserve.goodput.configs import NAMED, config_name, parse_config
+from cbserve.goodput.trace import Trace, TraceError, load_trace
+from cbserve.goodput.workloads import MIXES, Mix
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 from engine.config import QUANTIZATIONS
 
-# name -> ClusterSpec fields. Same two cores for all: each pod gets one torch thread.
-CONFIGS: dict[str, dict] = {
-    "pd-goodput": dict(num_prefill=1, num_decode=1, policy="goodput"),
-    "pd-round-robin": dict(num_prefill=1, num_decode=1, policy="round_robin"),
-    "colocated-2": dict(num_colocated=2, policy="goodput"),
-}
+# The default configurations (name -> ClusterSpec fields). Same two cores for all: each pod gets
+# one torch thread.
+CONFIGS: dict[str, dict] = NAMED
 QUICK = dict(mixes=["chat"], rates=[1.0, 4.0], duration=20.0)
 
 
@@ -53,9 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=["chat", "long-prompt", "shared-prefix"])
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay this trace's requests (JSON lines of prompt_tokens, output_tokens, optional "
+                        "prefix_group and prefix_tokens) instead of --mixes"),
     p.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, 4], help="offered req/s")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", type=config_name, default=list(CONFIGS),
+                   help=f"configurations: {', '.join(CONFIGS)}, colocated-K or xPyD (default: the first three)")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
@@ -86,13 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cluster_spec(args: argparse.Namespace, config: str, mix: Mix) -> ClusterSpec:
+def cluster_spec(args: argparse.Namespace, config: str, mix: Mix | Trace) -> ClusterSpec:
     caching = mix.prefix_caching if args.prefix_caching == "auto" else args.prefix_caching == "on"
     return ClusterSpec(model=args.model, port=0, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                        threads_per_pod=args.threads_per_pod, prefix_caching=caching, device=args.device,
                        quantization=args.quantization,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_blocks=args.num_blocks, drain_seconds=5, **CONFIGS[config])
+                       num_blocks=args.num_blocks, drain_seconds=5, **parse_config(config))
 
 
 def scrape_all(cluster: LocalCluster) -> tuple[prom.Samples, prom.Samples]:
@@ -104,8 +111,8 @@ def scrape_all(cluster: LocalCluster) -> tuple[prom.Samples, prom.Samples]:
     return prom.scrape(cluster.metrics_url), pods
 
 
-def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix, rate: float, model_id: str) -> dict:
-    requests = build_requests(mix, rate, args.duration, args.seed)
+def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, rate: float, model_id: str) -> dict:
+    requests = mix.requests(rate, args.duration, args.seed)
     router_before, pods_before = scrape_all(cluster)
     results, elapsed = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=args.request_timeout,
                                                  api_key=os.environ.get("CBSERVE_API_KEY"),
@@ -117,19 +124,22 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix, rate: fl
     summary = summarize(results, rate=rate, duration_s=args.duration, elapsed_s=elapsed,
                         slo=Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000),
                         p95_router_queue_s=queue_p95 if router_after else None, preemptions=preemptions)
-    row = summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3]}
+    row = summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3],
+                               # each role's mean engine step in the run (what the planner's contention scales)
+                               "mean_step_s": prom.mean_by_label(prom.delta(pods_after, pods_before),
+                                                                 "cbserve_step_seconds")}
     if args.save_requests:
         row["requests"] = [asdict(r) for r in results]
     return row
 
 
-def run_config(args: argparse.Namespace, config: str, mix: Mix, log_root: Path) -> list[dict]:
+def run_config(args: argparse.Namespace, config: str, mix: Mix | Trace, log_root: Path) -> list[dict]:
     rows: list[dict] = []
     spec = cluster_spec(args, config, mix)
     with LocalCluster(spec, log_dir=log_root / f"{mix.name}-{config}") as cluster:
         model_id = args.model
         if args.warmup:
-            asyncio.run(run_open_loop(cluster.url, model_id, warmup_requests(mix, args.seed, args.warmup),
+            asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(args.seed, args.warmup),
                                       timeout_s=args.request_timeout, api_key=os.environ.get("CBSERVE_API_KEY")))
         for rate in args.rates:
             cluster.check_alive("during the benchmark")
@@ -165,18 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     args = parse_args(argv)
+    try:
+        workloads = [load_trace(args.trace)] if args.trace else [MIXES[name] for name in args.mixes]
+    except TraceError as e:
+        raise SystemExit(f"error: {e}") from None
     context = model_context_length(args.model)
-    for name in args.mixes:
-        if MIXES[name].max_total_tokens > context:
-            raise SystemExit(f"mix {name} needs {MIXES[name].max_total_tokens} tokens; {args.model} has {context}")
+    for workload in workloads:
+        if workload.max_total_tokens > context:
+            raise SystemExit(f"{workload.name} needs {workload.max_total_tokens} tokens; {args.model} has {context}")
     log_root = Path(args.log_dir or tempfile.mkdtemp(prefix="cbserve-goodput-"))
     if args.cpus:   # children inherit the affinity: every configuration runs on the same cores
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     print(f"# model {args.model}, SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms, "
           f"{args.duration:g} s per rate, seed {args.seed}, logs in {log_root}", flush=True)
     rows: list[dict] = []
-    for name in args.mixes:
-        mix = MIXES[name]
+    for mix in workloads:
+        name = mix.name
         print(f"\n## mix {name}: {mix.description}\n{format_table([], header=True)}", flush=True)
         mix_rows = [row for config in args.configs for row in run_config(args, config, mix, log_root)]
         rows += mix_rows
@@ -187,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     ratios = goodput_ratios(rows, baseline="pd-goodput")
     print_ratios(ratios)
     if args.json:
-        meta = {"model": args.model, "mixes": args.mixes, "rates": args.rates, "duration_s": args.duration,
-                "configs": {c: CONFIGS[c] for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
+        meta = {"model": args.model, "mixes": [w.name for w in workloads], "trace": args.trace,
+                "rates": args.rates, "duration_s": args.duration,
+                "configs": {c: parse_config(c) for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
                 "quantization": args.quantization, "device": args.device, "num_blocks": args.num_blocks,
-                "cpus": args.cpus, "prefix_caching": args.prefix_caching, "git_commit": git_commit(),
+                "cpus": args.cpus, "prefix_caching": args.prefix_caching, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "git_commit": git_commit(),
                 "cpu_count": os.cpu_count(), "machine": platform.platform()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ratios": ratios}, indent=1) + "\n")

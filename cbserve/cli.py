@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_command(sub)
     from cbserve.control import add_scale_command  # `cbserve scale`: cbserve/control.py
     add_scale_command(sub)
+    from cbserve.planner.cli import add_planner_commands  # `cbserve profile|plan`: cbserve/planner/
+    add_planner_commands(sub, _add_engine_flags, engine_config_from_args)
     return parser
 
 

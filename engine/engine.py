@@ -46,6 +46,7 @@ from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
+from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
 from engine.tp_launch import TPDriver
@@ -55,7 +56,6 @@ from engine.tp_worker import WorkerSpec
 log = logging.getLogger(__name__)
 _PARAMS = operator.attrgetter("sampling_params")
 _STRUCTURED = operator.attrgetter("structured")
-_START = operator.itemgetter(2)      # ScheduledSeq.start_position
 
 
 @dataclass(frozen=True)
@@ -185,11 +185,8 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()
-        self._step_ewma = 0.0
-        self._prefill_rate = 0.0
-        self.num_steps = 0
+        self.step_stats = StepStats()
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
-        self.step_samples: collections.deque[StepSample] = collections.deque(maxlen=256)
         log.info("engine ready: role=%s model=%s dtype=%s quantization=%s kv_cache_dtype=%s "
                  "tensor_parallel_size=%d blocks=%d x %d", self.role, config.model, dtype_name,
                  self.quantization or "none", str(self.kv_dtype).removeprefix("torch."),
@@ -500,23 +497,20 @@ class Engine:
         return out
 
     def _record_step(self, out, seconds: float) -> None:
-        seqs = out.scheduled
-        num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
-            len(s.token_ids) for s in seqs if len(s.token_ids) > 1)        # decode-only steps: none
-        context = sum(map(_START, seqs)) + out.num_batched_tokens
-        self.step_samples.append(StepSample(len(out.scheduled), context, num_prefill, seconds))
-        alpha = 0.1
-        self._step_ewma = seconds if self.num_steps == 0 else (1 - alpha) * self._step_ewma + alpha * seconds
-        if num_prefill:
-            rate = out.num_batched_tokens / seconds
-            self._prefill_rate = rate if self._prefill_rate == 0 else (1 - alpha) * self._prefill_rate + alpha * rate
-        self.num_steps += 1
+        self.step_stats.record(out, seconds)
+
+    @property
+    def step_samples(self) -> collections.deque[StepSample]:
+        """The latest steps' samples (the router's step-time model reads them in load reports)."""
+        return self.step_stats.samples
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_stats.num_steps
 
     def reset_step_stats(self) -> None:
         """Forget step timings (after a warm-up whose first step includes one-off costs)."""
-        self._step_ewma = self._prefill_rate = 0.0
-        self.num_steps = 0
-        self.step_samples.clear()
+        self.step_stats.reset()
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: Iterable[str | Sequence[int]],
@@ -554,13 +548,6 @@ class Engine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        pool = s.kv_manager.block_pool
-        return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, prefill_queue_tokens=s.prefill_queue_tokens,
-            num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_usable_blocks,
-            kv_cache_usage=pool.usage, prefix_cache_hit_ratio=s.kv_manager.hit_ratio,
-            num_preemptions=s.num_preemptions, step_seconds_ewma=self._step_ewma,
-            prefill_tokens_per_second=self._prefill_rate, num_steps=self.num_steps,
-            lora_adapters=() if self.lora is None else self.lora.stats(s),
+        return self.step_stats.snapshot(
+            self.scheduler, lora_adapters=() if self.lora is None else self.lora.stats(self.scheduler),
             max_loras=0 if self.lora is None else self.lora.config.max_loras)

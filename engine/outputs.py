@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampler import TokenLogprobs
+if TYPE_CHECKING:   # torch-free at run time: the capacity planner builds these without torch
+    from engine.prompt_logprobs import PromptLogprobs
+    from engine.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)

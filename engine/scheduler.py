@@ -17,7 +17,6 @@ edges, metrics queries) live in `engine.scheduler_state.SchedulerState`, which `
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 from engine.request import Request, RequestStatus
@@ -153,7 +152,7 @@ class Scheduler(SchedulerState):
     def _admit_waiting(self, budget: int, seqs: list[ScheduledSeq], scheduled: list[Request]) -> int:
         """Admit waiting requests in policy order (chunked into `budget`); returns the budget left."""
         kv, waiting, config = self.kv_manager, self.waiting, self.config
-        now = time.monotonic()
+        now = self.clock()
         while waiting and budget and len(self.running) + len(self.waiting_for_remote_kv) < config.max_num_seqs:
             request = waiting.peek()
             if request.lora is not None and not self.lora_slots.can_acquire(request):
@@ -238,7 +237,7 @@ class Scheduler(SchedulerState):
         # the loop only notes the exceptions.
         skipped: list[Request] = []
         unsampled: list[Request] = []
-        now = time.monotonic()
+        now = self.clock()
         any_finished = False
         running_status = _RUNNING
         for (request_id, new_tokens, start, _, sample), request in zip(output.scheduled, scheduled):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
@@ -45,11 +45,14 @@ class SchedulerState:
     or reserved, so that running decodes can still grow after remote prompts are reserved.
     `lora_slots` (`engine.lora.slots.LoRASlots`, LoRA enabled): a request with an adapter holds a
     slot from admission (or reservation) until it leaves the batch; none free: it waits.
+    `clock` stamps requests' scheduling, token and finish times; the capacity planner passes its
+    virtual clock (`cbserve.planner`), so the same scheduler runs on simulated time.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv: CacheConfig | KVCacheManager,
                  role: str = "colocated", eos_token_ids: Iterable[int] = (),
-                 reserve_watermark: float = 0.01, lora_slots=None) -> None:
+                 reserve_watermark: float = 0.01, lora_slots=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if isinstance(kv, CacheConfig):
@@ -64,6 +67,7 @@ class SchedulerState:
         self.kv_manager = kv
         self.block_size = kv.block_size
         self.role = role
+        self.clock = clock
         self.eos_token_ids = frozenset(eos_token_ids)
         self.lora_slots = lora_slots
         self._watermark_blocks = max(1, int(reserve_watermark * kv.block_pool.num_usable_blocks))
@@ -224,7 +228,7 @@ class SchedulerState:
         del self.requests[request_id]
         if not old.is_finished:      # a held request already reported its end
             request.status = status
-            request.finished_time = time.monotonic()
+            request.finished_time = self.clock()
             self._finished_ids.append(request_id)
 
     def _release_lora(self, request: Request) -> None:
@@ -238,7 +242,7 @@ class SchedulerState:
         blocks for running decodes (none needed when nothing runs, so a big prompt cannot starve)."""
         kv, queue = self.kv_manager, self.waiting_for_blocks
         reserved = []
-        now = time.monotonic()
+        now = self.clock()
         while queue and len(self.running) + len(self.waiting_for_remote_kv) < self.config.max_num_seqs:
             request = queue[0]
             busy = self.running or self.waiting_for_remote_kv
@@ -271,7 +275,7 @@ class SchedulerState:
         if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for remote KV")
         del self.waiting_for_remote_kv[request_id]
-        now = time.monotonic()
+        now = self.clock()
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv_manager.cache_blocks(request, request.num_computed_tokens)
         request.append_output_token(first_token_id)

@@ -32,7 +32,6 @@ from prometheus_client import start_http_server
 from wire import cbserve_pb2
 from engine.engine import Engine, EngineConfig, EngineRequestError
 from engine.loop import EngineLoop
-from engine.lora.stats import stats_to_pb as lora_stats_to_pb
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats
 from engine.sampler import TokenLogprobs
@@ -40,12 +39,12 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, from_pro
 from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
+from pod.load_report import REFRESH_SECONDS, build_load_report
 from pod.lora_rpc import lora_rpc
 from pod.security import ClusterSecurity, advertise_address
 from pod.stall import DEFAULT_STALL_SECONDS, stall_threshold, watch_engine
 
 log = logging.getLogger(__name__)
-REFRESH_SECONDS = 0.05     # snapshot age bound while busy; WatchLoad's default interval
 NUM_SNAPSHOT_SAMPLES = 64  # step samples kept for load reports (each report sends up to 32 new ones)
 
 
@@ -305,21 +304,11 @@ class PodRuntime:
         return future
 
     def load_report(self, since_step: int = -1) -> tuple[cbserve_pb2.LoadReport, int]:
-        s = self.snapshot
         samples = [x for n, x in self._samples if n > since_step]
         last = self._samples[-1][0] if self._samples else since_step
-        report = cbserve_pb2.LoadReport(
-            pod_id=self.pod_id, role=self.role_label, num_waiting=s.num_waiting, num_running=s.num_running,
-            prefill_queue_tokens=s.prefill_queue_tokens, num_free_blocks=s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks, step_seconds_ewma=s.step_seconds_ewma,
-            prefill_tokens_per_second=s.prefill_tokens_per_second, timestamp=time.time(),
-            draining=self.draining, block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs, num_held_kv=self.num_held, max_loras=s.max_loras,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            step_samples=[cbserve_pb2.StepSample(num_seqs=x.num_seqs, num_context_tokens=x.num_context_tokens,
-                                                 num_prefill_tokens=x.num_prefill_tokens, seconds=x.seconds)
-                          for x in samples[-32:]])
-        lora_stats_to_pb(s.lora_adapters, report.lora_adapters)
+        report = build_load_report(self.pod_id, self.role_label, self.snapshot, samples, draining=self.draining,
+                                   block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens, num_held_kv=self.num_held)
         return report, last
 
     async def get_load(self, request, context) -> cbserve_pb2.LoadReport:

@@ -58,7 +58,8 @@ class AdmissionController:
     """Decides, per request, between routing now, waiting, and refusing."""
 
     def __init__(self, mode: str, max_queue_seconds: float, max_queue_size: int,
-                 metrics: RouterMetrics | None = None, startup_wait_seconds: float = 60.0) -> None:
+                 metrics: RouterMetrics | None = None, startup_wait_seconds: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if mode not in ("queue", "reject"):
             raise ValueError(f"admission mode must be 'queue' or 'reject', got {mode!r}")
         self.mode = mode
@@ -66,6 +67,7 @@ class AdmissionController:
         self.max_queue_size = max_queue_size
         self.startup_wait_seconds = startup_wait_seconds
         self.metrics = metrics
+        self.clock = clock        # the event loop's clock (the capacity planner's is virtual)
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._pass_scheduled = False
@@ -141,7 +143,7 @@ class AdmissionController:
                 self.metrics.rejected("queue_full")
             raise rate_limited("The router's admission queue is full; retry later.", first.retry_after_seconds)
 
-        now = time.monotonic()
+        now = self.clock()
         waiter = _Waiter(0.0, next(self._seq), try_route, asyncio.get_running_loop().create_future(), first,
                          now, float("inf") if deadline is None else deadline,
                          float("inf") if slo_wait_seconds is None else slo_wait_seconds)
@@ -175,7 +177,7 @@ class AdmissionController:
         """Retry every waiter in deadline order; release those that route, refuse those whose
         bound passed, keep the rest."""
         self._pass_scheduled = False
-        now = time.monotonic()
+        now = self.clock()
         kept = []
         while self._heap:
             waiter = heapq.heappop(self._heap)
@@ -204,20 +206,18 @@ class AdmissionController:
         bounds = [w.expires_at for w in self._heap if not w.future.done()]
         if bounds:
             self._timer = asyncio.get_running_loop().call_at(
-                _loop_time(min(bounds)), self._expire)
+                self._loop_time(min(bounds)), self._expire)
+
+    def _loop_time(self, when: float) -> float:
+        """`when` (seconds on `clock`) on the running loop's clock (asyncio's loop.time() is
+        monotonic-based but need not be the same clock; the planner's clock is the loop's own)."""
+        return asyncio.get_running_loop().time() + (when - self.clock())
 
     def _expire(self) -> None:
         """Refuse the waiters whose bound passed (a last attempt first: it may route now)."""
         self._timer = None
-        now = time.monotonic()
+        now = self.clock()
         if any(w.expires_at <= now for w in self._heap if not w.future.done()):
             self._run_pass()
         else:
             self._arm_timer()
-
-
-def _loop_time(monotonic: float) -> float:
-    """`monotonic` seconds on the running loop's clock (asyncio's loop.time() is monotonic-based
-    but need not be the same clock)."""
-    loop = asyncio.get_running_loop()
-    return loop.time() + (monotonic - time.monotonic())

@@ -30,15 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.tokenizer import Tokenizer
-from router.admission import STARTING_RETRY_AFTER_SECONDS, AdmissionController
+from router.admission import STARTING_RETRY_AFTER_SECONDS
 from router.config import RouterConfig
 from router.discovery import Discovery, build_discovery
-from router.dispatch import Dispatcher
+from router.dispatch import build_dispatcher
 from router.errors import APIError, unauthorized, unavailable
-from router.load import LoadTracker
 from router.lora.admin import LoRAAdmin, add_lora_routes, model_cards
 from router.metrics import RouterMetrics
-from router.policy import PrefixIndex, build_policy
 from router.chat import create_chat_completion
 from router.completions import create_completion
 from router.prompts import PromptEncoder
@@ -90,17 +88,8 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
             tokenizer = Tokenizer.from_pretrained(model_dir)
             max_len = max_len or max_model_len_of(model_dir)
         discovery = discovery or build_discovery(config)
-        tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds,
-                              close_grace_seconds=config.request_timeout_seconds,
-                              pod_inactivity_seconds=config.pod_inactivity_seconds, security=config.security)
-        prefix_index = PrefixIndex(config.prefix_affinity_entries)
-        admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics,
-                                        config.startup_wait_seconds)
-        tracker.add_listener(admission.wake)
-        policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second,
-                              config.local_prefill_fallback)
-        dispatcher = Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries,
-                                config.kv_transport)
+        dispatcher = build_dispatcher(config, metrics)
+        tracker = dispatcher.tracker
         encoder = PromptEncoder(tokenizer)
         output = await asyncio.to_thread(OutputFeatures.from_config, config, tokenizer)
         app.state.serving = ServingState(config, tokenizer, dispatcher, metrics, max_len or DEFAULT_MAX_MODEL_LEN,

@@ -18,18 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
 
 from router.admission import STARTING_RETRY_AFTER_SECONDS, AdmissionController
+from router.config import RouterConfig
 from router.errors import APIError, timeout_error, unavailable, upstream_error
 from router.load import LoadTracker, PodState
 from router.lora.state import serves
 from router.metrics import RouterMetrics
 from router.pod_stream import POD_DOWN, PodFailure, SequenceStream
 from router.predict import client_tpot
-from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest
+from router.policy import NoRoute, Policy, PrefixIndex, RoutingDecision, RoutingRequest, build_policy
 from router.sequence import SequenceSpec, SequenceTrace
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,8 @@ class Dispatcher:
 
     def __init__(self, tracker: LoadTracker, policy: Policy, admission: AdmissionController,
                  prefix_index: PrefixIndex, metrics: RouterMetrics, max_retries: int = 2,
-                 kv_transport: str = "") -> None:
+                 kv_transport: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock    # monotonic seconds; the capacity planner's is virtual (`cbserve.planner`)
         self.tracker = tracker
         self.policy = policy
         self.admission = admission
@@ -110,17 +113,23 @@ class Dispatcher:
         self.metrics.running.dec()
         self.admission.wake()
 
+    async def admit(self, spec: SequenceSpec, trace: SequenceTrace) -> RoutingDecision:
+        """The sequence's pods, reserved, once admission lets it through (it may wait in the
+        router's queue, on the TTFT budget it has left); raises APIError (429 / 503) if refused."""
+        start = self.clock()
+        decision = await self.admission.admit(
+            lambda headroom_waited: self._try_route(with_ttft_budget_left(spec.routing, headroom_waited)),
+            spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
+        trace.router_queue_seconds = self.clock() - start
+        self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
+        return decision
+
     async def start(self, spec: SequenceSpec, trace: SequenceTrace) -> SequenceStream:
         """The sequence's pod calls once its first tokens arrived (in `first_message`).
 
         Raises APIError if it cannot be served: refused by admission, no pod, or every try failed.
         """
-        start = time.monotonic()
-        decision = await self.admission.admit(
-            lambda headroom_waited: self._try_route(with_ttft_budget_left(spec.routing, headroom_waited)),
-            spec.deadline, self.release, slo_wait_seconds=spec.routing.slo_ttft_seconds)
-        trace.router_queue_seconds = time.monotonic() - start
-        self.metrics.observe_phase("router_queue", trace.router_queue_seconds)
+        decision = await self.admit(spec, trace)
         routing = spec.routing
         attempt = 0
         while True:
@@ -198,4 +207,22 @@ class Dispatcher:
             bool(pods["prefill"]) or self.policy.local_prefill_fallback)
 
 
-__all__ = ["Dispatcher", "PodLost", "SequenceSpec", "SequenceStream", "SequenceTrace"]
+def build_dispatcher(config: RouterConfig, metrics: RouterMetrics,
+                     clock: Callable[[], float] = time.monotonic) -> Dispatcher:
+    """The router's routing core for `config`, wired as the app runs it: load tracker, prefix index,
+    admission (re-run on every load report) and policy. The capacity planner builds the same one on
+    its virtual clock (`cbserve.planner`)."""
+    tracker = LoadTracker(config.load_interval_seconds, config.probe_interval_seconds,
+                          close_grace_seconds=config.request_timeout_seconds,
+                          pod_inactivity_seconds=config.pod_inactivity_seconds, security=config.security)
+    prefix_index = PrefixIndex(config.prefix_affinity_entries)
+    admission = AdmissionController(config.admission, config.max_queue_seconds, config.max_queue_size, metrics,
+                                    config.startup_wait_seconds, clock=clock)
+    tracker.add_listener(admission.wake)
+    policy = build_policy(config.policy, prefix_index, config.default_prefill_tokens_per_second,
+                          config.local_prefill_fallback)
+    return Dispatcher(tracker, policy, admission, prefix_index, metrics, config.max_retries, config.kv_transport,
+                      clock=clock)
+
+
+__all__ = ["Dispatcher", "PodLost", "SequenceSpec", "SequenceStream", "SequenceTrace", "build_dispatcher"]

@@ -72,6 +72,8 @@ class PodState:
     last_context_tokens: int = 0             # context tokens in the pod's latest reported step
     poll_load: bool = False                  # WatchLoad does not work on this pod: poll GetLoad
     admitted_before: bool = False            # it was routable once: a re-admission forgets its history
+    # Monotonic seconds; the capacity planner passes its virtual clock (`cbserve.planner`).
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     @property
     def address(self) -> str:
@@ -88,7 +90,7 @@ class PodState:
     @property
     def silent(self) -> bool:
         """No load report for `LOAD_SILENCE_SECONDS`: routed to only when no other pod can be."""
-        return time.monotonic() - self.report_time >= LOAD_SILENCE_SECONDS
+        return self.clock() - self.report_time >= LOAD_SILENCE_SECONDS
 
     def apply_report(self, report: pb.LoadReport, now: float) -> None:
         # GetLoad (and the first message of WatchLoad) repeat the pod's recent samples; a sample seen
@@ -124,7 +126,7 @@ class PodState:
         has to compute (default: all; a decode pod that pulls the KV: 0)."""
         self.num_inflight += 1
         prefill = num_prompt_tokens if num_prefill_tokens is None else num_prefill_tokens
-        self.unreported.append((time.monotonic(), prefill, num_prompt_tokens))
+        self.unreported.append((self.clock(), prefill, num_prompt_tokens))
 
     def on_finish(self) -> None:
         self.num_inflight = max(0, self.num_inflight - 1)

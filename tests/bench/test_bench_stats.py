@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from bench import prom
-from bench.loadgen import RequestResult
-from bench.report import goodput_ratios
-from bench.stats import Slo, percentile, summarize
+from cbserve.goodput import prom
+from cbserve.goodput.stats import RequestResult
+from cbserve.goodput.report import goodput_ratios
+from cbserve.goodput.stats import Slo, percentile, summarize
 
 
 @pytest.mark.parametrize("q", [0, 5, 50, 90, 95, 99, 100])

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bench.goodput import CONFIGS, cluster_spec, parse_args
-from bench.plots import plot_mix
-from bench.workloads import MIXES
+from cbserve.goodput.plots import plot_mix
+from cbserve.goodput.workloads import MIXES
 
 
 def test_quick_mode_is_one_mix_two_rates_twenty_seconds():

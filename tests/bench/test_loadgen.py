@@ -12,8 +12,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.loadgen import run_open_loop
-from bench.workloads import RequestSpec
+from cbserve.goodput.loadgen import run_open_loop
+from cbserve.goodput.workloads import RequestSpec
 
 FIRST_TOKEN_S = 0.15
 TOKEN_GAP_S = 0.03

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from bench.workloads import MIXES, Mix, arrival_times, build_requests, shared_prefixes, warmup_requests
+from cbserve.goodput.workloads import MIXES, Mix, arrival_times, build_requests, shared_prefixes, warmup_requests
 from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
 
 

@@ -73,3 +73,14 @@ def quantile_from_buckets(q: float, buckets: Iterable[tuple[float, float]]) -> f
             return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
         lower_bound, lower_count = bound, count
     return ordered[-1][0]
+
+
+def mean_by_label(samples: Samples, name: str, label: str = "role") -> dict[str, float]:
+    """Mean observation of histogram `name` (`_sum` / `_count`) per value of `label`."""
+    sums: dict[str, list[float]] = {}
+    for (sample, labels), value in samples.items():
+        for suffix, i in (("_sum", 0), ("_count", 1)):
+            if sample == name + suffix:
+                key = dict(labels).get(label, "")
+                sums.setdefault(key, [0.0, 0.0])[i] += value
+    return {key: s / c for key, (s, c) in sums.items() if c > 0}

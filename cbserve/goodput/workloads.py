@@ -53,6 +53,13 @@ class Mix:
         """Longest prompt + output in tokens (bos included), to check against the model's length."""
         return 1 + self.prefix_bytes + self.prompt_bytes[1] + self.output_tokens[1]
 
+    # The workload interface a trace (`cbserve.goodput.trace.Trace`) offers too.
+    def requests(self, rate: float, duration_s: float, seed: int) -> list[RequestSpec]:
+        return build_requests(self, rate, duration_s, seed)
+
+    def warmup(self, seed: int, count: int) -> list[RequestSpec]:
+        return warmup_requests(self, seed, count)
+
 
 # Shared prefixes are 1023 bytes, so bos + prefix fill exactly 64 blocks of 16: all of it is cacheable.
 MIXES: dict[str, Mix] = {m.name: m for m in (

@@ -14,48 +14,12 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import httpx
 
-from bench.workloads import RequestSpec
+from cbserve.goodput.stats import RequestResult
+from cbserve.goodput.workloads import RequestSpec
 from engine.progress import progress
-
-# Outcomes: ok (finished), cancelled (closed by us on purpose), rejected (429/503 before any token),
-# error (any other HTTP status, an SSE error event, a broken stream), timeout (past the request timeout).
-OUTCOMES = ("ok", "cancelled", "rejected", "error", "timeout")
-
-
-@dataclass
-class RequestResult:
-    """What the client saw of one request; times are seconds since the run's start."""
-
-    index: int
-    scheduled_s: float
-    sent_s: float = 0.0
-    outcome: str = "error"
-    http_status: int | None = None
-    error: str | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    done_s: float | None = None
-    num_chunks: int = 0
-    num_output_tokens: int = 0
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.sent_s
-
-    @property
-    def e2e_s(self) -> float | None:
-        return None if self.done_s is None else self.done_s - self.sent_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first; None with fewer than two tokens."""
-        if self.first_token_s is None or self.last_token_s is None or self.num_output_tokens < 2:
-            return None
-        return (self.last_token_s - self.first_token_s) / (self.num_output_tokens - 1)
 
 
 def completion_body(model: str, request: RequestSpec) -> dict:

@@ -1,0 +1,143 @@
+"""Predicted against measured goodput: replay a `bench/goodput.py` run's JSON through `cbserve plan`.
+
+For every (mix, configuration) of the measured run, the planner predicts the same rows (same
+requests, seeds, SLO, rates in turn on one cluster, prefix caching as the run had it) from a
+profile, and the table shows measured and predicted goodput, attainment, p95 TTFT and TPOT per row
+with the goodput error. Two predictions:
+- `profile`: the profile's in-situ contention (what `cbserve plan` predicts);
+- `measured contention`: each run's contention set so that the simulated pods' mean step equals
+  what the measured pods' step histograms said for that run (`mean_step_s` in the rows; two
+  fixed-point rounds). It takes the machine's load at measurement time out of the comparison and
+  leaves the planner's own modelling error (on a shared machine the load changes from minute to
+  minute, and the profile saw another minute).
+
+    python -m bench.plan_check --profile profiles/tiny.json --measured docs/goodput_tiny_heldout.json \\
+        --json docs/plan_check_tiny.json
+
+`--refit` fits the profile's serving section again from the in-situ measurements it stores, with
+this tree's `planner.in_situ` (a profile made before a change to that fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cbserve.goodput.stats import Slo
+from cbserve.goodput.trace import load_trace
+from cbserve.goodput.workloads import MIXES
+from cbserve.planner.profile import load_profile
+from cbserve.planner.simulate import sim_model, sweep
+
+
+def _error(predicted: float, measured: float) -> float | None:
+    return None if measured <= 0 else (predicted - measured) / measured
+
+
+def refit(profile):
+    """The profile with its serving section fitted again from its stored in-situ measurements."""
+    from cbserve.planner.in_situ import InSituSettings, fit_in_situ
+
+    raw, serving = profile.data.get("in_situ_raw"), profile.serving
+    if not raw or serving is None or not serving.in_situ:
+        raise SystemExit("the profile has no in-situ measurements to refit")
+    info = serving.in_situ
+    return fit_in_situ(profile, raw, InSituSettings(seconds=info["load_seconds"], mix=info["calibration_mix"]))
+
+
+def check(profile_path: str, measured_path: str, rounds: int = 2, refitted: bool = False) -> list[dict]:
+    measured = json.loads(Path(measured_path).read_text())
+    meta = measured["meta"]
+    profile = load_profile(profile_path)
+    if refitted:
+        profile = refit(profile)
+    if Path(meta["model"]).name != Path(profile.model_name).name:
+        raise SystemExit(f"the run measured {meta['model']}, the profile is of {profile.model_name}")
+    model = sim_model(profile, max_num_batched_tokens=meta.get("max_num_batched_tokens"),
+                      max_num_seqs=meta.get("max_num_seqs"))
+    slo = Slo(meta["slo_ttft_ms"] / 1000, meta["slo_tpot_ms"] / 1000)
+    caching = {"auto": None, "on": True, "off": False}[meta.get("prefix_caching", "auto")]
+    workloads = {w.name: w for w in ([load_trace(meta["trace"])] if meta.get("trace") else [])}
+    out = []
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in measured["rows"]:
+        groups.setdefault((row["mix"], row["config"]), []).append(row)
+    for (mix, config), rows in groups.items():
+        workload = workloads.get(mix) or MIXES[mix]
+        rates = [r["rate"] for r in rows]
+        common = dict(warmup=4, prefix_caching=caching, stop_below_attainment=0.0)
+        plain = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo, **common)
+        contention: dict[float, dict[str, float]] = {}
+        oracle = plain
+        for _ in range(rounds):
+            for m, p in zip(rows, oracle):
+                factors = contention.setdefault(m["rate"], {})
+                for role, mean in (m.get("mean_step_s") or {}).items():
+                    simulated = p.get("mean_step_s", {}).get(role)
+                    if simulated:
+                        base = factors.get(role) or _profile_contention(profile, role)
+                        factors[role] = base * mean / simulated
+            oracle = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
+                           contention=contention, **common)
+        for m, p, o in zip(rows, plain, oracle):
+            out.append({"mix": mix, "config": config, "rate": m["rate"], "measured": _figures(m),
+                        "predicted": _figures(p), "predicted_measured_contention": _figures(o),
+                        "contention": contention.get(m["rate"]),
+                        "goodput_error": _error(p["goodput_rps"], m["goodput_rps"]),
+                        "goodput_error_measured_contention": _error(o["goodput_rps"], m["goodput_rps"])})
+    return out
+
+
+def _profile_contention(profile, role: str) -> float:
+    return 1.0 if profile.serving is None else profile.serving.contention_of(role)
+
+
+def _figures(row: dict) -> dict:
+    return {k: row.get(k) for k in ("goodput_rps", "slo_attainment", "p95_ttft_s", "p95_tpot_s", "error_rate",
+                                    "mean_step_s")}
+
+
+def _fmt(v, scale=1.0, digits=2) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'mix':14} {'config':12} {'rate':>5} | {'goodput meas':>12} {'pred':>6} {'err':>6} | "
+          f"{'pred@meas.c':>11} {'err':>6} | {'attain m/p':>11} | {'ttft95 m/p ms':>14} | {'tpot95 m/p ms':>14}")
+    for r in rows:
+        m, p, o = r["measured"], r["predicted"], r["predicted_measured_contention"]
+        err = lambda e: "-" if e is None else f"{e:+.0%}"  # noqa: E731
+        print(f"{r['mix']:14} {r['config']:12} {r['rate']:5g} | {_fmt(m['goodput_rps']):>12} "
+              f"{_fmt(p['goodput_rps']):>6} {err(r['goodput_error']):>6} | {_fmt(o['goodput_rps']):>11} "
+              f"{err(r['goodput_error_measured_contention']):>6} | "
+              f"{_fmt(m['slo_attainment'], 100, 0):>5}/{_fmt(p['slo_attainment'], 100, 0):<5} | "
+              f"{_fmt(m['p95_ttft_s'], 1e3, 0):>6}/{_fmt(p['p95_ttft_s'], 1e3, 0):<7} | "
+              f"{_fmt(m['p95_tpot_s'], 1e3, 0):>6}/{_fmt(p['p95_tpot_s'], 1e3, 0):<7}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--measured", required=True, nargs="+", help="bench/goodput.py --json files")
+    p.add_argument("--json", default=None)
+    p.add_argument("--refit", action="store_true", help="refit the profile's in-situ section with this tree's code")
+    args = p.parse_args(argv)
+    rows = []
+    for path in args.measured:
+        mine = check(args.profile, path, refitted=args.refit)
+        for r in mine:
+            r["measured_file"] = path
+        rows += mine
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": args.profile, "refit": args.refit, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""`cbserve profile`, stage B: what serving adds to the engine's steps, from a short real run.
+
+A real cluster (`LocalCluster`, one prefill and one decode pod with the profiled engine flags and
+thread count, the router with SLOs so loose that it admits everything: this measures the machine,
+not the policy) takes two kinds of traffic, and the simulator replays the same requests on the
+stage-A cost model to see what the engine alone would take:
+1. probes, one request at a time: prompts of three lengths, 2 and 24 tokens out. TTFT minus the
+   simulated prefill is the request path's overhead (HTTP, router, RPCs, first-token path); a
+   2-token answer's TPOT is the P->D hand-over, whose growth with the prompt gives the KV
+   bandwidth and whose intercept the per-pull latency; a 24-token answer's TPOT gives each decode
+   step's wall time, of which what the step model does not explain is the pod's loop gap;
+2. a load run on the calibration mix with the busiest pod busy about 60% of the time: each pod's
+   mean step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of
+   the same run is that role's contention factor: two pods, the router and the client sharing the
+   machine's cores (and, on a shared machine, the neighbours); a colocated-2 cluster takes the
+   same kind of run for the colocated pods' factor.
+Then the load run is simulated with the contention factors: what its measured TPOT median has
+beyond the simulated one is each decode step's loop gap, what its TTFT median has beyond, a longer
+request path under load; a last simulation with everything gives the calibration's own residual
+(reported, and part of a plan's uncertainty; the workloads a plan is judged on are other ones).
+The raw measurements stay in the profile (`in_situ_raw`), so `fit_in_situ` can refit them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+from cbserve.cluster_spec import ClusterSpec
+from cbserve.goodput import prom
+from cbserve.goodput.loadgen import run_open_loop
+from cbserve.goodput.stats import RequestResult, percentile
+from cbserve.goodput.workloads import MIXES, RequestSpec, random_text
+from cbserve.local_cluster import LocalCluster
+from cbserve.planner.profile import Profile, ServingProfile, with_serving
+from cbserve.planner.sim_cluster import SimCluster
+from cbserve.planner.sim_pod import Jitter
+from cbserve.planner.simulate import sim_model
+from cbserve.planner.step_shape import StepShape
+from cbserve.planner.virtual_loop import run_virtual
+
+LOOSE_SLO_MS = 600_000.0        # the router admits everything: the run measures the machine
+PROBE_OUTPUTS = (2, 24)
+
+
+@dataclass(frozen=True)
+class InSituSettings:
+    seconds: float = 20.0           # the load run's arrivals
+    probe_repeats: int = 3
+    mix: str = "chat"               # the calibration workload
+    seed: int = 0
+    target_busy: float = 0.6        # the load run's rate: this share of the busiest pod's time
+
+
+def probe_requests(profile: Profile, repeats: int, seed: int) -> list[RequestSpec]:
+    """One request at a time: arrival gaps of a generous multiple of each one's predicted time."""
+    engine, model = profile.engine, profile.cost_model
+    longest = min(engine["max_num_batched_tokens"], engine["max_model_len"] - 64) - 16
+    lengths = sorted({32, max(33, longest // 2), max(34, longest)})
+    rng = random.Random(f"{seed}:probes")
+    shapes = [(n, m) for _ in range(repeats) for n in lengths for m in PROBE_OUTPUTS]
+    rng.shuffle(shapes)
+    out, t = [], 0.0
+    for i, (n, m) in enumerate(shapes):
+        out.append(RequestSpec(i, t, random_text(rng, n - 1), m))
+        prefill = model.seconds(StepShape(0, 0, prefill_chunks=((n, 0),), num_sampled=1))
+        decode = model.seconds(StepShape(1, n, n, n, num_sampled=1))
+        t += 4 * (prefill + m * decode) + 0.3
+    return out
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope); a flat line when x does not vary."""
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return my, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return my - slope * mx, slope
+
+
+PD = {"num_prefill": 1, "num_decode": 1, "policy": "goodput"}
+COLOCATED = {"num_colocated": 2, "policy": "goodput"}
+
+
+def _simulate(profile: Profile, requests: list[RequestSpec], fields: dict = PD):
+    """The requests on a simulated cluster (1P+1D by default): (results, {role: (busy seconds, steps)})."""
+    model = sim_model(profile)
+
+    async def play():
+        jitter = Jitter(model.jitter_sigma, model.jitter_period_s) if model.jitter_sigma else None
+        cluster = SimCluster(fields, model.shape, model.pod_costs, model.serving, LOOSE_SLO_MS / 1000,
+                             LOOSE_SLO_MS / 1000, False, jitter=jitter)
+        try:
+            await asyncio.sleep(0.2)
+            results, _ = await cluster.run(requests, model.encode(requests))
+            steps: dict[str, tuple[float, int]] = {}
+            for p in cluster.pods.values():
+                busy, n = steps.get(p.role, (0.0, 0))
+                steps[p.role] = (busy + p.busy_seconds, n + p.stats.num_steps)
+            return results, steps
+        finally:
+            cluster.close()
+    return run_virtual(play())
+
+
+def _fit_probes(profile: Profile, probes: list[RequestSpec], measured: list[RequestResult]) -> dict:
+    """From requests alone on the cluster: the request path's overhead and the P->D hand-over.
+
+    TTFT = overhead + c_p x (the simulated prefill) over three prompt lengths gives both (c_p: the
+    prefill pod's contention when alone); a 24-token answer's steps give the decode pod's (c_d);
+    a 2-token answer's TPOT (the hand-over) minus c_d x its simulated first decode step is the KV
+    transfer, linear in the prompt's tokens: a per-pull latency and bytes per second."""
+    simulated, _ = _simulate(with_serving(profile, ServingProfile()), probes)
+    ok = [(p, m, s) for p, m, s in zip(probes, measured, simulated)
+          if m.outcome == "ok" and s.outcome == "ok" and m.ttft_s is not None and m.tpot_s is not None]
+    if len(ok) < len(probes) // 2:
+        raise RuntimeError(f"only {len(ok)} of {len(probes)} probe requests finished; see the cluster's logs")
+    overhead, prefill_contention = _fit_line([s.ttft_s for _, _, s in ok], [m.ttft_s for _, m, _ in ok])
+    long = [(p, m, s) for p, m, s in ok if p.max_tokens > 2]
+    short = [(p, m, s) for p, m, s in ok if p.max_tokens == 2]
+    # A 24-token answer's 23 gaps are the hand-over and 22 steps; the hand-over is the 2-token
+    # answers' (fitted at the decode contention), the steps' share gives the decode contention:
+    # a fixed point, reached in a few rounds. (The simulated answer alone: one step per gap.)
+    decode_contention, intercept, slope = 1.0, 0.0, 0.0
+    for _ in range(4):
+        handover = [(len(p.prompt) + 1, m.tpot_s - decode_contention * s.tpot_s) for p, m, s in short]
+        if handover:
+            intercept, slope = _fit_line([float(n) for n, _ in handover], [g for _, g in handover])
+        ratios = []
+        for p, m, s in long:
+            gaps = p.max_tokens - 1
+            handover_s = intercept + slope * (len(p.prompt) + 1) + decode_contention * s.tpot_s
+            ratios.append((gaps * m.tpot_s - handover_s) / (gaps - 1) / s.tpot_s)
+        if ratios:
+            decode_contention = statistics.median(ratios)
+    return {"probes": len(ok), "ttft_overhead_s": max(0.0, overhead), "prefill_contention_alone": prefill_contention,
+            "decode_contention_alone": decode_contention, "handover_intercept_s": intercept,
+            "handover_s_per_token": slope}
+
+
+def _serving_from_probes(fit: dict, kv_bytes_per_token: int) -> ServingProfile:
+    """The request path split in four (a quarter to the router, a quarter on to the pod, half back
+    to the client) and the KV pull's per-message latency and bandwidth. The pull opens long before
+    P is done (D reserves as the request arrives) and both first tokens take the same way back,
+    so what the hand-over adds beyond D's step is the transfer alone."""
+    overhead = fit["ttft_overhead_s"]
+    slope = fit["handover_s_per_token"]
+    return ServingProfile(http_in_s=overhead / 4, rpc_s=overhead / 4, token_out_s=overhead / 2,
+                          kv_message_s=max(0.0, fit["handover_intercept_s"]),
+                          kv_bytes_per_s=kv_bytes_per_token / slope if slope > 0 else float("inf"))
+
+
+def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
+                    serving: ServingProfile) -> ServingProfile:
+    """Each role's measured mean step over the simulated one (at the current factors), times them."""
+    _, simulated_steps = _simulate(with_serving(profile, serving), load)
+    factors = {"decode": serving.contention, "prefill": serving.prefill_contention}
+    for role, (total, count) in measured_steps.items():
+        busy, steps = simulated_steps.get(role, (0.0, 0))
+        if role in factors and count and steps and busy:
+            factors[role] *= (total / count) / (busy / steps)
+    return replace(serving, contention=factors["decode"], prefill_contention=factors["prefill"])
+
+
+def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],
+                 serving: ServingProfile) -> ServingProfile:
+    """The loop gap that brings the simulated TPOT median to the measured one, then the longer
+    request path that does the same for TTFT."""
+    simulated, _ = _simulate(with_serving(profile, replace(serving, step_gap_s=0.0)), load)
+    gap = max(0.0, measured.get("tpot_s", 0.0) - _medians(simulated).get("tpot_s", 0.0))
+    serving = replace(serving, step_gap_s=gap)
+    simulated, _ = _simulate(with_serving(profile, serving), load)
+    extra = measured.get("ttft_s", 0.0) - _medians(simulated).get("ttft_s", 0.0)
+    if extra > 0:
+        serving = replace(serving, http_in_s=serving.http_in_s + extra / 2, token_out_s=serving.token_out_s + extra / 2)
+    return serving
+
+
+# Wider spreads would, at no load, already make a share of requests miss a TPOT SLO set at a few
+# times the median, which the measured runs do not show: the spread of a 20 s run's TPOT also has
+# causes the jitter stands in for badly (batches growing and shrinking), so it is capped.
+JITTER_SIGMAS = (0.0, 0.1, 0.2, 0.3, 0.4)
+
+
+def _tpot_tail(results: list[RequestResult]) -> float:
+    """log(p90 / p50) of TPOT: how wide its spread across requests is, whatever its level (a
+    request's TPOT averages its steps, so only stretches of seconds widen it)."""
+    values = [r.tpot_s for r in results if r.outcome == "ok" and r.tpot_s]
+    p50, p90 = percentile(values, 50), percentile(values, 90)
+    return math.log(p90 / p50) if p50 and p90 else 0.0
+
+
+def _fit_jitter(profile: Profile, load: list[RequestSpec], measured: list[RequestResult],
+                serving: ServingProfile) -> ServingProfile:
+    """The jitter spread whose simulated TPOT tail is closest to the measured one."""
+    target = _tpot_tail(measured)
+    best, best_error = 0.0, math.inf
+    for sigma in JITTER_SIGMAS:
+        simulated, _ = _simulate(with_serving(profile, replace(serving, jitter_sigma=sigma)), load)
+        error = abs(_tpot_tail(simulated) - target)
+        if error < best_error:
+            best, best_error = sigma, error
+    return replace(serving, jitter_sigma=best)
+
+
+def _medians(results: list[RequestResult]) -> dict[str, float]:
+    out = {}
+    for name in ("ttft_s", "tpot_s"):
+        values = [getattr(r, name) for r in results if r.outcome == "ok" and getattr(r, name) is not None]
+        if values:
+            out[name] = statistics.median(values)
+    return out
+
+
+def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, float]]:
+    """role -> (sum, count) of its pods' cbserve_step_seconds over the run."""
+    out: dict[str, tuple[float, float]] = {}
+    for role, samples in pod_samples.items():
+        out[role] = (prom.total(samples, "cbserve_step_seconds_sum"), prom.total(samples, "cbserve_step_seconds_count"))
+    return out
+
+
+def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD) -> float:
+    """A rate at which the simulated busiest pod is busy about `target_busy` of the time."""
+    mix = MIXES[settings.mix]
+    rate = 0.125
+    chosen = rate
+    pods = fields.get("num_colocated") or 1
+    for _ in range(10):
+        requests = mix.requests(rate, min(settings.seconds, 20.0), settings.seed)
+        results, steps = _simulate(profile, requests, fields)
+        elapsed = max((r.done_s or 0.0) for r in results)
+        busy = max(b for b, _ in steps.values()) / pods / max(elapsed, 1e-9)
+        if busy > settings.target_busy:
+            break
+        chosen = rate
+        rate *= 1.5
+    return chosen
+
+
+def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profile:
+    """The profile with its `serving` section measured on a real 1P+1D cluster (see the module)."""
+    started = time.monotonic()
+    e = profile.engine
+    spec = ClusterSpec(model=args.model, port=0, num_prefill=1, num_decode=1, policy="goodput",
+                       slo_ttft_ms=LOOSE_SLO_MS, slo_tpot_ms=LOOSE_SLO_MS, device=args.device, dtype=args.dtype,
+                       quantization=args.quantization, max_num_batched_tokens=e["max_num_batched_tokens"],
+                       max_num_seqs=e["max_num_seqs"], num_blocks=e["num_blocks"], prefix_caching=False,
+                       threads_per_pod=profile.data["device"]["threads"], drain_seconds=2)
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    rate = _load_rate(with_serving(profile, ServingProfile()), settings)
+    mix = MIXES[settings.mix]
+    load = mix.requests(rate, settings.seconds, settings.seed)
+    log_dir = tempfile.mkdtemp(prefix="cbserve-profile-")
+    log(f"# profile: in situ on a 1P+1D cluster (logs in {log_dir}): {len(probes)} probes, then {settings.mix} "
+        f"at {rate:g} req/s for {settings.seconds:g} s")
+    with LocalCluster(spec, log_dir=log_dir) as cluster:
+        model_id = args.model
+        asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
+        probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
+        load_results, step_seconds = _load_run(cluster, load, model_id)
+    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run.
+    colocated_rate = _load_rate(with_serving(profile, ServingProfile()), settings, COLOCATED)
+    colocated_load = mix.requests(colocated_rate, settings.seconds, settings.seed)
+    log(f"# profile: in situ on a colocated-2 cluster: {settings.mix} at {colocated_rate:g} req/s")
+    with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=2), log_dir=log_dir) as cluster:
+        asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
+        colocated_results, colocated_steps = _load_run(cluster, colocated_load, args.model)
+    raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
+           "load_rate": rate, "step_seconds": step_seconds,
+           "colocated": {"load_rate": colocated_rate, "load": [_result_json(r) for r in colocated_results],
+                         "step_seconds": colocated_steps},
+           "seconds": time.monotonic() - started}
+    profile.data["in_situ_raw"] = raw
+    return fit_in_situ(profile, raw, settings)
+
+
+def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str):
+    """The client's results and each role's (sum, count) of step seconds over the run."""
+    before = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
+    results, _ = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=120, desc="load"))
+    after = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
+    by_role: dict[str, prom.Samples] = {}
+    for p in cluster.pods:
+        for key, value in prom.delta(after[p.name], before[p.name]).items():
+            by_role.setdefault(p.role, {})
+            by_role[p.role][key] = by_role[p.role].get(key, 0.0) + value
+    return results, _step_means(by_role)
+
+
+def _result_json(r: RequestResult) -> dict:
+    return {k: getattr(r, k) for k in ("index", "scheduled_s", "sent_s", "outcome", "first_token_s", "last_token_s",
+                                       "done_s", "num_chunks", "num_output_tokens")}
+
+
+def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profile:
+    """The serving section from an in-situ run's measurements (`raw`, as `run_in_situ` stores them):
+    probes first, then the load run's contention, loop gap and request path."""
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    load = MIXES[settings.mix].requests(raw["load_rate"], settings.seconds, settings.seed)
+    probe_results = [RequestResult(**r) for r in raw["probes"]]
+    load_results = [RequestResult(**r) for r in raw["load"]]
+    measured_steps = {role: tuple(v) for role, v in raw["step_seconds"].items()}
+    measured = _medians(load_results)
+
+    probe_fit = _fit_probes(profile, probes, probe_results)
+    serving = _serving_from_probes(probe_fit, profile.engine["kv_bytes_per_token"])
+    serving = _fit_contention(profile, load, measured_steps, serving)
+    # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path
+    # (TTFT); then the machine's slow stretches (the tails: TTFT's and TPOT's p90 over p50), and
+    # the medians once more under them.
+    path = (serving.http_in_s, serving.token_out_s)
+    serving = _fit_medians(profile, load, measured, serving)
+    serving = _fit_jitter(profile, load, load_results, serving)
+    serving = _fit_contention(profile, load, measured_steps, serving)      # jitter moves the mean step
+    serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
+    simulated, _ = _simulate(with_serving(profile, serving), load)
+    colocated = raw.get("colocated")
+    if colocated:
+        requests = MIXES[settings.mix].requests(colocated["load_rate"], settings.seconds, settings.seed)
+        total, count = colocated["step_seconds"].get("colocated", (0.0, 0))
+        _, steps = _simulate(with_serving(profile, replace(serving, colocated_contention=1.0)), requests, COLOCATED)
+        busy, n = steps.get("colocated", (0.0, 0))
+        if count and n and busy:
+            serving = replace(serving, colocated_contention=(total / count) / (busy / n))
+    final = _medians(simulated)
+    residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
+    residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
+    in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
+               "load_seconds": settings.seconds,
+               "colocated_load_rate": colocated["load_rate"] if colocated else None,
+               "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
+                                                                 measured_steps.items()},
+               "load_residual": residual, "seconds": raw.get("seconds")}
+    return with_serving(profile, replace(serving, in_situ=in_situ))

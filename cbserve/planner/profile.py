@@ -1,0 +1,164 @@
+"""The profile file `cbserve profile` writes and `cbserve plan` reads (JSON, versioned).
+
+    {"format": "cbserve-profile", "version": 1, "created": ..., "cbserve_commit": ...,
+     "device": {...}, "model": {...}, "engine": {...flags, num_blocks, kv_bytes_per_token},
+     "timer": "thread_time" | "wall",
+     "cost_model": {"features": [...], "coefficients": [...]},
+     "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
+     "grid": [measurements], "held_out_points": [measurements],
+     "serving": {"contention", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s",
+                 "kv_bytes_per_s", "in_situ": {...what was measured}} | null,
+     "seconds": {"grid", "in_situ"}}
+
+`serving` is null for a profile made with `--no-in-situ` (the engine alone; the planner then
+assumes no serving overhead and says so). A profile describes one device, one model and one set of
+engine flags: `cbserve plan` refuses to reuse it for another model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cbserve.planner.cost_model import StepCostModel
+from cbserve.planner.sim_cluster import PodShape, ServingCosts
+from cbserve.planner.sim_pod import PodCosts
+from engine.config import SchedulerConfig
+
+FORMAT = "cbserve-profile"
+VERSION = 1
+MAX_HELD_OUT_ERROR = 0.05       # `cbserve profile` refuses a profile above this held-out MAPE
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (unreadable, another format or version, incomplete)."""
+
+
+@dataclass(frozen=True)
+class ServingProfile:
+    """What serving adds to the engine's steps, measured in situ (`in_situ.py`)."""
+
+    contention: float = 1.0           # serving's wall seconds per profiled step second: decode pods
+    prefill_contention: float = 1.0   # ... prefill pods
+    colocated_contention: float | None = None   # ... colocated pods (None: the mean of the two)
+    step_gap_s: float = 0.0
+    http_in_s: float = 0.0
+    rpc_s: float = 0.0
+    token_out_s: float = 0.0
+    kv_message_s: float = 0.0
+    kv_bytes_per_s: float = float("inf")
+    jitter_sigma: float = 0.0         # the machine's slow stretches (`sim_pod.Jitter`)
+    jitter_period_s: float = 1.0
+    in_situ: dict = field(default_factory=dict)     # the measurements behind these numbers
+
+    def contention_of(self, role: str) -> float:
+        if role == "decode":
+            return self.contention
+        if role == "prefill":
+            return self.prefill_contention
+        return (self.contention + self.prefill_contention) / 2 if self.colocated_contention is None \
+            else self.colocated_contention
+
+    def costs(self) -> ServingCosts:
+        return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s)
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention", "step_gap_s",
+                                             "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
+        out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
+        return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
+                      "in_situ": self.in_situ}
+
+    @classmethod
+    def from_json(cls, value: dict) -> ServingProfile:
+        rate = value.get("kv_bytes_per_s")
+        colocated = value.get("colocated_contention")
+        return cls(float(value["contention"]), float(value["prefill_contention"]),
+                   None if colocated is None else float(colocated), float(value["step_gap_s"]), float(value["http_in_s"]),
+                   float(value["rpc_s"]), float(value["token_out_s"]), float(value["kv_message_s"]),
+                   float("inf") if rate is None else float(rate), float(value.get("jitter_sigma", 0.0)),
+                   float(value.get("jitter_period_s", 1.0)), dict(value.get("in_situ", {})))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A parsed profile; `data` is the whole JSON document."""
+
+    data: dict
+    cost_model: StepCostModel
+    serving: ServingProfile | None
+
+    @property
+    def model_name(self) -> str:
+        return self.data["model"]["name"]
+
+    @property
+    def engine(self) -> dict:
+        return self.data["engine"]
+
+    @property
+    def held_out_error(self) -> float:
+        return float(self.data["held_out"]["mape"])
+
+    def shape(self, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> PodShape:
+        """The pods' engine as profiled, with the scheduler knobs optionally changed."""
+        e = self.engine
+        scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens or e["max_num_batched_tokens"],
+                                    max_num_seqs=max_num_seqs or e["max_num_seqs"], max_model_len=e["max_model_len"])
+        return PodShape(scheduler, int(e["num_blocks"]), int(e["block_size"]), int(e["kv_bytes_per_token"]))
+
+    def pod_costs(self, step_scale: float = 1.0) -> dict[str, PodCosts]:
+        """Each role's step costs, with the step time scaled by `step_scale` (sensitivity runs)."""
+        s = self.serving or ServingProfile()
+        return {role: PodCosts(self.cost_model, s.contention_of(role) * step_scale, s.step_gap_s)
+                for role in ("prefill", "decode", "colocated")}
+
+    def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
+        c = (self.serving or ServingProfile()).costs()
+        return ServingCosts(c.http_in_s * overhead_scale, c.rpc_s * overhead_scale, c.token_out_s * overhead_scale,
+                            c.kv_message_s * overhead_scale, c.kv_bytes_per_s)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.data, indent=1) + "\n")
+
+
+def build_profile(data: dict, cost_model: StepCostModel, serving: ServingProfile | None) -> Profile:
+    data = dict(data, format=FORMAT, version=VERSION, cost_model=cost_model.to_json(),
+                serving=None if serving is None else serving.to_json())
+    return Profile(data, cost_model, serving)
+
+
+def with_serving(profile: Profile, serving: ServingProfile) -> Profile:
+    return build_profile(profile.data, profile.cost_model, serving)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """The profile in `path`; ProfileError says what is wrong with it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the profile: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not a profile (invalid JSON: {e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{path}: not a cbserve profile (no \"format\": \"{FORMAT}\")")
+    if data.get("version") != VERSION:
+        raise ProfileError(f"{path}: profile version {data.get('version')}, this cbserve reads version {VERSION}: "
+                           "re-run `cbserve profile`")
+    try:
+        for key in ("model", "engine", "held_out", "device"):
+            if not isinstance(data.get(key), dict):
+                raise ProfileError(f"{path}: the profile has no {key!r} section")
+        for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks", "block_size",
+                    "kv_bytes_per_token"):
+            if not isinstance(data["engine"].get(key), int):
+                raise ProfileError(f"{path}: engine.{key} is missing or not an integer")
+        cost = StepCostModel.from_json(data["cost_model"])
+        serving = None if data.get("serving") is None else ServingProfile.from_json(data["serving"])
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ProfileError):
+            raise
+        raise ProfileError(f"{path}: incomplete profile: {e}") from None
+    return Profile(data, cost, serving)

@@ -1,0 +1,181 @@
+"""A simulated pod: the real scheduler and KV cache manager, stepped on the virtual clock.
+
+The loop is the engine thread's (`engine.loop.EngineLoop` around `Engine.step`): run the commands
+that arrived (intake, KV landed, abort, release), then, if anything is unfinished and the last step
+did work (or a command came), `schedule()`, wait the step's cost, `update()` with a token for every
+sampled sequence, record the step (`StepStats`, as the engine does), hand the step to the
+cluster's role hooks (`on_step`: KV progress, first tokens, pulls to start, tokens out) and wait
+the pod's loop gap. A pod with nothing to do waits for a command. What the model computes is
+irrelevant to scheduling: requests set `ignore_eos` and `max_tokens`, so every sampled token is the
+same placeholder id and lengths alone decide when a request ends.
+
+The step costs `PodCosts.step_seconds(out)`: the profiled cost model on the step's shape times the
+in-situ contention factor, times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
+from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
+`REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cbserve.planner.cost_model import StepCostModel
+from cbserve.planner.step_shape import StepShape
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+from engine.telemetry.step_stats import StepStats
+from pod.load_report import REFRESH_SECONDS, build_load_report
+from wire import cbserve_pb2
+
+SAMPLED_TOKEN_ID = 97          # any id: requests ignore eos and stop on their length
+NUM_SNAPSHOT_SAMPLES = 64      # as pod.runtime keeps for its reports
+
+
+@dataclass(frozen=True)
+class PodCosts:
+    """How long a simulated pod's steps take."""
+
+    model: StepCostModel
+    contention: float = 1.0     # serving's wall seconds per profiled second (in situ)
+    step_gap_s: float = 0.0     # the pod's loop between two steps (outputs out, commands in)
+
+    def step_seconds(self, out: SchedulerOutput) -> float:
+        return self.model.seconds(StepShape.of(out)) * self.contention
+
+
+StepHook = Callable[["SimPod", SchedulerOutput, list[Request]], None]
+
+
+class Jitter:
+    """A shared machine's slow and fast stretches: a factor on every pod's steps, redrawn every
+    `period_s` seconds, lognormal with mean 1 and log-spread `sigma` (seeded: a run is
+    reproducible). Per-step noise would average out over a request's steps; what spreads TPOT
+    and TTFT across requests is whole seconds of a busier machine, which every pod feels at once."""
+
+    def __init__(self, sigma: float, period_s: float = 1.0, seed: int = 0) -> None:
+        self.sigma, self.period_s = sigma, period_s
+        self._rng = random.Random(f"jitter:{seed}")
+        self._factors: list[float] = []
+
+    def factor(self, t: float) -> float:
+        if self.sigma <= 0:
+            return 1.0
+        i = max(0, int(t // self.period_s))
+        while len(self._factors) <= i:
+            self._factors.append(math.exp(self._rng.gauss(-self.sigma ** 2 / 2, self.sigma)))
+        return self._factors[i]
+
+
+class SimPod:
+    """One pod: `submit` commands, `run()` as a task, `load_report()` for the router."""
+
+    def __init__(self, name: str, role: str, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 costs: PodCosts, on_step: StepHook, clock: Callable[[], float], jitter: Jitter | None = None) -> None:
+        self.name, self.role = name, role
+        self.costs = costs
+        self.jitter = jitter
+        self.clock = clock
+        self.on_step = on_step
+        self.scheduler = Scheduler(scheduler_config, cache_config, role="prefill" if role == "prefill" else "decode",
+                                   clock=clock)
+        self.stats = StepStats()
+        self.commands: list[Callable[[], object]] = []
+        self._wake = asyncio.Event()
+        self.last_schedule: SchedulerOutput | None = None
+        self.busy_seconds = 0.0              # virtual seconds spent in steps (utilisation)
+        # Load reports, as pod.runtime.PodRuntime keeps them.
+        self.snapshot = self.stats.snapshot(self.scheduler)
+        self.num_held = 0
+        self._refreshed_at = float("-inf")
+        self._samples: list[tuple[int, object]] = []
+        self._last_reported = -1
+        self._report: cbserve_pb2.LoadReport | None = None
+        self._reported_snapshot = None
+
+    # ------------------------------------------------------------------ commands
+    def submit(self, command: Callable[[], object]) -> None:
+        """Run `command()` before the pod's next step (as `EngineLoop.call`)."""
+        self.commands.append(command)
+        self._wake.set()
+
+    def _run_commands(self) -> bool:
+        """Run what was submitted; True if anything was."""
+        commands, self.commands = self.commands, []
+        for command in commands:
+            command()
+        return bool(commands)
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            costs = self.costs          # (a run may change them between steps: `simulate.sweep`)
+            ran = self._run_commands()
+            last = self.last_schedule
+            if not scheduler.has_unfinished_requests():
+                self.last_schedule = None
+                self._refresh()
+                await self._idle()
+                continue
+            if last is not None and not last.scheduled and not ran:
+                await self._idle()          # waiting for KV or blocks: only a command changes that
+                self.last_schedule = None   # woken by one: step
+                continue
+            out = self.last_schedule = scheduler.schedule()
+            sampled: dict[str, int] = {}
+            seconds = 0.0
+            if out.scheduled:
+                seconds = costs.step_seconds(out)
+                if self.jitter is not None:
+                    seconds *= self.jitter.factor(self.clock())
+                await asyncio.sleep(seconds)
+                sampled = {seq.request_id: SAMPLED_TOKEN_ID for seq in out.scheduled if seq.sample}
+            updated = scheduler.update(out, sampled)
+            if out.scheduled:
+                self.stats.record(out, seconds)
+                self.busy_seconds += seconds
+            self.on_step(self, out, updated)
+            self._after_step()
+            if out.scheduled and costs.step_gap_s:
+                await asyncio.sleep(costs.step_gap_s)
+
+    async def _idle(self) -> None:
+        if not self.commands:
+            self._wake.clear()
+            await self._wake.wait()
+
+    # ------------------------------------------------------------------ load reports
+    def _after_step(self) -> None:
+        held = len(self.scheduler.held)
+        if held != self.num_held or self.clock() - self._refreshed_at >= REFRESH_SECONDS \
+                or not self.scheduler.has_unfinished_requests():
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self._refreshed_at = self.clock()
+        self.snapshot = self.stats.snapshot(self.scheduler)
+        self.num_held = len(self.scheduler.held)
+        recent = list(self.stats.samples)[-NUM_SNAPSHOT_SAMPLES:]
+        base = self.stats.num_steps - len(recent)
+        self._samples = [(base + i, s) for i, s in enumerate(recent)]
+
+    def load_report(self) -> cbserve_pb2.LoadReport:
+        """The next `WatchLoad` message: the snapshot and the step samples not reported yet."""
+        if self._report is not None and self._reported_snapshot is self.snapshot:
+            return self._report     # nothing new since the last one (an idle pod): the same message
+        samples = [x for n, x in self._samples if n > self._last_reported]
+        if self._samples:
+            self._last_reported = self._samples[-1][0]
+        config = self.scheduler.config
+        self._report = build_load_report(self.name, self.role, self.snapshot, samples, draining=False,
+                                         block_size=self.scheduler.block_size, max_num_seqs=config.max_num_seqs,
+                                         max_num_batched_tokens=config.max_num_batched_tokens,
+                                         num_held_kv=self.num_held, timestamp=self.clock())
+        self._reported_snapshot = self.snapshot
+        return self._report

@@ -1,0 +1,64 @@
+"""`StepStats`: an engine's record of its own steps, and the `EngineStats` snapshot pods report.
+
+Each step leaves a `StepSample` (batch size, context tokens, prefill tokens, seconds) for the
+router's step-time model, an EWMA of step seconds (its fallback before the model is fitted) and an
+EWMA of prefill tokens per second (its TTFT predictor's rate). The engine records its measured
+steps here; the capacity planner records its simulated ones, so the router sees both alike.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+
+from engine.outputs import EngineStats, StepSample
+from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_state import SchedulerState
+
+EWMA_ALPHA = 0.1
+_START = operator.itemgetter(2)      # ScheduledSeq.start_position (a NamedTuple: C-level read)
+
+
+class StepStats:
+    """Recent step samples and the two EWMAs; `record` once per step that scheduled work."""
+
+    def __init__(self, max_samples: int = 256) -> None:
+        self.samples: deque[StepSample] = deque(maxlen=max_samples)
+        self.step_seconds_ewma = 0.0
+        self.prefill_tokens_per_second = 0.0
+        self.num_steps = 0
+
+    def record(self, out: SchedulerOutput, seconds: float) -> None:
+        # Once per step on the engine thread: decode-only steps skip the prefill sum, the context
+        # is summed at C level.
+        seqs = out.scheduled
+        num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
+            len(s.token_ids) for s in seqs if len(s.token_ids) > 1)
+        context = sum(map(_START, seqs)) + out.num_batched_tokens
+        self.samples.append(StepSample(len(seqs), context, num_prefill, seconds))
+        alpha = EWMA_ALPHA
+        self.step_seconds_ewma = seconds if self.num_steps == 0 else (
+            (1 - alpha) * self.step_seconds_ewma + alpha * seconds)
+        if num_prefill:
+            rate = out.num_batched_tokens / seconds
+            self.prefill_tokens_per_second = rate if self.prefill_tokens_per_second == 0 else (
+                (1 - alpha) * self.prefill_tokens_per_second + alpha * rate)
+        self.num_steps += 1
+
+    def reset(self) -> None:
+        """Forget step timings (after a warm-up whose first step includes one-off costs)."""
+        self.step_seconds_ewma = self.prefill_tokens_per_second = 0.0
+        self.num_steps = 0
+        self.samples.clear()
+
+    def snapshot(self, scheduler: SchedulerState, lora_adapters: tuple = (), max_loras: int = 0) -> EngineStats:
+        """The engine's statistics now: the scheduler's queues and pool, these timings, and the
+        LoRA adapters' (`engine.lora.stats`; none without LoRA)."""
+        pool = scheduler.kv_manager.block_pool
+        return EngineStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            prefill_queue_tokens=scheduler.prefill_queue_tokens, num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_usable_blocks, kv_cache_usage=pool.usage,
+            prefix_cache_hit_ratio=scheduler.kv_manager.hit_ratio, num_preemptions=scheduler.num_preemptions,
+            step_seconds_ewma=self.step_seconds_ewma, prefill_tokens_per_second=self.prefill_tokens_per_second,
+            num_steps=self.num_steps, lora_adapters=lora_adapters, max_loras=max_loras)

@@ -1,0 +1,48 @@
+"""bench/plan_check.py: the measured-contention prediction recovers a run's known contention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.plan_check import check
+from cbserve.goodput.stats import Slo
+from cbserve.goodput.workloads import MIXES
+from cbserve.planner.simulate import sim_model, sweep
+from tests.planner.conftest import make_profile
+
+SLO = Slo(2.0, 0.2)
+TRUE_CONTENTION = {"prefill": 3.0, "decode": 2.0}     # the profile says 1.1 and 1.2
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    profile = make_profile()
+    directory = tmp_path_factory.mktemp("plan_check")
+    profile.save(directory / "profile.json")
+    # "Measured": the same simulator on a machine twice to three times as loaded as the profile's.
+    rows = sweep(sim_model(profile), "pd-goodput", MIXES["chat"], [2.0], 8.0, 0, SLO, warmup=4,
+                 stop_below_attainment=0.0, contention={2.0: TRUE_CONTENTION})
+    meta = {"model": "tiny", "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0, "duration_s": 8.0, "seed": 0,
+            "prefix_caching": "auto"}
+    (directory / "measured.json").write_text(json.dumps({"meta": meta, "rows": [dict(r, mix="chat") for r in rows]}))
+    return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"))
+
+
+def test_measured_contention_is_recovered(checked):
+    measured, (row,) = checked
+    for role, factor in TRUE_CONTENTION.items():
+        assert row["contention"][role] == pytest.approx(factor, rel=0.1)
+    for role, seconds in measured["mean_step_s"].items():
+        assert row["predicted_measured_contention"]["mean_step_s"][role] == pytest.approx(seconds, rel=0.05)
+    # The profile's own contention is lower: its steps are shorter than the measured run's.
+    assert all(row["predicted"]["mean_step_s"][r] < s for r, s in measured["mean_step_s"].items())
+
+
+def test_errors_are_relative_to_the_measurement(checked):
+    measured, (row,) = checked
+    assert row["measured"]["goodput_rps"] == measured["goodput_rps"] > 0
+    assert row["goodput_error"] == pytest.approx(row["predicted"]["goodput_rps"] / measured["goodput_rps"] - 1)
+    assert row["goodput_error_measured_contention"] == pytest.approx(
+        row["predicted_measured_contention"]["goodput_rps"] / measured["goodput_rps"] - 1)
