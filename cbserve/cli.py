@@ -12,6 +12,7 @@ import sys
 from cbserve.arg_types import gpu_memory_utilization, positive_int
 from cbserve.lora_flags import add_lora_flags, lora_config_from_args
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
+from engine.spec_decode.config import speculative_config_arg
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode steps launch their kernels one by one (debugging, profiling)")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                   help='speculative decoding (vLLM\'s keys): \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
+                        '"model": PATH, "num_speculative_tokens": 4}\'; decode steps verify the drafts, and the '
+                        'engine speculates only where its measured step times say it pays. A prefill pod accepts '
+                        'and ignores it')
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the previous one's tokens are read back (on CUDA the "
                         "default overlaps them; CPU engines never overlap)")
@@ -58,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
         quantization=args.quantization, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=False if args.no_async_scheduling else None,
+        speculative=args.speculative_config,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=None if kv_mb is None else kv_mb << 20,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -79,12 +87,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from engine.spec_decode.config import SpeculativeConfigError
     from engine.lora.errors import LoRAError
     from engine.tp_shard import TensorParallelError
 
     try:
         engine = Engine(engine_config_from_args(args, "colocated"))
-    except (TensorParallelError, LoRAError, ValueError) as e:
+    except (TensorParallelError, SpeculativeConfigError, LoRAError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
@@ -181,9 +190,10 @@ def cmd_pod(args: argparse.Namespace) -> int:
             return 2
         except EngineCoreExited as e:   # it said why on stderr
             return e.code
+    from engine.spec_decode.config import SpeculativeConfigError
     try:
         runtime = PodRuntime(engine_config, pod, role)
-    except (TensorParallelError, LoRAError) as e:
+    except (TensorParallelError, SpeculativeConfigError, LoRAError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from pod.core import run_core

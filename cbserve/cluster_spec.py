@@ -45,6 +45,7 @@ class ClusterSpec:
     gpu_memory_utilization: float | None = None
     prefix_caching: bool = True
     enforce_eager: bool = False
+    speculative_config: str | None = None   # --speculative-config JSON, for decode and colocated pods
     threads_per_pod: int | None = None   # CBSERVE_NUM_THREADS / OMP_NUM_THREADS of each child
     startup_timeout: float = 300.0
     drain_seconds: float = 10.0
@@ -140,6 +141,8 @@ class ClusterSpec:
             argv += ["--tensor-parallel-size", str(tp)]
         if role == "colocated":
             argv.append("--colocated")
+        if self.speculative_config and role != "prefill":   # drafts are verified where decode steps run
+            argv += ["--speculative-config", self.speculative_config]
         return argv + list(self.pod_args)
 
     def router_argv(self, port: int, addresses: dict[str, list[str]], pods_file: str | None = None) -> list[str]:

@@ -30,6 +30,7 @@ from cbserve.early_listen import take
 from cbserve.local_cluster import ClusterError, LocalCluster, PodInfo
 from cbserve.processes import stderr_sink
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
+from engine.spec_decode.config import speculative_config_arg
 from router.structured.flags import add_up_arguments, up_router_args
 
 __all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "PodInfo", "add_up_command", "cmd_up"]
@@ -74,6 +75,9 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
                         "decode); pods on one device start one after another, so each measures its own")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any pod")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                   help="speculative decoding on the decode (or colocated) pods, vLLM's JSON keys "
+                        "(see `cbserve decode --help`); prefill pods need none")
     p.add_argument("--threads-per-pod", type=int, default=None, metavar="N",
                    help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
@@ -114,7 +118,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager, threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
+        enforce_eager=args.enforce_eager,
+        speculative_config=None if args.speculative_config is None else args.speculative_config.to_json(),
+        threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
         drain_seconds=args.drain_seconds, startup_wait_seconds=args.startup_wait_seconds,
         api_key=api_key_from_args(args), pod_args=tuple(lora_pod_args),
         router_args=up_router_args(args) + tuple(lora_router_args)

@@ -57,6 +57,16 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self._stop_reason is not None
 
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that matched, if any."""
+        return self._stop_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens read so far (a stop string ends the reading at the token completing it)."""
+        return self._num_output_tokens
+
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> DetokenizerDelta:
         """Add sampled tokens; returns the text that may be streamed now.
 

@@ -26,6 +26,7 @@ from engine.cuda_graphs import graph_memory_estimate, wants_decode_graphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import DTYPES
 from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quantization
+from engine.grammar.mask import GrammarMask
 from engine.grammar.structured_outputs import StructuredOutputs
 from engine.kv_cache import allocate_kv_cache
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
@@ -46,6 +47,8 @@ from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.decoder import SpecDecoder
 from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
@@ -85,6 +88,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA, off on CPU
     detokenize: bool = True             # False: text only for requests with stop strings (pods: the
                                         # router detokenizes; the engine must, to stop on a string)
+    speculative: SpeculativeConfig | None = None   # --speculative-config (engine/spec_decode/)
     lora: LoRAConfig | None = None      # multi-LoRA (--enable-lora; engine/lora/); None: off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -143,6 +147,9 @@ class Engine:
             self.fingerprint += f"+{self.quantization}"
         if self.kv_dtype is FP8_KV_DTYPE:  # pods exchanging fp8 KV must dequantize with the same scales
             self.fingerprint += kv_scales_suffix(self.model)
+        # Before sizing: a draft model's weights take memory the KV cache must leave it.
+        self.spec = SpecDecoder.create(config.speculative, self.role, self.model_dir, self.model_config, self.dtype,
+                                       self.device, max_len, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
         # Adapter slots before the KV cache is sized: their memory is the model's, fixed at start.
         self.lora = None
         if config.lora is not None:
@@ -150,10 +157,13 @@ class Engine:
             self.lora = LoRAManager(config.lora, self.model, self.model_config, self.tp)
         # After loading: on CUDA the cache takes what the weights and one worst-case step leave.
         cache_cfg = size_cache(config.cache, self.model, self.kv_dtype, self.device,
-                               ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
-                                                       max_len),
+                               ProfileBatch.worst_case(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs *
+                                                       (1 + (config.speculative.num_speculative_tokens
+                                                             if self.spec else 0)), max_len),
                                Sampler(self.eos_token_ids), startup_memory,
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
+        if self.spec is not None:   # a draft model's KV has the same blocks: both caches share the memory
+            cache_cfg = self.spec.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
         # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
@@ -162,6 +172,8 @@ class Engine:
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.kv_dtype, self.device)
+        if self.spec is not None:
+            self.spec.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
         # Tensor parallel: whole-model KV blocks for P/D transfers, gathered from / scattered to the ranks.
         self.tp_kv = None if self.tp is None else TPKVBlocks(self.tp, self.kv_cache, self.model_config)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
@@ -328,7 +340,10 @@ class Engine:
         launch model and sampler for N -> resolve N-1 (the one device->host read: its ids; stop
         checks; detokenize; emit) -> update(N) with placeholders. A request whose stop shows up
         in resolve(N-1) was already in batch N: that row's work is dropped (`update` skips it).
-        Batches that need the previous token's value on the host (penalties) resolve first."""
+        Batches that need the previous token's value on the host (penalties) resolve first, and so
+        does a speculative step (`_step_speculative`)."""
+        if self.spec is not None and self.spec.wants_step(self.scheduler):
+            return self._step_speculative()
         if not self.async_scheduling:
             return self._step_sync()
         t0 = time.perf_counter()
@@ -377,10 +392,15 @@ class Engine:
     def _sample(self, logits, requests: list[Request]) -> DeviceSample:
         """One step's tokens, on the device, under the requests' grammars (their masks are filled
         here, while the forward pass runs); a request whose grammar failed ends first."""
-        mask, failed = self.structured.prepare(requests)
+        return self.sampler.sample_on_device(logits, requests, self._grammar_masks(requests))
+
+    def _grammar_masks(self, rows: list) -> GrammarMask | None:
+        """The masks of a step's sampler rows (`rows[i]` samples row i; also a speculative step's,
+        `engine.spec_decode`); a request whose grammar failed ends first."""
+        mask, failed = self.structured.prepare(rows)
         if failed:
             self._fail(failed)
-        return self.sampler.sample_on_device(logits, requests, mask)
+        return mask
 
     def _settle_grammars(self, requests: list[Request]) -> list[Request]:
         """Each request's new token into its grammar: a complete grammar stops its request (the
@@ -407,8 +427,9 @@ class Engine:
         failed, self.failed = self.failed, {}
         return list(failed.items())
 
-    def _schedule(self):
-        out = self.last_schedule = self.scheduler.schedule()
+    def _schedule(self, drafts: dict[str, list[int]] | None = None):
+        """`drafts`: a speculative step's (`engine.spec_decode`)."""
+        out = self.last_schedule = self.scheduler.schedule(drafts)
         if self.lora is not None:
             self.lora.activate_loads()   # adapters given a slot by this schedule, before its forward
         return out
@@ -435,6 +456,34 @@ class Engine:
                    for req in updated]
         if out.scheduled:
             self._record_step(out, time.perf_counter() - t0)
+        return outputs
+
+    def _step_speculative(self) -> list[RequestOutput]:
+        """A step whose decodes carry drafts, verified in one target forward (`engine.spec_decode`).
+        Synchronous: the drafts continue each request's newest token, which must be on the host,
+        so a step still in flight (async scheduling) is resolved first."""
+        t0 = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        outputs = self._resolve(prev) if prev is not None else []
+        spec, scheduler = self.spec, self.scheduler
+        drafts = spec.propose(scheduler)
+        if not drafts:             # nothing to verify (no n-gram match): a plain step costs less
+            return outputs + self._step_sync()
+        out = self._schedule(drafts)
+        if not out.scheduled:
+            return outputs
+        requests = scheduler.scheduled_requests
+        seqs = spec.fill(out.scheduled, requests)
+        verified = spec.verify(self.sampler, self.runner.run(seqs), seqs, requests, self._grammar_masks)
+        before = {r.request_id: len(r.output_token_ids) for r in requests}
+        updated = self._settle_grammars(scheduler.update(out, verified.tokens))
+        spec.settle(requests)
+        num_emitted = 0
+        for req in updated:
+            num = len(req.output_token_ids) - before[req.request_id]
+            num_emitted += num
+            outputs.append(self._emit(req, req.output_token_ids[-num:], verified.logprobs[req.request_id][:num]))
+        self._record_step(out, time.perf_counter() - t0, num_emitted)
         return outputs
 
     # ------------------------------------------------------------------ decode role edges
@@ -478,6 +527,8 @@ class Engine:
             # A stop token's own text is dropped (vLLM), even with skip_special_tokens=False.
             delta = detok.update(new_ids, stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
             text_delta = delta.text
+            if delta.stopped and len(new_ids) > 1:   # verified drafts: the stop string may end it early
+                new_ids, new_logprobs = self._cut_after_stop_string(req, detok, new_ids, new_logprobs)
             if delta.stopped and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = delta.stop_reason
@@ -496,8 +547,27 @@ class Engine:
             out.prompt_logprobs = self.prompt_logprobs.take(req.request_id)
         return out
 
-    def _record_step(self, out, seconds: float) -> None:
+    def _cut_after_stop_string(self, req: Request, detok: IncrementalDetokenizer, new_ids: list[int],
+                               new_logprobs: list) -> tuple[list[int], list]:
+        """Several tokens in one step (speculative decoding) and a stop string in them: the tokens
+        after the one that completed it are dropped, and the request ends on the string, as it
+        would have one token per step."""
+        keep = detok.num_output_tokens - (len(req.output_token_ids) - len(new_ids))
+        if keep >= len(new_ids):
+            return new_ids, new_logprobs
+        drop = len(new_ids) - keep
+        del req.output_token_ids[-drop:], req.token_ids[-drop:]
+        if req.is_finished:          # on its length or a stop token, both among the dropped tokens
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = detok.stop_reason
+        return new_ids[:keep], new_logprobs[:keep]
+
+    def _record_step(self, out, seconds: float, num_emitted: int | None = None) -> None:
+        """`num_emitted`: the tokens a speculative step emitted (None: a plain step)."""
         self.step_stats.record(out, seconds)
+        if self.spec is not None:
+            self.spec.observe_step(out, seconds, len(out.scheduled) if num_emitted is None else num_emitted,
+                                   speculative=num_emitted is not None)
 
     @property
     def step_samples(self) -> collections.deque[StepSample]:
@@ -550,4 +620,5 @@ class Engine:
     def stats(self) -> EngineStats:
         return self.step_stats.snapshot(
             self.scheduler, lora_adapters=() if self.lora is None else self.lora.stats(self.scheduler),
+            spec_decode=None if self.spec is None else self.spec.stats.copy(),
             max_loras=0 if self.lora is None else self.lora.config.max_loras)

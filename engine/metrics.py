@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.lora.metrics import LoRAMetrics
 from engine.outputs import EngineStats
+from engine.spec_decode.metrics import SpecDecodeMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
                    3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
@@ -60,6 +61,7 @@ class EngineMetrics:
         self.local_prefill_fallbacks = Counter(
             "cbserve_local_prefill_fallbacks", "Decode-pod local prefills after a failed KV pull", labels,
             registry=r).labels(role)
+        self.spec_decode = SpecDecodeMetrics(role, r)   # cbserve_spec_decode_* (engine/spec_decode/metrics.py)
         self.lora = LoRAMetrics(role, r)
         # Structured outputs (vLLM has no names for these; the cbserve_structured_output_ family).
         self._structured_requests = Counter("cbserve_structured_output_requests",
@@ -101,6 +103,7 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_hit.set(stats.prefix_cache_hit_ratio)
         self.held_kv.set(num_held)
+        self.spec_decode.update(stats.spec_decode)
         self.lora.update(stats.lora_adapters, stats.max_loras)
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # torch-free at run time: the capacity planner builds these without torch
     from engine.prompt_logprobs import PromptLogprobs
     from engine.sampler import TokenLogprobs
+    from engine.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -56,5 +57,6 @@ class EngineStats:
     step_seconds_ewma: float
     prefill_tokens_per_second: float
     num_steps: int
+    spec_decode: SpecDecodeStats | None = None    # speculative decoding's counts (None: not speculating)
     lora_adapters: tuple = ()          # engine.lora.stats.LoRAAdapterStats, by name (LoRA enabled)
     max_loras: int = 0                 # adapters one batch can hold (0: LoRA disabled)

@@ -17,7 +17,7 @@ edges, metrics queries) live in `engine.scheduler_state.SchedulerState`, which `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from engine.request import Request, RequestStatus
 from engine.request_queue import priority_key
@@ -34,8 +34,14 @@ class Scheduler(SchedulerState):
     `SchedulerState`: `Scheduler(scheduler_config, kv, role, eos_token_ids, reserve_watermark)`."""
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
         """Pick this step's batch under the token budget; allocates blocks, computes nothing.
+
+        `drafts` (speculative decoding, `engine.spec_decode`): draft tokens per running decode; each
+        rides as extra query tokens after the request's last token (a `1 + k`-token chunk whose
+        seq samples `1 + k` rows), where the budget and free blocks allow it after every decode
+        has its own token: drafts never preempt, and shrink rather than take a block the pool
+        needs for the batch's next step.
 
         Design: decodes first, then partial prefills, then admissions — so a long prompt only ever
         takes the budget that running requests left. Preemption frees a victim's blocks at once;
@@ -51,10 +57,12 @@ class Scheduler(SchedulerState):
         scheduled: list[Request] = []           # seqs[i] belongs to scheduled[i]
         preempted: list[str] = []
         partial: list[Request] = []             # running prefills, continued after the decodes
-        if self._decodes_cannot_run_short(max_tokens):
+        if drafts is None and self._decodes_cannot_run_short(max_tokens):
             budget = max_tokens - self._schedule_decodes_fast(seqs, scheduled, partial)
         else:
             budget = self._schedule_decodes(max_tokens, seqs, scheduled, partial, preempted)
+        if drafts:
+            budget = self._add_drafts(drafts, budget, seqs, scheduled)
         for request in partial:
             if not budget:
                 break
@@ -142,6 +150,31 @@ class Scheduler(SchedulerState):
             budget -= 1
         return budget
 
+    def _add_drafts(self, drafts: Mapping[str, Sequence[int]], budget: int, seqs: list[ScheduledSeq],
+                    scheduled: list[Request]) -> int:
+        """Extend scheduled decodes with their drafts (`schedule`); returns the budget left. A
+        request whose drafts need a new block gets one only while a block per running request
+        stays free (the next step's decodes may each need one); else its drafts shrink to what its
+        blocks already hold."""
+        kv, block_size, headroom = self.kv_manager, self.block_size, len(self.running)
+        for i, request in enumerate(scheduled):
+            if budget <= 0:
+                break
+            proposed = drafts.get(request.request_id)
+            if not proposed or request.status is not _RUNNING:   # (a victim of a later decode's growth)
+                continue
+            token, start = seqs[i][1][0], request.num_computed_tokens
+            num = min(len(proposed), budget)
+            num_new_blocks = kv.num_blocks_for(start + 1 + num) - len(request.block_ids)
+            if num_new_blocks > 0 and kv.num_free_blocks - num_new_blocks < headroom:
+                num = len(request.block_ids) * block_size - start - 1
+            if num <= 0 or not kv.allocate_slots(request, 1 + num):
+                continue
+            seqs[i] = ScheduledSeq(request.request_id, (token, *proposed[:num]), start, kv.block_table(request),
+                                   1 + num)
+            budget -= num
+        return budget
+
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
@@ -205,6 +238,36 @@ class Scheduler(SchedulerState):
         self.num_preemptions += 1
         self.waiting.push_front(request)
 
+    def _update_verified(self, request: Request, start: int, emitted: list[int], now: float) -> bool:
+        """A decode verified with drafts: `emitted` = the accepted drafts and the token after them.
+        Only the accepted tokens' KV counts (`num_computed_tokens` = start + len(emitted): the
+        last token of the step's input plus the accepted drafts); the rejected drafts' slots are
+        beyond it, so the next steps overwrite them, in blocks the request keeps. Stops apply
+        token by token, and a stop drops the tokens after it. Returns whether it finished."""
+        outputs, tokens, params = request.output_token_ids, request.token_ids, request.sampling_params
+        eos_ids, kv = self.eos_token_ids, self.kv_manager
+        finished = False
+        num = 0
+        for token_id in emitted:
+            outputs.append(token_id)
+            tokens.append(token_id)
+            num += 1
+            if (len(outputs) >= params.max_tokens or token_id in eos_ids or token_id in params.stop_token_ids) \
+                    and self._check_stop(request, token_id):
+                finished = True
+                break
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.num_computed_tokens = start + num
+        if start // self.block_size != (start + num) // self.block_size:   # a block became full
+            kv.cache_blocks(request, start + num)
+        if finished:
+            request.finished_time = now
+            kv.free(request)
+            del self.requests[request.request_id]
+            self._finished_ids.append(request.request_id)
+        return finished
+
     @property
     def scheduled_requests(self) -> list[Request]:
         """The requests of the latest `schedule()`'s seqs, in batch order (until `update`)."""
@@ -215,7 +278,8 @@ class Scheduler(SchedulerState):
         """Apply a computed step: advance token counts, cache full blocks, append sampled tokens,
         apply token-level stops and free finished requests.
 
-        `sampled_token_ids` maps the id of every seq with `sample=True` to its new token. None
+        `sampled_token_ids` maps the id of every seq with `sample=True` to its new token, and of a
+        seq with drafts (`sample = 1 + k`) to its emitted tokens (`_update_verified`). None
         (async scheduling, colocated and decode roles): the tokens are still on the device, so each
         sampling request gets `PLACEHOLDER_TOKEN_ID`, only length stops apply, and the engine
         calls `resolve_placeholders` once the tokens are known (the next step is scheduled before
@@ -243,6 +307,9 @@ class Scheduler(SchedulerState):
         for (request_id, new_tokens, start, _, sample), request in zip(output.scheduled, scheduled):
             if request.status is not running_status:
                 skipped.append(request)
+                continue
+            if sample > 1:   # drafts verified: the accepted ones and the token after them
+                any_finished |= self._update_verified(request, start, sampled_token_ids[request_id], now)
                 continue
             num_new = len(new_tokens)
             request.num_computed_tokens = start + num_new

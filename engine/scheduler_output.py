@@ -22,7 +22,9 @@ class ScheduledSeq(NamedTuple):
     token_ids: tuple[int, ...]      # the tokens whose KV this step computes
     start_position: int             # = num_computed_tokens before this step
     block_ids: tuple[int, ...]      # the request's whole block table
-    sample: bool                    # all tokens computed after this step: sample a new one
+    sample: bool | int              # all tokens computed after this step: sample a new one; an int
+                                    # 1 + k: a decode with k drafts (engine.spec_decode) samples its
+                                    # last 1 + k tokens (True is 1: one row)
 
     @property
     def num_new_tokens(self) -> int:

@@ -222,6 +222,10 @@ class StepInputs:
         else:
             sample = np.array(samples, dtype=np.bool_)                                           # [S]
             num_sampled = int(sample.sum())
+        rows = None    # verification (speculative decoding): seq i samples its last rows[i] tokens
+        if not decode_only and max(samples) > 1:
+            rows = np.array(samples, dtype=np.int64)                                             # [S]
+            num_sampled = int(rows.sum())
         num_extra = 0 if extra_logits_rows is None else len(extra_logits_rows)
         layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, num_fill, int(lora_slots is not None))
         self._wait_for_last_copy()
@@ -275,7 +279,11 @@ class StepInputs:
             block_of_token = table[seq_index, pos // self.block_size].astype(np.int64)
             seq_lens[:num_real] = start_pos + q_lens                                             # [S]
             last = qsl[1:num_real + 1] - 1            # the last token of each sequence
-            h["logits_indices"][:num_sampled] = last if every_seq_samples else last[sample]
+            if rows is not None:                      # the last rows[i] tokens of each sequence
+                before = np.repeat(np.cumsum(rows) - rows, rows)                                 # [N]
+                h["logits_indices"][:num_sampled] = np.repeat(last - rows + 1, rows) + (np.arange(num_sampled) - before)
+            else:
+                h["logits_indices"][:num_sampled] = last if every_seq_samples else last[sample]
         positions[:num_real_tokens] = pos
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
         if num_extra:

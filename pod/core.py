@@ -46,6 +46,7 @@ from engine.engine import Engine
 from engine.grammar.stats import structured_stats_to_pb
 from engine.loop import EngineLoop
 from engine.outputs import RequestOutput
+from engine.spec_decode.metrics import stats_to_pb as spec_stats_to_pb
 from engine.lora.stats import stats_to_pb as lora_stats_to_pb
 from pod.lora import LORA_COMMANDS, lora_command
 from pod.runtime import PodRuntime, RequestFailed
@@ -145,6 +146,8 @@ def stats_to_pb(stats, samples: list, message: cbserve_pb2.CoreStats, num_held: 
     message.step_seconds_ewma = stats.step_seconds_ewma
     message.prefill_tokens_per_second = stats.prefill_tokens_per_second
     message.num_held_kv = num_held
+    if stats.spec_decode is not None:
+        spec_stats_to_pb(stats.spec_decode, message.spec_decode)
     message.max_loras = stats.max_loras
     lora_stats_to_pb(stats.lora_adapters, message.lora_adapters)
     message.first_sample_step = samples[0][0] if samples else 0

@@ -33,6 +33,7 @@ from wire import cbserve_pb2
 from pod.core import FrameReader, frame
 from engine.loop import Subscribers
 from engine.outputs import EngineStats
+from engine.spec_decode.metrics import stats_from_pb as spec_stats_from_pb
 from engine.lora.stats import stats_from_pb as lora_stats_from_pb
 from pod.runtime import PodRuntime, RequestFailed
 
@@ -102,7 +103,8 @@ class CoreRuntime(PodRuntime):
             prefix_cache_hit_ratio=stats.prefix_cache_hit_ratio, num_preemptions=stats.num_preemptions,
             step_seconds_ewma=stats.step_seconds_ewma, prefill_tokens_per_second=stats.prefill_tokens_per_second,
             num_steps=stats.num_steps, lora_adapters=lora_stats_from_pb(stats.lora_adapters),
-            max_loras=stats.max_loras)
+            max_loras=stats.max_loras,
+            spec_decode=spec_stats_from_pb(stats.spec_decode) if stats.HasField("spec_decode") else None)
         self.num_held = stats.num_held_kv
         self.metrics.update(self.snapshot, self.num_held)
         # StepSample messages read like engine.outputs.StepSample (load reports, the stall threshold)

@@ -533,7 +533,7 @@ class StructuredOutputStats(_message.Message):
     def __init__(self, request_kinds: _Optional[_Iterable[str]] = ..., compile_seconds: _Optional[_Iterable[float]] = ..., compile_cache_hits: _Optional[int] = ..., first_token_rejected_fingerprint: _Optional[int] = ..., first_token_rejected_token: _Optional[int] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples", "num_held_kv", "lora_adapters", "max_loras")
+    __slots__ = ("num_running", "num_waiting", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_hit_ratio", "num_preemptions", "step_seconds_ewma", "prefill_tokens_per_second", "num_steps", "first_sample_step", "samples", "num_held_kv", "lora_adapters", "max_loras", "spec_decode")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -550,6 +550,7 @@ class CoreStats(_message.Message):
     NUM_HELD_KV_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     prefill_queue_tokens: int
@@ -566,7 +567,22 @@ class CoreStats(_message.Message):
     num_held_kv: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterState]
     max_loras: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., num_held_kv: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    spec_decode: SpecDecodeStats
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_queue_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., step_seconds_ewma: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., num_steps: _Optional[int] = ..., first_sample_step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., num_held_kv: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ...) -> None: ...
+
+class SpecDecodeStats(_message.Message):
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", "acceptance_lengths")
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CoreReady(_message.Message):
     __slots__ = ("model", "block_size", "max_num_seqs", "max_num_batched_tokens")

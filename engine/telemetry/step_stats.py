@@ -33,7 +33,7 @@ class StepStats:
         # is summed at C level.
         seqs = out.scheduled
         num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
-            len(s.token_ids) for s in seqs if len(s.token_ids) > 1)
+            len(s.token_ids) for s in seqs if len(s.token_ids) > 1 and not s.sample > 1)   # (drafts: not prefill)
         context = sum(map(_START, seqs)) + out.num_batched_tokens
         self.samples.append(StepSample(len(seqs), context, num_prefill, seconds))
         alpha = EWMA_ALPHA
@@ -51,9 +51,11 @@ class StepStats:
         self.num_steps = 0
         self.samples.clear()
 
-    def snapshot(self, scheduler: SchedulerState, lora_adapters: tuple = (), max_loras: int = 0) -> EngineStats:
+    def snapshot(self, scheduler: SchedulerState, lora_adapters: tuple = (), max_loras: int = 0,
+                 spec_decode=None) -> EngineStats:
         """The engine's statistics now: the scheduler's queues and pool, these timings, and the
-        LoRA adapters' (`engine.lora.stats`; none without LoRA)."""
+        LoRA adapters' (`engine.lora.stats`; none without LoRA) and speculative decoding's counts
+        (`engine.spec_decode.stats`; None without it)."""
         pool = scheduler.kv_manager.block_pool
         return EngineStats(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
@@ -61,4 +63,5 @@ class StepStats:
             num_total_blocks=pool.num_usable_blocks, kv_cache_usage=pool.usage,
             prefix_cache_hit_ratio=scheduler.kv_manager.hit_ratio, num_preemptions=scheduler.num_preemptions,
             step_seconds_ewma=self.step_seconds_ewma, prefill_tokens_per_second=self.prefill_tokens_per_second,
-            num_steps=self.num_steps, lora_adapters=lora_adapters, max_loras=max_loras)
+            num_steps=self.num_steps, lora_adapters=lora_adapters, max_loras=max_loras,
+            spec_decode=spec_decode)

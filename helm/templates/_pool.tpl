@@ -111,6 +111,10 @@ spec:
             {{- if $pool.engine.enforceEager }}
             - --enforce-eager
             {{- end }}
+            {{- if and (eq $role "decode") $pool.engine.speculativeConfig }}
+            # Drafts are verified where decode steps run; prefill pods need none.
+            - {{ printf "--speculative-config=%s" (toJson $pool.engine.speculativeConfig) | quote }}
+            {{- end }}
             {{- if gt $tp 1 }}
             # One process per rank; rank 0 spawns the others and they meet on 127.0.0.1.
             - --tensor-parallel-size={{ $tp }}

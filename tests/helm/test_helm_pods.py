@@ -19,7 +19,7 @@ POOL_FLAGS = {"model", "host", "port", "metrics-port", "device", "dtype", "quant
               "tensor-parallel-size", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
               "tls-server-name", "health-port", "enable-lora", "max-loras", "max-cpu-loras", "max-lora-rank",
               "lora-modules", "allow-runtime-lora-updating", "lora-root"}
-DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated"}
+DECODE_ONLY_FLAGS = {"no-local-prefill-fallback", "colocated", "speculative-config"}
 ROUTER_FLAGS = {"model", "served-model-name", "host", "port", "discovery", "namespace", "prefill-service",
                 "decode-service", "colocated-service", "kv-transport", "grpc-port-name", "policy", "slo-ttft-ms", "slo-tpot-ms", "admission", "max-queue-seconds", "startup-wait-seconds",
                 "api-key-env", "drain-seconds", "cluster-secret-file", "tls-cert", "tls-key", "tls-ca",
@@ -287,6 +287,18 @@ def test_enforce_eager_is_per_pool_and_off_by_default():
     prefill = container(manifests.get("Deployment", name("prefill")))["args"]
     assert "--enforce-eager" in decode and "--enforce-eager" not in prefill
     assert "--enforce-eager" not in container(render().get("Deployment", name("decode")))["args"]
+
+
+def test_speculative_config_reaches_the_decode_pool_only_as_json():
+    assert all("speculative-config" not in flags(container(d)["args"]) for d in deployments(render()).values())
+    pools = deployments(render(sets=('decode.engine.speculativeConfig={"method":"ngram","num_speculative_tokens":4,'
+                                     '"prompt_lookup_max":5}',)))
+    assert "speculative-config" not in flags(container(pools["prefill"])["args"])
+    from engine.spec_decode.config import SpeculativeConfig
+    value = flags(container(pools["decode"])["args"])["speculative-config"]
+    assert SpeculativeConfig.from_json(value) == SpeculativeConfig("ngram", 4, 5, 5)
+    with pytest.raises(HelmError, match="speculativeConfig"):
+        render(sets=('decode.engine.speculativeConfig={"method":"eagle","num_speculative_tokens":4}',))
 
 
 def test_tensor_parallel_size_is_per_pool_with_one_gpu_per_rank():

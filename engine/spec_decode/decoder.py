@@ -1,0 +1,156 @@
+"""`SpecDecoder`: the engine's handle on speculative decoding (proposer + controller + verifier + counts).
+
+A speculative step (`Engine._step_speculative`) reads
+`drafts = spec.propose(scheduler)` -> `out = scheduler.schedule(drafts)` ->
+`seqs = spec.fill(out.scheduled, requests)` -> `logits = runner.run(seqs)` ->
+`verified = spec.verify(sampler, logits, seqs, requests)` -> `scheduler.update(out, verified.tokens)`
+-> `spec.settle(...)`: every running decode's drafts go through ONE target forward as extra query
+tokens (a decode with k drafts is a `1 + k`-token chunk through the paged kernels, sampling its
+last `1 + k` rows), prefill chunks and admissions in the same step as usual.
+
+Drafts need the host to know each request's newest token (n-gram looks it up, the draft model
+continues from it), so a speculative step is synchronous: with async scheduling the engine first
+resolves the step in flight (as it does for penalties), and speculates only where the measured
+rates say that pays (`engine.spec_decode.adaptive`), so plain steps keep their overlap.
+
+Requests with a grammar (`SamplingParams.structured`) are never given drafts (a draft would have
+to be checked against the grammar's matcher, advanced and rolled back per draft: not built):
+their rows are plain rows of the speculative step, masked and advanced as in a plain step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kv_cache import bytes_per_block
+from engine.model_config import ModelConfig
+from engine.request import RequestStatus
+from engine.sampler import Sampler
+from engine.spec_decode.adaptive import SpecController
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.stats import SpecDecodeStats
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.rejection_sampler import Verified, verify
+
+log = logging.getLogger(__name__)
+_RUNNING = RequestStatus.RUNNING
+_SLOT = 0     # a draft model's slot before its draft is known (replaced in `fill`)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 draft: DraftModelProposer | None = None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.draft = draft
+        self.ngram = None if draft is not None else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.controller = SpecController(config.num_speculative_tokens, config.disable_by_batch_size)
+        self.stats = SpecDecodeStats()
+
+    @classmethod
+    def create(cls, config: SpeculativeConfig | None, role: str, target_dir: Path, target_cfg: ModelConfig,
+               dtype: torch.dtype, device: torch.device, max_model_len: int, max_num_seqs: int,
+               max_num_batched_tokens: int) -> SpecDecoder | None:
+        """None without a config, and for the prefill role (its requests end at their first
+        token: nothing to speculate; the flag is accepted so pods share one command line)."""
+        if config is None:
+            return None
+        if role == "prefill":
+            log.info("speculative decoding (%s) is for decode steps: the prefill role ignores it", config.method)
+            return None
+        draft = None
+        if config.method == "draft_model":
+            draft = DraftModelProposer(config.model, target_dir, target_cfg, dtype, device, max_model_len,
+                                       max_num_seqs, max_num_batched_tokens)
+        log.info("speculative decoding: %s, up to %d tokens per step", config.to_json(), config.num_speculative_tokens)
+        return cls(config, max_model_len, draft)
+
+    # ------------------------------------------------------------------ KV (draft model)
+    def fit_cache(self, sized: CacheConfig, requested: CacheConfig, target_cfg: ModelConfig,
+                  kv_dtype: torch.dtype) -> CacheConfig:
+        """A draft model's cache has a block for every target block: the memory sized for the target
+        is split between the two (an explicit `--num-blocks` gives both that many)."""
+        if self.draft is None or requested.num_blocks is not None:
+            return sized
+        target = bytes_per_block(target_cfg, sized.block_size, kv_dtype)
+        share = target / (target + self.draft.block_bytes(sized.block_size))
+        num_blocks = max(2, int(sized.num_blocks * share))
+        log.info("KV cache: %d of %d blocks, the rest of the memory for the draft model's KV", num_blocks,
+                 sized.num_blocks)
+        return dataclasses.replace(sized, num_blocks=num_blocks)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        if self.draft is not None:
+            self.draft.allocate(num_blocks, block_size)
+
+    # ------------------------------------------------------------------ the step
+    def wants_step(self, scheduler) -> bool:
+        return self.controller.wants_step(len(scheduler.running))
+
+    def propose(self, scheduler) -> dict[str, list[int]]:
+        """Drafts of every running decode that gets some (n-gram: the tokens; draft model: slots
+        that `fill` gives tokens once scheduled, so the draft writes only into allocated blocks)."""
+        running = scheduler.running
+        batch_size, controller, ngram = len(running), self.controller, self.ngram
+        drafts: dict[str, list[int]] = {}
+        for request in running:
+            tokens = request.token_ids
+            if len(tokens) - request.num_computed_tokens != 1 or request.status is not _RUNNING:
+                continue          # a prefill chunk
+            params = request.sampling_params
+            if params.structured is not None:
+                continue          # a grammar's drafts would need its matcher (not here)
+            # Every emitted token must fit max_tokens and the context: k + 1 tokens at most.
+            limit = min(params.max_tokens - len(request.output_token_ids), self.max_model_len - len(tokens)) - 1
+            k = controller.num_drafts(request, batch_size, limit)
+            if k <= 0:
+                continue
+            proposed = ngram.propose(request, k) if ngram is not None else [_SLOT] * k
+            if proposed:
+                drafts[request.request_id] = proposed
+        return drafts
+
+    def fill(self, seqs: tuple, requests: list) -> tuple:
+        """The seqs the target runs: with the draft model's drafts in their slots (n-gram: as they are)."""
+        if self.draft is None:
+            return seqs
+        pairs = [(request, seq) for seq, request in zip(seqs, requests) if seq[4] > 1]
+        drafts = self.draft.propose(pairs)
+        if not drafts:
+            return seqs
+        return tuple(seq if seq[0] not in drafts else seq._replace(token_ids=(seq[1][0], *drafts[seq[0]]))
+                     for seq in seqs)
+
+    def verify(self, sampler: Sampler, logits: torch.Tensor, seqs, requests, grammar=None) -> Verified:
+        """`grammar`: the rows' structured-output masks (`rejection_sampler.verify`)."""
+        verified = verify(sampler, logits, seqs, requests, grammar)
+        stats, controller = self.stats, self.controller
+        by_id = {request.request_id: request for request in requests} if verified.drafts else {}
+        for request_id, drafts in verified.drafts.items():
+            accepted = verified.accepted[request_id]
+            stats.record(len(drafts), accepted)
+            controller.observe_acceptance(by_id[request_id], len(drafts), accepted)
+        return verified
+
+    def settle(self, requests) -> None:
+        """After `update`: the draft's KV past each request's accepted tokens is stale."""
+        if self.draft is not None:
+            for request in requests:
+                self.draft.settle(request)
+
+    def observe_step(self, out, seconds: float, num_emitted: int, speculative: bool) -> None:
+        """Time a decode-only step (steps with a prefill chunk say nothing about decode rates)."""
+        seqs = out.scheduled
+        num_draft_tokens = out.num_batched_tokens - len(seqs)
+        if speculative:
+            if any(len(seq[1]) > 1 and not seq[4] > 1 for seq in seqs):   # a prefill chunk
+                return
+        elif num_draft_tokens:
+            return
+        self.controller.observe_step(len(seqs), seconds, num_emitted, num_draft_tokens, speculative)

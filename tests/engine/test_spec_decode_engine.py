@@ -1,0 +1,356 @@
+"""Speculative decoding in the engine: output equals the non-speculative engine, token for token.
+
+On a two-layer random Llama with the tiny preset's tokenizer (quick steps), greedy and seeded
+sampling with the n-gram proposer and with a draft model (the same checkpoint: a draft equal to
+the target is accepted at every greedy position, so every step emits several tokens, which is
+what the edge cases need): logprobs, penalties,
+min_tokens, stop strings completed in the middle of a verified run, stop tokens, max_tokens,
+preemption under a small cache, async scheduling moving in and out of speculative steps, the
+decode role landing remote KV (the draft prefills itself from the prompt), prefix-cache hits,
+and the adaptive controller as shipped. Most engines force speculation (`FixedController`) so the
+verification path runs every step.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.adaptive import FixedController, SpecController
+from engine.presets import resolve_model_dir
+from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from tests.engine.hf_models import make_hf_model
+
+MICRO = {"micro": ("LlamaConfig", "LlamaForCausalLM", dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=260, max_position_embeddings=512))}
+NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)
+_model: dict[str, str] = {}
+
+
+def micro_model(root: Path) -> str:
+    """A 2-layer random Llama on the tiny preset's tokenizer (stop strings need text), made once."""
+    if "path" not in _model:
+        make_hf_model("micro", root, seed=3, configs=MICRO)
+        tiny = resolve_model_dir("tiny", create_weights=False)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(tiny / name, root / name)
+        _model["path"] = str(root)
+    return _model["path"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _micro(tmp_path_factory):
+    micro_model(tmp_path_factory.mktemp("spec-micro"))
+
+
+def draft_config() -> SpeculativeConfig:
+    """The draft model is the target's own checkpoint."""
+    return SpeculativeConfig("draft_model", 4, model=_model["path"])
+
+
+def make_engine(spec: SpeculativeConfig | None = None, forced: bool = True, num_blocks: int = 256,
+                async_scheduling: bool = False, role: str = "colocated", **sched) -> Engine:
+    engine = Engine(EngineConfig(model=_model["path"], role=role, speculative=spec, async_scheduling=async_scheduling,
+                                 cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+                                 scheduler=SchedulerConfig(**{"max_num_batched_tokens": 64, **sched})))
+    if spec is not None and forced and engine.spec is not None:
+        engine.spec.controller = FixedController(spec.num_speculative_tokens)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(_micro) -> Engine:
+    return make_engine()
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec(request, _micro) -> Engine:
+    return make_engine(NGRAM if request.param == "ngram" else draft_config())
+
+
+@pytest.fixture(scope="module")
+def draft(_micro) -> Engine:
+    return make_engine(draft_config())
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 259) for _ in range(n - 1)]
+
+
+def _summary(outputs):
+    return [(o.output_token_ids, o.text, o.finish_reason, o.stop_reason) for o in outputs]
+
+
+def _same(plain: Engine, spec: Engine, prompts, params, verified: bool = True):
+    want = plain.generate(prompts, params)
+    before = spec.stats().spec_decode.num_drafts
+    got = spec.generate(prompts, params)
+    assert _summary(got) == _summary(want)
+    if verified:
+        assert spec.stats().spec_decode.num_drafts > before      # the drafts were verified
+    assert spec.stats().kv_cache_usage == 0.0 and not spec.has_unfinished_requests()
+    spec.scheduler.check_invariants()
+    return want, got
+
+
+PROMPTS = [_prompt(s, n) for s, n in ((1, 9), (2, 40), (3, 90), (4, 17))]   # 90 > budget: chunked
+
+
+def test_greedy_output_equals_the_plain_engine(plain, spec):
+    _same(plain, spec, PROMPTS, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+
+
+def test_a_draft_equal_to_the_target_is_accepted_at_every_greedy_position(plain, draft):
+    before = draft.stats().spec_decode.copy()
+    _same(plain, draft, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    after = draft.stats().spec_decode
+    proposed = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    assert proposed > 20 and accepted >= 0.95 * proposed    # (fp32: a near-tie may flip, rarely)
+
+
+@pytest.fixture(scope="module")
+def ngram(_micro) -> Engine:
+    return make_engine(NGRAM)
+
+
+def test_seeded_sampling_equals_the_plain_engine(plain, ngram):
+    """n-gram drafts only: the rows are sampled the same way whoever proposed the drafts (a
+    draft model's proposals are covered by the greedy tests, which accept them most)."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=12, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    _same(plain, ngram, PROMPTS, params)
+
+
+def test_logprobs_penalties_and_min_tokens_equal_the_plain_engine(plain, spec):
+    params = [SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4,
+                             presence_penalty=0.2, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, presence_penalty=0.5, logprobs=1,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12, stop_token_ids=[7, 9, 11])]
+    want, got = _same(plain, spec, PROMPTS, params)
+    for w, g in ((want[0], got[0]), (want[2], got[2])):
+        assert len(g.output_token_ids) == len(w.output_token_ids)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 6, 11])
+def test_max_tokens_is_exact_with_drafts_in_flight(plain, draft, max_tokens):
+    _same(plain, draft, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+          verified=max_tokens > 2)      # 1 token: prefill only; 2: one decode with max_tokens - 2 = 0 drafts
+
+
+def test_stop_strings_and_stop_tokens_inside_a_verified_run(plain, draft):
+    """A draft equal to the target emits 5 tokens a step: stops that complete at output tokens 6-9
+    fall inside a run, and the tokens after them must go."""
+    prompt = PROMPTS[1]
+    (free,) = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    tokens, text = free.output_token_ids, free.text
+    checked = 0
+    for index in range(6, 10):
+        token = tokens[index]
+        if token not in tokens[:index]:        # first occurrence: the plain engine stops right there
+            _same(plain, draft, [prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[token]))
+            checked += 1
+    for start in range(4, 12):
+        stop = text[start:start + 2]
+        if len(stop) == 2 and stop not in text[:start + 1] and "\ufffd" not in stop:
+            want, got = _same(plain, draft, [prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))
+            assert got[0].finish_reason == "stop" and got[0].stop_reason == stop
+            checked += 1
+    assert checked >= 3
+
+
+def test_preemption_under_a_small_cache_equals_the_plain_engine():
+    prompts = [_prompt(s, 40 + 9 * s) for s in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = make_engine(num_blocks=14).generate(prompts, params)
+    spec = make_engine(draft_config(), num_blocks=14)
+    got = spec.generate(prompts, params)
+    assert spec.stats().num_preemptions > 0
+    assert _summary(got) == _summary(want)
+    pool = spec.scheduler.kv_manager.block_pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    spec.scheduler.check_invariants()
+
+
+class _EveryOther(SpecController):
+    """Speculate on every other step (forcing the async <-> speculative transitions)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self._n = 0
+
+    def wants_step(self, batch_size: int) -> bool:
+        self._n += 1
+        return self._n % 2 == 0
+
+    def num_drafts(self, request, batch_size: int, limit: int) -> int:
+        return max(0, min(limit, self.max_drafts))
+
+
+def test_async_scheduling_in_and_out_of_speculative_steps_equals_the_plain_engine(plain):
+    spec = make_engine(NGRAM, async_scheduling=True)
+    spec.spec.controller = _EveryOther(4)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[5, 6, 7, 8]),
+              SamplingParams(temperature=0.0, max_tokens=25, frequency_penalty=0.5, ignore_eos=True)]
+    assert spec.async_scheduling
+    _same(plain, spec, PROMPTS, params)
+
+
+def _move_kv(src: Engine, src_blocks, dst: Engine, dst_blocks) -> None:
+    for s, d in zip(src_blocks, dst_blocks):
+        dst.kv_cache[d].copy_(src.kv_cache[s])
+
+
+def test_decode_role_with_a_draft_model_equals_colocated(plain):
+    """KV lands from a prefill engine (as the transfer layer writes it) for the target only; the
+    draft catches up on the prompt it has. Tokens equal the colocated plain engine's."""
+    prompts = PROMPTS[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = plain.generate(prompts, params)
+    prefill = make_engine(draft_config(), role="prefill")
+    assert prefill.spec is None                    # the prefill role ignores the config
+    decode = make_engine(draft_config(), role="decode")
+    results: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(prompt, params, request_id=f"r{i}")
+        decode.add_request(prompt, params, request_id=f"r{i}", remote_kv=True)
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            first[o.request_id] = o.new_token_ids[0]
+    landed = set()
+    while decode.has_unfinished_requests():
+        for rid in decode.last_schedule.reserved_request_ids if decode.last_schedule else ():
+            if rid not in landed:
+                req = decode.scheduler.get_request(rid)
+                _move_kv(prefill, prefill.scheduler.held[rid].block_ids, decode, req.block_ids)
+                results.setdefault(rid, []).extend(decode.land_remote_kv(rid, first[rid]).new_token_ids)
+                landed.add(rid)
+        for o in decode.step():
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [results[f"r{i}"] for i in range(3)] == [w.output_token_ids for w in want]
+    stats = decode.stats().spec_decode
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
+    assert decode.stats().kv_cache_usage == 0.0
+
+
+def test_prefix_cache_hits_give_the_same_tokens_and_drafts(plain, draft):
+    shared = _prompt(50, 70)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    (first,) = draft.generate([shared + [10, 11]], params)
+    hits = draft.scheduler.kv_manager.num_hit_tokens
+    before = draft.stats().spec_decode.copy()
+    want, got = _same(plain, draft, [shared + [10, 11]], params)
+    assert got[0].output_token_ids == first.output_token_ids
+    assert draft.scheduler.kv_manager.num_hit_tokens > hits
+    after = draft.stats().spec_decode
+    assert after.num_accepted_tokens - before.num_accepted_tokens >= 0.95 * (
+        after.num_draft_tokens - before.num_draft_tokens)
+
+
+def test_the_adaptive_controller_as_shipped_gives_the_same_tokens(plain):
+    spec = make_engine(NGRAM, forced=False)
+    assert type(spec.spec.controller) is SpecController
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=21, max_tokens=40, ignore_eos=True)] * 2
+    want = plain.generate(PROMPTS, params)
+    got = spec.generate(PROMPTS, params)
+    assert _summary(got) == _summary(want)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
+    from tests.engine.hf_models import make_hf_model
+
+    make_hf_model("llama_gqa", tmp_path / "other")           # vocab 300, the target's 260
+    with pytest.raises(SpeculativeConfigError, match="vocabulary"):
+        make_engine(SpeculativeConfig("draft_model", 2, model=str(tmp_path / "other")))
+
+
+def test_no_block_leaks_after_1000_random_aborts():
+    """Requests come and go with drafts in every step (prompts over a 10-token alphabet: the n-gram
+    lookup always finds a match), a pool small enough to preempt, and 1,000 aborts at random
+    points; the pool's invariants hold throughout and every block is free at the end."""
+    engine = make_engine(NGRAM, num_blocks=10, max_num_seqs=8)
+    rng = random.Random(0)
+    live: list[str] = []
+    aborted = steps = 0
+    while aborted < 1000:
+        while len(live) < 8:
+            rid = f"abort-{steps}-{len(live)}"
+            prompt = [1] + [rng.randrange(3, 13) for _ in range(rng.randrange(1, 24))]
+            params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 60),
+                                    ignore_eos=True)
+            engine.add_request(prompt, params, request_id=rid)
+            live.append(rid)
+        for out in engine.step():
+            if out.finished:
+                live.remove(out.request_id)
+        for rid in [r for r in live if rng.random() < 0.25]:
+            assert engine.abort(rid)
+            live.remove(rid)
+            aborted += 1
+        steps += 1
+        if steps % 25 == 0:
+            engine.scheduler.check_invariants()
+    for rid in live:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.check_invariants()
+    pool = engine.scheduler.kv_manager.block_pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    stats = engine.stats()
+    assert stats.spec_decode.num_drafts > 100 and stats.num_preemptions > 0
+
+
+def test_structured_requests_beside_drafted_ones_equal_the_plain_engine(plain, draft):
+    """Requests with a grammar get no drafts; in a speculative step their rows are masked and
+    their grammars advanced as in a plain step, beside requests whose drafts are verified."""
+    from tests.engine.structured_cases import check_complete, choice_spec, regex_spec
+
+    specs = [regex_spec(), choice_spec()]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured=specs[0]),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=24, structured=specs[1]),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    want, got = _same(plain, draft, PROMPTS, params)
+    check_complete(specs[0], got[0].text)
+    check_complete(specs[1], got[2].text)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "gemma3"])
+def test_sliding_window_models_equal_the_plain_engine(tmp_path, name):
+    """Verification rows attend through each layer's window (Gemma 3: local and global layers);
+    with every layer windowed (Mistral) the blocks behind the window are freed while drafts are
+    in flight. The draft is the target's own checkpoint, so most steps emit several tokens."""
+    from tests.engine.hf_window_models import make_window_model
+
+    make_window_model(name, tmp_path)
+
+    def engine(spec: SpeculativeConfig | None) -> Engine:
+        e = Engine(EngineConfig(model=str(tmp_path), speculative=spec,
+                                cache=CacheConfig(block_size=4, num_blocks=64),
+                                scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)))
+        if spec is not None:
+            e.spec.controller = FixedController(spec.num_speculative_tokens)
+        return e
+
+    prompts = [_prompt(s, n) for s, n in ((5, 11), (6, 23), (7, 6))]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    _same(engine(None), engine(SpeculativeConfig("draft_model", 3, model=str(tmp_path))), prompts, params)

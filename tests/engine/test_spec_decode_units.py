@@ -1,0 +1,193 @@
+"""Speculative decoding's parts, each against a reference: the config's keys and errors, the n-gram
+proposer against a brute-force rescan (vLLM's rule), the adaptive controller on synthetic step
+costs, the counters and their Prometheus exposition."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from engine.spec_decode.adaptive import MAX_PROBE_INTERVAL, SpecController, bucket_of
+from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError, speculative_config_arg
+from engine.spec_decode.metrics import SpecDecodeMetrics, stats_from_pb, stats_to_pb
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.stats import SpecDecodeStats
+from wire import cbserve_pb2
+
+
+# ---------------------------------------------------------------------------------------- config
+def test_config_takes_vllms_keys_and_defaults():
+    c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)       # vLLM: 5 when both omitted
+    c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    c = SpeculativeConfig.from_json('{"model": "tiny", "num_speculative_tokens": 2}')
+    assert c.method == "draft_model" and c.model == "tiny"
+    again = SpeculativeConfig.from_json(c.to_json())
+    assert again == c
+
+
+@pytest.mark.parametrize("text, names", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "eagle3"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}', "speculative_model"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
+    ('{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}',
+     "draft_tensor_parallel_size"),
+    ("[1, 2]", "JSON object"),
+    ("{nope", "JSON"),
+])
+def test_config_errors_name_the_key(text, names):
+    with pytest.raises(SpeculativeConfigError, match=names):
+        SpeculativeConfig.from_json(text)
+    with pytest.raises(argparse.ArgumentTypeError, match=names):
+        speculative_config_arg(text)
+
+
+# ---------------------------------------------------------------------------------------- n-gram
+class _Req:
+    def __init__(self, tokens):
+        self.token_ids = tokens
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's rule by brute force: the longest suffix n-gram with an earlier occurrence, the tokens
+    after its earliest one."""
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= length:
+            continue
+        suffix = tokens[length - n:]
+        for start in range(0, length - n):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 1), (1, 3), (2, 5), (3, 3)])
+def test_ngram_matches_a_rescan_of_the_whole_context_as_it_grows(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    proposer = NgramProposer(min_n, max_n)
+    for _ in range(20):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 8))]
+        request = _Req(tokens)
+        for _ in range(40):   # proposals as the request grows (the index is extended, never rebuilt)
+            k = rng.randrange(1, 6)
+            assert proposer.propose(request, k) == _reference(tokens, min_n, max_n, k), tokens
+            tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+def test_ngram_examples():
+    proposer = NgramProposer(2, 3)
+    # vLLM's docstring example: [4, 2, 3] has no earlier match; [2, 3] matches at 1 -> [4, 2, 3]
+    assert proposer.propose(_Req([1, 2, 3, 4, 2, 3]), 4) == [4, 2, 3]
+    assert proposer.propose(_Req([1, 2, 3, 4, 5]), 4) == []
+    assert NgramProposer(1, 1).propose(_Req([7, 8, 9, 7, 8, 9, 7]), 2) == [8, 9]   # the earliest occurrence
+
+
+# ---------------------------------------------------------------------------------------- adaptive
+def _run(controller: SpecController, batch: int, steps: int, plain_s: float, spec_s: float, emitted: int,
+         drafts: int) -> list[bool]:
+    modes = []
+    for _ in range(steps):
+        spec = controller.wants_step(batch)
+        modes.append(spec)
+        if spec:
+            controller.observe_step(batch, spec_s, emitted, drafts, speculative=True)
+        else:
+            controller.observe_step(batch, plain_s, batch, 0, speculative=False)
+    return modes
+
+
+def test_speculation_turns_off_where_it_is_slower_and_probes_ever_less_often():
+    controller = SpecController(4)
+    # batch 64: a speculative step emits 1.1x the tokens in 2x the time
+    modes = _run(controller, 64, 2000, plain_s=0.010, spec_s=0.020, emitted=70, drafts=256)
+    assert not controller.bucket(64).on
+    tail = modes[1000:]
+    assert 0 < sum(tail) <= len(tail) // (MAX_PROBE_INTERVAL // 2)     # a probe now and then, no more
+    # batch 1 of the same controller: 3 tokens in 1.2x the time -> on, plain steps only as probes
+    modes = _run(controller, 1, 2000, plain_s=0.010, spec_s=0.012, emitted=3, drafts=4)
+    assert controller.bucket(1).on
+    assert len(modes[1000:]) - sum(modes[1000:]) <= 1000 // (MAX_PROBE_INTERVAL // 2)
+    assert bucket_of(64) != bucket_of(1)
+
+
+def test_speculation_comes_back_when_it_starts_to_pay():
+    controller = SpecController(4)
+    _run(controller, 8, 500, plain_s=0.01, spec_s=0.03, emitted=8, drafts=32)
+    assert not controller.bucket(8).on
+    modes = _run(controller, 8, 2 * MAX_PROBE_INTERVAL + 50, plain_s=0.01, spec_s=0.012, emitted=24, drafts=32)
+    assert controller.bucket(8).on and modes[-1]
+
+
+class _Request:    # any object a WeakKeyDictionary can hold
+    pass
+
+
+def test_drafts_per_request_follow_acceptance_and_cost():
+    controller = SpecController(8)
+    good, bad = _Request(), _Request()
+    for _ in range(30):
+        controller.observe_acceptance(good, 8, 8)
+        controller.observe_acceptance(bad, 4, 0)
+    # cheap drafts: 4 plain tokens in 10 ms, a draft token 0.1 ms (cost 0.04 tokens per draft token)
+    for drafts in (8, 16, 24, 32) * 10:
+        controller.observe_step(4, 0.010, 4, 0, speculative=False)
+        controller.observe_step(4, 0.010 + 0.0001 * drafts + 0.001, 8, drafts, speculative=True)
+    assert controller.num_drafts(good, 4, limit=100) == 8
+    assert controller.num_drafts(good, 4, limit=3) == 3
+    assert controller.num_drafts(bad, 4, limit=100) <= 1           # at most a retry
+    # the retry comes ever later: at most ~log2(64) retries in 200 steps
+    retries = sum(controller.num_drafts(bad, 4, limit=100) for _ in range(200))
+    assert retries <= 8
+    middling = _Request()
+    for _ in range(30):
+        controller.observe_acceptance(middling, 4, 1)            # alpha ~ 0.5
+    assert 1 <= controller.num_drafts(middling, 4, limit=100) <= 5
+
+
+def test_disable_by_batch_size():
+    controller = SpecController(4, disable_by_batch_size=16)
+    assert controller.wants_step(15) and not controller.wants_step(16)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+def test_stats_count_and_cross_the_wire():
+    stats = SpecDecodeStats()
+    stats.record(4, 4)
+    stats.record(4, 1)
+    stats.record(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 10, 5)
+    assert stats.accepted_per_pos == [2, 1, 1, 1] and stats.acceptance_lengths == [1, 1, 0, 0, 1]
+    assert stats.mean_acceptance_length == pytest.approx(8 / 3)
+    message = cbserve_pb2.CoreStats()
+    stats_to_pb(stats, message.spec_decode)
+    assert stats_from_pb(cbserve_pb2.CoreStats.FromString(message.SerializeToString()).spec_decode) == stats
+
+
+def test_prometheus_names_follow_vllm():
+    registry = CollectorRegistry()
+    metrics = SpecDecodeMetrics("decode", registry)
+    stats = SpecDecodeStats()
+    stats.record(3, 2)
+    metrics.update(stats)
+    stats.record(3, 3)
+    metrics.update(stats)
+    metrics.update(stats)                  # no change: nothing counted twice
+    text = generate_latest(registry).decode()
+    assert 'cbserve_spec_decode_num_drafts_total{role="decode"} 2.0' in text
+    assert 'cbserve_spec_decode_num_draft_tokens_total{role="decode"} 6.0' in text
+    assert 'cbserve_spec_decode_num_accepted_tokens_total{role="decode"} 5.0' in text
+    assert 'cbserve_spec_decode_num_accepted_tokens_per_pos_total{position="2",role="decode"} 1.0' in text
+    assert 'cbserve_spec_decode_acceptance_length_bucket{le="3.0",role="decode"} 1.0' in text
+    assert 'cbserve_spec_decode_acceptance_length_bucket{le="+Inf",role="decode"} 2.0' in text
+    assert 'cbserve_spec_decode_acceptance_length_sum{role="decode"} 7.0' in text

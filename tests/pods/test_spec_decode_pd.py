@@ -1,0 +1,115 @@
+"""Speculative decoding on real pods: a decode pod that verifies drafts (n-gram, or a draft model
+that prefills itself from the prompt it receives) gives the tokens of the colocated engine without
+speculation, disaggregated (KV pulled from a prefill pod, which takes the flag and ignores it) and
+prefilled locally; its /metrics count the drafts with vLLM's names."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import urllib.request
+
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling_params import SamplingParams
+from tests.pods.podproc import Pod, disaggregated, run, sampling
+from wire import cbserve_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+DRAFT = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}'
+
+
+@pytest.fixture(scope="module")
+def pods():
+    prefill = Pod("prefill", "--speculative-config", NGRAM)
+    decoders = {"ngram": Pod("decode", "--speculative-config", NGRAM),
+                "draft_model": Pod("decode", "--speculative-config", DRAFT)}
+    try:
+        prefill.wait_ready()
+        for pod in decoders.values():
+            pod.wait_ready()
+        yield prefill, decoders
+    finally:
+        for pod in (prefill, *decoders.values()):
+            pod.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=512),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(25)
+    return [[1] + [rng.randrange(4, 260) for _ in range(n)] for n in (100, 30, 7)]
+
+
+PARAMS = {
+    "greedy": dict(temperature=0.0, max_tokens=24, ignore_eos=True),
+    "seeded": dict(temperature=0.8, top_p=0.9, seed=77, max_tokens=24, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("mode", sorted(PARAMS))
+def test_disaggregated_with_speculation_equals_colocated_without(pods, reference, method, mode):
+    prefill, decoders = pods
+    prompts = _prompts()
+    expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**PARAMS[mode]))]
+
+    async def all_at_once():
+        return await asyncio.gather(*(
+            disaggregated(prefill, decoders[method], f"{method}-{mode}-{i}", p, sampling(**PARAMS[mode]))
+            for i, p in enumerate(prompts)))
+
+    results = run(all_at_once())
+    assert [tokens for tokens, _ in results] == expected
+    for _, messages in results:
+        assert not messages[0].local_prefill
+        assert messages[-1].finished and messages[-1].finish_reason == "length"
+
+
+def test_local_prefill_with_a_draft_model_equals_colocated(pods, reference):
+    _, decoders = pods
+    prompt = _prompts()[0]
+    expected = reference.generate([prompt], SamplingParams(**PARAMS["greedy"]))[0].output_token_ids
+
+    async def local():
+        from tests.pods.podproc import pod_channel
+        from wire import cbserve_pb2_grpc as pb_grpc
+
+        async with pod_channel(decoders["draft_model"].address) as ch:
+            stream = pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
+                request_id="draft-local", prompt_token_ids=prompt, sampling=sampling(**PARAMS["greedy"])), timeout=60)
+            return [m async for m in stream]
+
+    messages = run(local())
+    assert messages[0].local_prefill
+    assert [t for m in messages for t in m.token_ids] == expected
+
+
+def test_decode_pod_metrics_count_drafts(pods):
+    _, decoders = pods
+    pod = decoders["draft_model"]          # a draft equal to the target: greedy drafts are accepted
+    run(disaggregated(pods[0], pod, "metrics-0", _prompts()[1], sampling(**PARAMS["greedy"])))
+    deadline_text = ""
+    for _ in range(50):                    # the server process gets the counts with the next statistics
+        text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=10).read().decode()
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line.startswith("cbserve_spec_decode_") and " " in line}
+        deadline_text = text
+        if values.get('cbserve_spec_decode_num_accepted_tokens_total{role="decode"}', 0) > 0:
+            break
+        run(asyncio.sleep(0.2))
+    else:
+        raise AssertionError(f"no accepted drafts counted:\n{deadline_text[-2000:]}")
+    assert values['cbserve_spec_decode_num_draft_tokens_total{role="decode"}'] >= \
+        values['cbserve_spec_decode_num_accepted_tokens_total{role="decode"}']
+    assert values['cbserve_spec_decode_num_drafts_total{role="decode"}'] > 0
+    assert any(k.startswith("cbserve_spec_decode_acceptance_length_bucket") for k in values)
+    assert any(k.startswith("cbserve_spec_decode_num_accepted_tokens_per_pos_total") for k in values)
