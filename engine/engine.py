@@ -467,7 +467,9 @@ class Engine:
         outputs = self._resolve(prev) if prev is not None else []
         spec, scheduler = self.spec, self.scheduler
         drafts = spec.propose(scheduler)
-        if not drafts:             # nothing to verify (no n-gram match): a plain step costs less
+        # Nothing to verify (no n-gram match): a plain step costs less. While a prompt is being
+        # scored (prompt logprobs) steps are plain too: only they carry its extra logits rows.
+        if not drafts or self.prompt_logprobs.pending:
             return outputs + self._step_sync()
         out = self._schedule(drafts)
         if not out.scheduled:
