@@ -149,9 +149,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_received(self, layout) -> torch.Tensor:
         """Tensor-parallel ranks > 0: the step rank 0 sent, already in `self.inputs`; same forward."""
-        return self._forward(self.inputs.tensors(layout))
+        return self._forward(self.inputs.tensors(layout), receiving=True)
 
-    def _forward(self, t: StepTensors, extra: StepRows | None = None) -> torch.Tensor:
+    def _forward(self, t: StepTensors, extra: StepRows | None = None, receiving: bool = False) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
         # Decode-only steps sample every row: no copy. (A step with prompt-logprob rows never takes
         # every row: `PromptLogprobsTracker.plan` keeps the counts apart, for every rank.)
@@ -159,7 +159,7 @@ class ModelRunner:
             hidden = hidden[t.logits_indices]
         if extra is None and hidden.shape[0] <= self.max_num_seqs:
             return self.model.compute_logits(hidden)
-        return sliced_logits(self.model.compute_logits, hidden, self.max_num_seqs, extra)
+        return sliced_logits(self.model.compute_logits, hidden, self.max_num_seqs, extra, keep_all=not receiving)
 
     def _forward_into(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out: torch.Tensor) -> None:
         """A padded decode batch (every row samples): model and head, logits written into `out`."""

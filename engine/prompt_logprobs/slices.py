@@ -20,10 +20,15 @@ import torch
 
 
 def sliced_logits(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                  slice_rows: int, extra=None) -> torch.Tensor:
+                  slice_rows: int, extra=None, keep_all: bool = False) -> torch.Tensor:
     """hidden: [num_sampled + num_extra, hidden], sampled rows first -> the sampled rows' logits
     [num_sampled, vocab]; the extra rows' logits go to `extra.consume(first_extra_row, logits)`.
-    Without `extra` (tensor-parallel ranks > 0) it makes the same calls and returns the first slice."""
+    Without `extra` it makes the same calls and returns the first slice (tensor-parallel ranks > 0,
+    which drop it), or with `keep_all` every row's logits (rank 0 verifying more draft rows than a
+    slice holds, speculative decoding)."""
+    if extra is None and keep_all:
+        return torch.cat([compute_logits(hidden[start:start + slice_rows])
+                          for start in range(0, hidden.shape[0], slice_rows)])
     num_rows = hidden.shape[0]
     num_sampled = num_rows - (0 if extra is None else len(extra.rows))
     assert extra is None or 0 <= num_sampled <= slice_rows, "the sampled rows must fit the first slice"
