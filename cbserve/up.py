@@ -91,6 +91,8 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     add_up_arguments(p)
     p.add_argument("--exit-on-failure", action="store_true",
                    help="stop the whole cluster and exit 1 when a process dies (default: restart it)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="the router serves GET /tokenizer_info (lm-evaluation-harness's remote tokenizer reads it)")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one completion and one chat request with the openai client")
     p.set_defaults(func=cmd_up)
@@ -121,7 +123,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         threads_per_pod=args.threads_per_pod, startup_timeout=args.startup_timeout,
         drain_seconds=args.drain_seconds, startup_wait_seconds=args.startup_wait_seconds,
         api_key=api_key_from_args(args), pod_args=tuple(lora_pod_args),
-        router_args=up_router_args(args) + tuple(lora_router_args))
+        router_args=up_router_args(args) + tuple(lora_router_args)
+        + (("--enable-tokenizer-info-endpoint",) if args.enable_tokenizer_info_endpoint else ()))
 
 
 def describe(cluster: LocalCluster) -> str:

@@ -24,6 +24,7 @@ from engine.engine import Engine
 from engine.grammar.backend import GrammarCompileError
 from engine.grammar.structured_outputs import FirstTokenRejected
 from engine.outputs import RequestOutput
+from engine.prompt_logprobs import PromptLogprobs
 from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
                                SourceLostError)
@@ -78,6 +79,8 @@ class DecodeCore(EngineCore):
                                    num_cached_tokens=out.num_cached_tokens)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
+            if out.prompt_logprobs is not None:    # a first output: never packed
+                out.prompt_logprobs.to_proto(o.prompt_logprobs)
             if job is not None and not job.reported:
                 job.reported = True
                 o.local_prefill = job.local_prefill
@@ -184,10 +187,11 @@ class DecodeCore(EngineCore):
             job.kv_transfer_seconds = result.seconds
             job.kv_bytes = result.num_bytes
             first_lp = logprobs_from_pb(result.first_token_logprobs)
+            prompt_lp = None if result.prompt_logprobs is None else PromptLogprobs.from_proto(result.prompt_logprobs)
             if job.structured is not None:   # compiled while P prefilled; landing must not wait for it
                 await asyncio.wrap_future(rt.engine.structured.compile_future(job.structured))
             await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp,
-                                                   result.grammar_fingerprint))
+                                                   result.grammar_fingerprint, prompt_lp))
         except asyncio.CancelledError:
             raise
         except FirstTokenRejected as e:
@@ -205,11 +209,13 @@ class DecodeCore(EngineCore):
         except KVTransferError as e:
             self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
 
-    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp, grammar_fingerprint: str) -> None:
-        """Engine thread: the request joins the batch; its first token is published from here, so
-        it goes out before anything the next step produces for it. A structured request's token
-        must come from the same grammar and be accepted by this pod's (else `FirstTokenRejected`)."""
-        out = engine.land_remote_kv(req_id, first_token_id, first_lp, grammar_fingerprint)
+    def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp, grammar_fingerprint: str,
+              prompt_lp: PromptLogprobs | None) -> None:
+        """Engine thread: the request joins the batch; its first token (and the prompt's scores,
+        which the prefill pod computed) is published from here, so it goes out before anything the
+        next step produces for it. A structured request's token must come from the same grammar
+        and be accepted by this pod's (else `FirstTokenRejected`)."""
+        out = engine.land_remote_kv(req_id, first_token_id, first_lp, grammar_fingerprint, prompt_lp)
         if out is not None:
             self.rt.loop.publish([out])
 

@@ -120,6 +120,8 @@ class OpenRequest:
             response.local_prefill = job.local_prefill
             response.kv_transfer_seconds = job.kv_transfer_seconds
             response.num_cached_tokens = first.num_cached_tokens
+            if first.HasField("prompt_logprobs"):
+                response.prompt_logprobs.CopyFrom(first.prompt_logprobs)
         if job.kv_pulled_at is not None and self.index <= 1 < self.index + len(token_ids):
             metrics.decode_first_step.observe(now - job.kv_pulled_at)
         self.index += len(token_ids)

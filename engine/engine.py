@@ -39,6 +39,7 @@ from engine.model_runner import ModelRunner, PrevSample
 from engine.outputs import EngineStats, RequestOutput, StepSample
 from engine.presets import resolve_model_dir
 from engine.progress import progress
+from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
 from engine.runner.inference import inference_mode
@@ -194,6 +195,7 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
                                    lora_slots=None if self.lora is None else self.lora.slots)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()
         self.step_stats = StepStats()
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
@@ -297,9 +299,11 @@ class Engine:
             if remote_kv:
                 self.scheduler.add_remote_request(req)
             else:
+                self.prompt_logprobs.add(req)     # scored where the prompt runs
                 self.scheduler.add_request(req)
         except BaseException:
             self.structured.forget([req.request_id])
+            self.prompt_logprobs.discard(req.request_id)
             raise
         return req
 
@@ -307,6 +311,7 @@ class Engine:
         """Idempotent at every stage; frees the request's blocks (held prefill KV included)."""
         self._detok.pop(request_id, None)
         self.structured.forget([request_id])
+        self.prompt_logprobs.discard(request_id)
         aborted = self.scheduler.abort_request(request_id)
         in_flight = self._in_flight
         if aborted and in_flight is not None and all(
@@ -347,12 +352,15 @@ class Engine:
         outputs: list[RequestOutput] = []
         if out.scheduled:
             scheduled = self.scheduler.scheduled_requests
-            logits = self.runner.run(out.scheduled, None if prev is None else prev.device)
+            extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
+            logits = self.runner.run(out.scheduled, None if prev is None else prev.device, extra)
             requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
             if prev is not None and (any(map(has_penalty, map(_PARAMS, requests)))
                                      or any(map(_STRUCTURED, map(_PARAMS, requests)))):
                 outputs, prev = self._resolve(prev), None
             sample = self._sample(logits, requests) if requests else None
+            if extra is not None:   # read back now (a sync, in this step only): emitted from _resolve
+                self.prompt_logprobs.finish(extra)
             if prev is not None:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
@@ -432,7 +440,8 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
-            logits = self.runner.run(out.scheduled)
+            extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
+            logits = self.runner.run(out.scheduled, extra=extra)
             to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
                 scheduled = self.scheduler.scheduled_requests
@@ -440,6 +449,8 @@ class Engine:
                 for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
                     sampled[out.scheduled[i].request_id] = token
                     logprobs[out.scheduled[i].request_id] = lp
+            if extra is not None:   # after the sample: the grammar masks were filled beside the forward
+                self.prompt_logprobs.finish(extra)
         updated = self._settle_grammars(self.scheduler.update(out, sampled))
         outputs = [self._emit(req, [req.output_token_ids[-1]], [logprobs.get(req.request_id)])
                    for req in updated]
@@ -456,7 +467,9 @@ class Engine:
         outputs = self._resolve(prev) if prev is not None else []
         spec, scheduler = self.spec, self.scheduler
         drafts = spec.propose(scheduler)
-        if not drafts:             # nothing to verify (no n-gram match): a plain step costs less
+        # Nothing to verify (no n-gram match): a plain step costs less. While a prompt is being
+        # scored (prompt logprobs) steps are plain too: only they carry its extra logits rows.
+        if not drafts or self.prompt_logprobs.pending:
             return outputs + self._step_sync()
         out = self._schedule(drafts)
         if not out.scheduled:
@@ -477,9 +490,11 @@ class Engine:
 
     # ------------------------------------------------------------------ decode role edges
     def land_remote_kv(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
-                       grammar_fingerprint: str = "") -> RequestOutput | None:
+                       grammar_fingerprint: str = "", prompt_logprobs: PromptLogprobs | None = None
+                       ) -> RequestOutput | None:
         """The prompt's KV was written into the reserved blocks: the request joins the batch with
-        its first token (sampled by the prefill pod). None if it was aborted meanwhile.
+        its first token (sampled by the prefill pod, which also scored the prompt when asked).
+        None if it was aborted meanwhile.
 
         A structured request continues only from a token sampled under the same grammar
         (`grammar_fingerprint`) that its own grammar accepts; otherwise this raises
@@ -489,6 +504,8 @@ class Engine:
             return None
         if req.sampling_params.structured is not None:
             self.structured.accept_first_token(req, first_token_id, grammar_fingerprint)
+        if prompt_logprobs is not None:
+            self.prompt_logprobs.received(request_id, prompt_logprobs)
         self.scheduler.remote_kv_landed(request_id, first_token_id)
         self._settle_grammars([req])
         return self._emit(req, [first_token_id], [first_logprobs])
@@ -496,7 +513,10 @@ class Engine:
     def fall_back_to_local_prefill(self, request_id: str) -> bool:
         """The pull failed: prefill the prompt here (same tokens: seeded sampling is positional)."""
         self.structured.reset(request_id)
-        return self.scheduler.remote_kv_failed(request_id)
+        falls_back = self.scheduler.remote_kv_failed(request_id)
+        if falls_back:
+            self.prompt_logprobs.add(self.scheduler.get_request(request_id))
+        return falls_back
 
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
@@ -521,10 +541,13 @@ class Engine:
             status = req.status
         # Positional (one per request per step: keywords cost twice as much; the field order is
         # pinned by tests/engine/test_engine_outputs.py).
-        return RequestOutput(req.request_id, new_ids, new_logprobs, text_delta, status.is_finished,
-                             status.finish_reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                             req.output_token_ids, detok.output_text if detok else "", req.first_token_time,
-                             req.arrival_time, req.first_scheduled_time, req.stop_reason)
+        out = RequestOutput(req.request_id, new_ids, new_logprobs, text_delta, status.is_finished,
+                            status.finish_reason, len(req.prompt_token_ids), req.num_cached_tokens,
+                            req.output_token_ids, detok.output_text if detok else "", req.first_token_time,
+                            req.arrival_time, req.first_scheduled_time, req.stop_reason)
+        if self.prompt_logprobs.has_done:   # on the request's first output
+            out.prompt_logprobs = self.prompt_logprobs.take(req.request_id)
+        return out
 
     def _cut_after_stop_string(self, req: Request, detok: IncrementalDetokenizer, new_ids: list[int],
                                new_logprobs: list) -> tuple[list[int], list]:
@@ -566,7 +589,8 @@ class Engine:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress_desc: str | None = None,
                  lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Runs the prompts to completion (continuous batching) and returns one output each, in order.
+        """Runs the prompts to completion (continuous batching) and returns one output each, in order
+        (with its prompt logprobs when asked).
 
         `progress_desc` labels a bar of finished requests, drawn only on a terminal (benchmarks).
         `lora`: one adapter name for every prompt, or one per prompt (None: the base model)."""
@@ -576,11 +600,15 @@ class Engine:
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         reqs = [self.add_request(p, sp, lora=a) for p, sp, a in zip(prompts, params, loras)]
         final: dict[str, RequestOutput] = {}
+        scores: dict[str, PromptLogprobs] = {}   # from each first output, kept on the final one
         bar = progress(desc=progress_desc or "", total=len(reqs), unit="req", leave=True,
                        quiet=progress_desc is None)
         while self.has_unfinished_requests():
             for o in self.step():
+                if o.prompt_logprobs is not None:
+                    scores[o.request_id] = o.prompt_logprobs
                 if o.finished:
+                    o.prompt_logprobs = scores.get(o.request_id)
                     final[o.request_id] = o
                     bar.update(1)
         bar.close()

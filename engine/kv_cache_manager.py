@@ -100,9 +100,10 @@ class KVCacheManager:
         recomputed, so the step that finishes the prefill has logits to sample from. The blocks are
         not referenced yet; pass them to `allocate_slots` in the same step. With a sliding window
         the prefix only needs the blocks the next query's window reaches; the entries before them
-        are the null block.
+        are the null block. Nothing for a request that must compute every prompt token
+        (`Request.skip_reading_prefix_cache`).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_blocks)

@@ -26,6 +26,7 @@ from engine.cuda_graphs import DecodeBuckets
 from engine.runner.inference import inference_mode
 from engine.runner.warmup import warm_up
 from engine.models.causal_lm import CausalLM
+from engine.prompt_logprobs import StepRows, sliced_logits
 from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,10 @@ class ModelRunner:
         elsewhere: `engine.runner.warmup`). Call after the KV cache exists."""
         return warm_up(self) if self.device.type == "cuda" else 0.0
 
-    def prepare(self, scheduled, prev: PrevSample | None = None) -> StepTensors:
+    def prepare(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
         return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows,
+                                   extra_logits_rows=None if extra is None else extra.rows,
                                    lora_slots=self._lora_slots(scheduled))
 
     def _lora_slots(self, scheduled, graphs: bool = False) -> np.ndarray | None:
@@ -123,35 +125,41 @@ class ModelRunner:
         return slots if graphs or (slots >= 0).any() else None
 
     @inference_mode
-    def run(self, scheduled, prev: PrevSample | None = None) -> torch.Tensor:
+    def run(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> torch.Tensor:
         """Returns logits `[num_sampled_seqs, vocab]` in the model dtype (the sampler upcasts),
         rows in the order of `scheduled`; only the sampled rows go through the lm_head. Tokens
         that are `PLACEHOLDER_TOKEN_ID` are read from `prev` on the device (async scheduling).
+        `extra` (prompt logprobs): more rows through the head, handed to `extra.consume` a slice
+        at a time (`engine.prompt_logprobs.sliced_logits`); such a step runs eagerly.
 
         The logits of a bucketed decode step live in a buffer the next step overwrites: consume
         them (sample) before running the next step."""
-        if self.decode_buckets is not None:
+        if self.decode_buckets is not None and extra is None:
             bucket = self.decode_buckets.bucket(scheduled)
             if bucket is not None:
                 return self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
-        t = self.prepare(scheduled, prev)
+        t = self.prepare(scheduled, prev, extra)
         if prev is not None:
             t.fill_from(prev.token_ids)
         if self.tp is None:
-            return self._forward(t)
+            return self._forward(t, extra)
         with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
-            return self._forward(t)
+            return self._forward(t, extra)
 
     @torch.inference_mode()
     def run_received(self, layout) -> torch.Tensor:
         """Tensor-parallel ranks > 0: the step rank 0 sent, already in `self.inputs`; same forward."""
-        return self._forward(self.inputs.tensors(layout))
+        return self._forward(self.inputs.tensors(layout), receiving=True)
 
-    def _forward(self, t: StepTensors) -> torch.Tensor:
+    def _forward(self, t: StepTensors, extra: StepRows | None = None, receiving: bool = False) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
-        if t.layout.num_sampled != hidden.shape[0]:  # decode-only steps sample every row: no copy
+        # Decode-only steps sample every row: no copy. (A step with prompt-logprob rows never takes
+        # every row: `PromptLogprobsTracker.plan` keeps the counts apart, for every rank.)
+        if t.layout.num_sampled != hidden.shape[0]:
             hidden = hidden[t.logits_indices]
-        return self.model.compute_logits(hidden)
+        if extra is None and hidden.shape[0] <= self.max_num_seqs:
+            return self.model.compute_logits(hidden)
+        return sliced_logits(self.model.compute_logits, hidden, self.max_num_seqs, extra, keep_all=not receiving)
 
     def _forward_into(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out: torch.Tensor) -> None:
         """A padded decode batch (every row samples): model and head, logits written into `out`."""

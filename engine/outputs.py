@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # torch-free at run time: the capacity planner builds these without torch
+    from engine.prompt_logprobs import PromptLogprobs
     from engine.sampler import TokenLogprobs
     from engine.spec_decode.stats import SpecDecodeStats
 
@@ -30,6 +31,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
     grammar_fingerprint: str = ""      # prefill role: the grammar the first token was sampled under
+    prompt_logprobs: PromptLogprobs | None = None   # on a request's first output, when it asked
 
 
 @dataclass(frozen=True)

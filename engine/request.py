@@ -57,6 +57,9 @@ class Request:
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Prompt logprobs still to compute (engine/prompt_logprobs/): every prompt token must run
+    # through the model, so a prefix-cache hit would skip exactly the work this request asked for.
+    skip_reading_prefix_cache: bool = False
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -60,6 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredSpec | None = None   # constrained decoding (engine/grammar/spec.py)
+    prompt_logprobs: int | None = None   # top logprobs per prompt token (0: the token's own only)
 
     def __post_init__(self) -> None:
         # Lists (from JSON) become tuples so the value stays hashable and immutable; a lone
@@ -108,10 +109,12 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not _INT64_MIN <= self.seed <= _INT64_MAX:
                 raise SamplingParamsError("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise SamplingParamsError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         self._validate_stops()
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise SamplingParamsError("structured", "must be a StructuredSpec")
@@ -181,10 +184,11 @@ def to_proto(params: SamplingParams, msg: Any = None) -> Any:
         msg.seed = params.seed
     else:
         msg.ClearField("seed")
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    else:
-        msg.ClearField("logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
+        else:
+            msg.ClearField(name)
     del msg.stop_token_ids[:]
     msg.stop_token_ids.extend(params.stop_token_ids)
     del msg.stop[:]
@@ -202,7 +206,8 @@ def from_proto(msg: Any) -> SamplingParams:
     for name in _FLOAT_FIELDS:
         values[name] = _from_float32(values[name])
     values["seed"] = msg.seed if msg.HasField("seed") else None
-    values["logprobs"] = msg.logprobs if msg.HasField("logprobs") else None
+    for name in ("logprobs", "prompt_logprobs"):
+        values[name] = getattr(msg, name) if msg.HasField(name) else None
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["stop"] = tuple(msg.stop)
     if msg.HasField("structured"):
@@ -214,4 +219,5 @@ def from_proto(msg: Any) -> SamplingParams:
 
 
 assert {f.name for f in fields(SamplingParams)} == set(_PLAIN_FIELDS) | {
-    "seed", "logprobs", "stop_token_ids", "stop", "structured"}, "to_proto/from_proto must cover every field"
+    "seed", "logprobs", "prompt_logprobs", "stop_token_ids", "stop", "structured"}, \
+    "to_proto/from_proto must cover every field"

@@ -188,12 +188,15 @@ class StepInputs:
         return cached
 
     def prepare(self, scheduled, pad_to: int | None = None, width: int | None = None,
-                prev_rows: dict[str, int] | None = None, lora_slots: np.ndarray | None = None) -> StepTensors:
+                prev_rows: dict[str, int] | None = None, extra_logits_rows: np.ndarray | None = None,
+                lora_slots: np.ndarray | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's device tensors.
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
         (default: the widest table of the batch). `prev_rows` maps the request id of every seq
         whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids.
+        `extra_logits_rows` (eager steps): more token rows for the head, after the sampled ones
+        (prompt logprobs, `engine.prompt_logprobs`).
         `lora_slots` ([num seqs] int32): each seq's LoRA adapter slot (-1: none); None: no adapter.
 
         Host-side planning is numpy, fed by C-level iteration (`zip(*scheduled)`, `map(len, ...)`,
@@ -223,8 +226,8 @@ class StepInputs:
         if not decode_only and max(samples) > 1:
             rows = np.array(samples, dtype=np.int64)                                             # [S]
             num_sampled = int(rows.sum())
-        layout = Layout(num_tokens, num_seqs, width, num_sampled, num_fill)
-        layout = Layout(num_tokens, num_seqs, width, num_sampled, num_fill, int(lora_slots is not None))
+        num_extra = 0 if extra_logits_rows is None else len(extra_logits_rows)
+        layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, num_fill, int(lora_slots is not None))
         self._wait_for_last_copy()
         if layout.nbytes > self.capacity:
             if not self.growable:
@@ -234,7 +237,8 @@ class StepInputs:
         # A steady decode batch: this buffer's previous step had the same layout and real rows, all
         # decodes, so the fields that depend on nothing else (offsets, sampled rows, padding rows,
         # and with every token on the device the zeroed ids and their rows) still hold its values.
-        signature = (layout, num_real, num_fill == num_real) if decode_only and every_seq_samples else None
+        signature = (layout, num_real, num_fill == num_real) if decode_only and every_seq_samples and not num_extra \
+            else None
         steady = signature is not None and signature == self._signature
         self._signature = signature
 
@@ -265,7 +269,7 @@ class StepInputs:
             seq_lens[:num_real] = pos + 1
             if not steady:
                 qsl[:] = np.arange(num_seqs + 1)           # padding rows included: one token each
-                h["logits_indices"][:] = np.arange(num_sampled) if every_seq_samples else np.flatnonzero(sample)
+                h["logits_indices"][:num_sampled] = np.arange(num_sampled) if every_seq_samples else np.flatnonzero(sample)
         else:
             q_lens = np.fromiter(map(len, token_lists), np.int64, num_real)                      # [S]
             qsl[0] = 0
@@ -277,11 +281,13 @@ class StepInputs:
             last = qsl[1:num_real + 1] - 1            # the last token of each sequence
             if rows is not None:                      # the last rows[i] tokens of each sequence
                 before = np.repeat(np.cumsum(rows) - rows, rows)                                 # [N]
-                h["logits_indices"][:] = np.repeat(last - rows + 1, rows) + (np.arange(num_sampled) - before)
+                h["logits_indices"][:num_sampled] = np.repeat(last - rows + 1, rows) + (np.arange(num_sampled) - before)
             else:
-                h["logits_indices"][:] = last if every_seq_samples else last[sample]
+                h["logits_indices"][:num_sampled] = last if every_seq_samples else last[sample]
         positions[:num_real_tokens] = pos
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
+        if num_extra:
+            h["logits_indices"][num_sampled:] = extra_logits_rows
         if lora_slots is not None:   # each token takes its sequence's adapter slot (any step: rows move)
             h["lora_slots"][:num_real_tokens] = lora_slots if decode_only else lora_slots[seq_index]
             h["lora_slots"][num_real_tokens:] = -1

@@ -126,6 +126,36 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._backend.id_to_token(i) for i in ids]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this one token stands for (OpenAI's logprobs `bytes`), even when they are only
+        part of a UTF-8 character (its decoded text alone is then U+FFFD): byte-level BPE pieces
+        map back through GPT-2's byte table, SentencePiece byte-fallback pieces (`<0x0A>`) are the
+        byte, `▁` is a space; added tokens and other models give their decoded text's bytes."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None or token_id in self._added_token_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        if self._piece_encoding == "byte_level" and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if self._piece_encoding == "byte_fallback":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _piece_encoding(self) -> str:
+        """How vocabulary pieces spell bytes, from tokenizer.json's decoder: "byte_level",
+        "byte_fallback" or "text"."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        return "byte_fallback" if "ByteFallback" in kinds else "text"
+
     def token_to_id(self, token: str) -> int:
         token_id = self._backend.token_to_id(token)
         if token_id is None:
@@ -275,6 +305,9 @@ def _byte_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_UNICODE_TO_BYTE = {char: byte for byte, char in _byte_to_unicode().items()}
 
 
 def build_byte_level_tokenizer(out_dir: str | Path, vocab_size: int | None = None) -> Path:

@@ -168,6 +168,8 @@ class KVSource:
             chunk.grammar_fingerprint = final.grammar_fingerprint
             if final.logprobs is not None:
                 chunk.first_token_logprobs.CopyFrom(final.logprobs)
+            if final.prompt_logprobs is not None:
+                chunk.prompt_logprobs.CopyFrom(final.prompt_logprobs)
         if self.group is not None and run.num_blocks:
             # Queue the bytes before the metadata leaves, so that they go out even if this
             # generator is cancelled at the yield (the receiver drops runs nobody claims);
@@ -202,6 +204,7 @@ class KVTransferResult:
     num_bytes: int
     seconds: float  # first message received -> last written
     grammar_fingerprint: str = ""   # structured output: what the first token was sampled under
+    prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None
 
 
 class KVSink:
@@ -315,8 +318,9 @@ class KVSink:
             raise ProtocolError(f"request {self.request_id}: last message after "
                                 f"{self.num_blocks_received}/{self.num_blocks_expected} blocks")
         logprobs = chunk.first_token_logprobs if chunk.HasField("first_token_logprobs") else None
+        prompt = chunk.prompt_logprobs if chunk.HasField("prompt_logprobs") else None
         return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received,
-                                self.num_bytes_received, seconds, chunk.grammar_fingerprint)
+                                self.num_bytes_received, seconds, chunk.grammar_fingerprint, prompt)
 
 
 FINISH_GRACE_SECONDS = 1.0

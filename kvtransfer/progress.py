@@ -38,6 +38,7 @@ class FirstToken:
     block_ids: tuple[int, ...]
     logprobs: cbserve_pb2.TokenLogprobs | None = None
     grammar_fingerprint: str = ""   # structured output: what the token was sampled under
+    prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None   # when the request asked
 
 
 KVEvent = ComputedTokens | FirstToken
@@ -67,12 +68,14 @@ class KVProgress:
         self._wake()
 
     def finish(self, token_id: int, block_ids: Sequence[int],
-               logprobs: cbserve_pb2.TokenLogprobs | None = None, grammar_fingerprint: str = "") -> None:
+               logprobs: cbserve_pb2.TokenLogprobs | None = None, grammar_fingerprint: str = "",
+               prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None) -> None:
         """Engine thread: prefill done, first token sampled (under the grammar named by
-        `grammar_fingerprint`, if the request has one)."""
+        `grammar_fingerprint`, if the request has one; and the prompt scored, if asked)."""
         with self._lock:
             self._computed = ComputedTokens(self.num_prompt_tokens, tuple(block_ids))
-            self._first_token = FirstToken(token_id, tuple(block_ids), logprobs, grammar_fingerprint)
+            self._first_token = FirstToken(token_id, tuple(block_ids), logprobs, grammar_fingerprint,
+                                           prompt_logprobs)
         self._wake()
 
     def fail(self, reason: str) -> None:

@@ -108,6 +108,15 @@ def logprobs_to_pb(lp: TokenLogprobs | None) -> cbserve_pb2.TokenLogprobs | None
         cbserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
+def prompt_logprobs_to_pb(values) -> cbserve_pb2.PromptLogprobs | None:
+    """`engine.prompt_logprobs.PromptLogprobs` (or None) as its wire message."""
+    if values is None:
+        return None
+    msg = cbserve_pb2.PromptLogprobs()
+    values.to_proto(msg)
+    return msg
+
+
 def logprobs_from_pb(msg: cbserve_pb2.TokenLogprobs | None) -> TokenLogprobs | None:
     if msg is None:
         return None

@@ -34,7 +34,7 @@ from kvtransfer.pair_setup import accept_pair
 from kvtransfer.progress import KVProgress
 from pod.core import EngineCore
 from pod.lora import identity_mismatch, lora_request, with_adapter
-from pod.runtime import RequestFailed, logprobs_to_pb, refused
+from pod.runtime import RequestFailed, logprobs_to_pb, prompt_logprobs_to_pb, refused
 
 log = logging.getLogger(__name__)
 NOT_PREFILLED_SECONDS = 30.0   # a pull waits at most this long for its request to arrive
@@ -92,7 +92,8 @@ class PrefillCore(EngineCore):
             token, fingerprint = out.new_token_ids[0], out.grammar_fingerprint
             if self._forge is not None and req_id.startswith("forge-"):
                 token, fingerprint = self._forged(req_id, token, fingerprint)
-            progress.finish(token, request.block_ids, logprobs_to_pb(lp), fingerprint)
+            progress.finish(token, request.block_ids, logprobs_to_pb(lp), fingerprint,
+                            prompt_logprobs_to_pb(out.prompt_logprobs))
         self.rt.after_step(engine, self.held.num_held)
 
     @staticmethod
@@ -132,6 +133,8 @@ class PrefillCore(EngineCore):
                                    grammar_fingerprint=out.grammar_fingerprint)
             if out.new_logprobs and out.new_logprobs[0] is not None:
                 o.new_logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                out.prompt_logprobs.to_proto(o.prompt_logprobs)
         events.lease_expiries = expired
 
     # ------------------------------------------------------------------ commands (event loop)

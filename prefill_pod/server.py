@@ -70,6 +70,8 @@ class PrefillServicer(CommonRPCs, cbserve_pb2_grpc.PrefillServiceServicer):
             grammar_fingerprint=item.grammar_fingerprint)
         if item.new_logprobs:
             response.first_token_logprobs.CopyFrom(item.new_logprobs[0])
+        if item.HasField("prompt_logprobs"):
+            response.prompt_logprobs.CopyFrom(item.prompt_logprobs)
         return response
 
     async def PullKV(self, request: cbserve_pb2.PullKVRequest, context):

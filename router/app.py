@@ -2,7 +2,8 @@
 
 Startup (the app's lifespan) loads the tokenizer, starts discovery and load tracking, and wires
 policy, admission and dispatch together. Routes: `/v1/completions`, `/v1/chat/completions`,
-`/v1/models` (API key checked on every `/v1` route when one is configured; 503 with Retry-After
+`/v1/responses` (stateless), `/v1/models`, `/tokenize`, `/detokenize`, `/tokenizer_info` (with its
+flag; API key checked on these and every `/v1` route when one is configured; 503 with Retry-After
 until a pod can serve the model), `/health` (liveness), `/ready` (503 with Retry-After while
 draining or with no pod to route to), `/metrics`.
 
@@ -42,6 +43,9 @@ from router.prompts import PromptEncoder
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import ServingState
 from router.structured.plan import OutputFeatures
+from router import tokenize as tok
+from router.responses_api import create_response
+from router.responses_api.protocol import ResponsesRequest
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -189,6 +193,24 @@ def create_app(config: RouterConfig, *, tokenizer: Tokenizer | None = None, disc
               openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(serving(request), request)
+
+    @app.post("/v1/responses", dependencies=[Depends(check_api_key)], openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await create_response(serving(request), request)
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)], openapi_extra=_body_schema(tok.TokenizeRequest))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await tok.tokenize(serving(request), request)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)],
+              openapi_extra=_body_schema(tok.DetokenizeRequest))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await tok.detokenize(serving(request), request)
+
+    if config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info", dependencies=[Depends(check_api_key)])
+        async def tokenizer_info(request: Request) -> dict[str, Any]:
+            return tok.tokenizer_info(serving(request))
 
     add_lora_routes(app, serving, check_api_key)
     return app

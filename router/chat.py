@@ -13,18 +13,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.tokenizer import Tokenizer
 from router import responses as R
-from router.chat_output import ChoiceOutput, OutputSpec
+from router.chat_output import ChoiceOutput
 from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
+from router.logprobs import TokenNames, chat_logprobs, check_prompt_logprobs, scores_or_502, vllm_prompt_logprobs
 from router.prompts import chat_prompt, check_context_length
 from router.protocol import ChatCompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
                             parse_body, sampling_or_400)
-from router.structured.plan import OutputPlan, chat_plan, with_plan
+from router.structured.plan import plan_output, with_plan
 from router.structured.surface import requested_constraint
-from router.tools.request import tool_request
+from router.tools.request import template_tools
 
 
 async def create_chat_completion(state: ServingState, http: Request) -> Response:
@@ -33,6 +33,7 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     lora = check_common(state, request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+    check_prompt_logprobs(request)
     max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     rename = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     sampling_or_400(lambda: request.sampling_params(default_max_tokens=1), rename)
@@ -41,27 +42,21 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     tools = None
     if request.tools is not None or request.functions is not None or request.tool_choice is not None \
             or request.function_call is not None:
-        tools = await state.encoder.run(lambda: tool_request(
-            request, features.validator, has_parser=features.tool_format is not None,
-            auto_enabled=features.auto_tool_choice))
-    template_tools = None
-    if tools is not None and not (tools.choice == "none" and features.exclude_tools_when_tool_choice_none):
-        template_tools = [tool.template_tool() for tool in tools.tools]
+        tools = await state.encoder.run(lambda: features.tool_request(request))
     max_len = state.max_model_len()
-    prompt = await chat_prompt(request, state.encoder, max_len, tools=template_tools)
+    prompt = await chat_prompt(request, state.encoder, max_len,
+                               tools=template_tools(tools, features.exclude_tools_when_tool_choice_none))
     max_tokens = check_context_length(len(prompt.token_ids), request.requested_max_tokens(), max_len,
                                       "messages", max_tokens_param)
-    plan = OutputPlan(None, OutputSpec())
-    if constraint is not None or tools is not None or features.reasoning is not None:
-        plan = await state.encoder.run(lambda: chat_plan(features, constraint, tools, prompt.text))
+    plan = await plan_output(state.encoder, features, constraint, tools, prompt.text)
     params = with_plan(sampling_or_400(lambda: request.sampling_params(default_max_tokens=max_tokens), rename), plan)
     request_id, created, model = new_request_id("chatcmpl"), int(time.time()), lora or state.config.model_name
     specs = build_specs(state, http, request_id, [prompt], request.n, [params], request.priority, lora)
-    tokenizer = state.tokenizer
+    names = TokenNames(state.tokenizer, request.return_tokens_as_token_ids)
     output_spec = plan.output
 
     def logprobs_of(token_ids, logprobs) -> dict[str, Any] | None:
-        return R.chat_logprobs(tokenizer, token_ids, logprobs) if request.logprobs else None
+        return chat_logprobs(names, token_ids, logprobs) if request.logprobs else None
 
     def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:
         choices = []
@@ -74,8 +69,12 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
                 message, finish_reason = output.message(), output.finish_reason(finish_reason)
             choices.append({"index": i, "message": message, "logprobs": logprobs_of(result.token_ids, result.logprobs),
                             "finish_reason": finish_reason})
-        return R.chat_body(request_id, created, model, choices,
+        body = R.chat_body(request_id, created, model, choices,
                            R.usage(len(prompt.token_ids), sum(run.num_output_tokens)), chunk=False)
+        if request.prompt_logprobs is not None:   # vLLM: one list per response (every choice has the prompt)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(names, prompt.token_ids, scores_or_502(
+                results[0].prompt_logprobs), request.prompt_logprobs)
+        return body
 
     def stream_format() -> StreamFormat:
         include_usage = request.wants_usage_in_stream()
@@ -95,7 +94,7 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
                 return _output_chunks(outputs[event.index], event, body, logprobs_of(event.token_ids, event.logprobs))
             if event.finish_reason is None and not request.logprobs:
                 return deltas[event.index](event.text)
-            return R.sse(body([_chat_delta(tokenizer, event, request.logprobs)]))
+            return R.sse(body([_chat_delta(names, event, request.logprobs)]))
 
         def tail(run: RequestRun) -> str:
             usage = R.usage(len(prompt.token_ids), sum(run.num_output_tokens))
@@ -111,10 +110,10 @@ async def create_chat_completion(state: ServingState, http: Request) -> Response
     return await execute(state, http, arrival, specs, request.stream, whole, stream_format)
 
 
-def _chat_delta(tokenizer: Tokenizer, event: ChoiceEvent, logprobs: bool) -> dict[str, Any]:
+def _chat_delta(names: TokenNames, event: ChoiceEvent, logprobs: bool) -> dict[str, Any]:
     delta = {"content": event.text} if event.text or event.finish_reason is None else {}
     return {"index": event.index, "delta": delta,
-            "logprobs": R.chat_logprobs(tokenizer, event.token_ids, event.logprobs) if logprobs else None,
+            "logprobs": chat_logprobs(names, event.token_ids, event.logprobs) if logprobs else None,
             "finish_reason": event.finish_reason}
 
 

@@ -1,5 +1,12 @@
 """POST /v1/completions: one or more prompts (text or token ids), n choices each, optional echo;
-output constraints as on chat (router/structured/), from the first token."""
+output constraints as on chat (router/structured/), from the first token.
+
+Scoring a prompt, as evaluation harnesses do: `echo` with `logprobs` returns the prompt's tokens
+with their logprobs before the completion's (the first token's `null`: nothing precedes it), and
+`max_tokens: 0` with `echo` returns only the prompt (one token is sampled and dropped, as vLLM
+does, so the pods run their usual prefill). vLLM's `prompt_logprobs` adds its own per-token dicts.
+The pod that runs the prompt computes the scores (`engine.prompt_logprobs`).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ from fastapi.responses import Response
 from router import responses as R
 from router.errors import bad_request
 from router.generation import ChoiceEvent, RequestRun
+from router.logprobs import (TokenNames, check_prompt_logprobs, completion_logprobs, scores_or_502,
+                             vllm_prompt_logprobs)
 from router.prompts import check_context_length, completion_prompts
 from router.protocol import CompletionRequest
 from router.serving import (ServingState, StreamFormat, build_specs, check_common, execute, new_request_id,
@@ -29,8 +38,9 @@ async def create_completion(state: ServingState, http: Request) -> Response:
         raise bad_request("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of must equal n (best-of sampling is not supported)", param="best_of")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    if request.max_tokens == 0 and not request.echo:
+        raise bad_request("max_tokens: must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
+    check_prompt_logprobs(request)
     sampling_or_400(lambda: request.sampling_params(default_max_tokens=1))   # types and ranges first
     constraint = requested_constraint(request)
     structured = None
@@ -47,21 +57,38 @@ async def create_completion(state: ServingState, http: Request) -> Response:
     specs = build_specs(state, http, request_id, prompts, request.n, params, request.priority, lora)
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
     tokenizer = state.tokenizer
+    names = TokenNames(tokenizer, request.return_tokens_as_token_ids)
+    scores_only, n = request.scores_only, request.n
+    echo_logprobs = request.echo and request.logprobs is not None
 
     def echo_text(index: int) -> str:
-        prompt = prompts[index // request.n]
+        prompt = prompts[index // n]
         return (prompt.text if prompt.text is not None else tokenizer.decode(prompt.token_ids)) if request.echo else ""
+
+    def logprobs_of(index: int, token_ids, logprobs, prompt_scores, text_offset: int) -> dict[str, Any] | None:
+        if request.logprobs is None:
+            return None
+        if scores_only:
+            token_ids, logprobs = (), ()
+        prompt = None
+        if echo_logprobs:
+            prompt, text_offset = (prompts[index // n].token_ids, scores_or_502(prompt_scores), request.logprobs), 0
+        return completion_logprobs(names, token_ids[:len(logprobs)], logprobs, text_offset, prompt)
 
     def whole(results: list[R.ChoiceResult], run: RequestRun) -> dict[str, Any]:
         choices = []
         for i, result in enumerate(results):
             prefix = echo_text(i)
-            logprobs = (R.completion_logprobs(tokenizer, result.token_ids[:len(result.logprobs)], result.logprobs,
-                                              len(prefix)) if request.logprobs is not None else None)
-            choices.append({"index": i, "text": prefix + result.text, "logprobs": logprobs,
-                            "finish_reason": result.finish_reason})
-        return R.completion_body(request_id, created, model, choices,
-                                 R.usage(num_prompt_tokens, sum(run.num_output_tokens)))
+            logprobs = logprobs_of(i, result.token_ids, result.logprobs, result.prompt_logprobs, len(prefix))
+            choice = {"index": i, "text": prefix if scores_only else prefix + result.text, "logprobs": logprobs,
+                      "finish_reason": "length" if scores_only else result.finish_reason}
+            if request.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(names, prompts[i // n].token_ids,
+                                                                 scores_or_502(result.prompt_logprobs),
+                                                                 request.prompt_logprobs)
+            choices.append(choice)
+        completion_tokens = 0 if scores_only else sum(run.num_output_tokens)
+        return R.completion_body(request_id, created, model, choices, R.usage(num_prompt_tokens, completion_tokens))
 
     def stream_format() -> StreamFormat:
         include_usage = request.wants_usage_in_stream()
@@ -75,26 +102,39 @@ async def create_completion(state: ServingState, http: Request) -> Response:
         texts = [R.sse_template(body({"index": i, "text": R.TEXT, "logprobs": None, "finish_reason": None}))
                  for i in range(len(specs))]
         offsets = [len(echo_text(i)) if request.echo else 0 for i in range(len(specs))]   # text_offset
+        echo_pending = [echo_logprobs] * len(specs)   # its prompt's logprobs come with its first event
+
+        def echo_chunk(event: ChoiceEvent) -> str:
+            echo_pending[event.index] = False
+            logprobs = logprobs_of(event.index, (), (), event.prompt_logprobs, 0)
+            tokens = logprobs["tokens"]
+            offsets[event.index] = logprobs["text_offset"][-1] + len(tokens[-1])
+            return R.sse(body({"index": event.index, "text": echo_text(event.index), "logprobs": logprobs,
+                               "finish_reason": None}))
 
         def chunk(event: ChoiceEvent) -> str:
+            head = echo_chunk(event) if echo_pending[event.index] else ""
+            if scores_only:
+                return head + R.sse(body({"index": event.index, "text": "", "logprobs": None,
+                                          "finish_reason": "length" if event.finish_reason else None}))
             logprobs = None
             if request.logprobs is not None:
-                logprobs = R.completion_logprobs(tokenizer, event.token_ids[:len(event.logprobs)], event.logprobs,
-                                                 offsets[event.index])
+                logprobs = completion_logprobs(names, event.token_ids[:len(event.logprobs)], event.logprobs,
+                                               offsets[event.index])
                 offsets[event.index] += len(event.text)
             elif event.finish_reason is None:
-                return texts[event.index](event.text)
-            return R.sse(body({"index": event.index, "text": event.text, "logprobs": logprobs,
-                               "finish_reason": event.finish_reason}))
+                return head + texts[event.index](event.text)
+            return head + R.sse(body({"index": event.index, "text": event.text, "logprobs": logprobs,
+                                      "finish_reason": event.finish_reason}))
 
         def tail(run: RequestRun) -> str:
-            usage = R.usage(num_prompt_tokens, sum(run.num_output_tokens))
+            usage = R.usage(num_prompt_tokens, 0 if scores_only else sum(run.num_output_tokens))
             return (R.sse(R.completion_body(request_id, created, model, [], usage)) if include_usage
                     else "") + R.sse("[DONE]")
 
         head = "".join(R.sse(R.completion_body(request_id, created, model, [
             {"index": i, "text": echo_text(i), "logprobs": None, "finish_reason": None}], None))
-            for i in range(len(specs))) if request.echo else ""
+            for i in range(len(specs))) if request.echo and not echo_logprobs else ""
         return StreamFormat(head, chunk, tail)
 
     return await execute(state, http, arrival, specs, request.stream, whole, stream_format)

@@ -78,6 +78,7 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
     api_key_file: str | None = None
     max_request_body_bytes: int = 16 << 20   # larger bodies get 413 before they are read
+    enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (vLLM's; shows the chat template)
     max_model_len: int | None = None         # None: from the pods' Handshake / the model's config.json
     request_timeout_seconds: float = 600.0   # the deadline every RPC carries
     drain_seconds: float = 30.0

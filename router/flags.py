@@ -62,6 +62,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                    help="larger request bodies get 413 before they are read")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template, which "
+                        "lm-evaluation-harness's remote tokenizer reads), as vLLM does; off by default")
     p.add_argument("--request-timeout-seconds", type=float, default=d.request_timeout_seconds)
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds)
     p.add_argument("--pod-inactivity-seconds", type=float, default=d.pod_inactivity_seconds,
@@ -93,6 +96,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         local_prefill_fallback=not args.no_local_prefill_fallback, api_key_env=args.api_key_env or None,
         api_key=args.api_key or None, api_key_file=args.api_key_file,
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         max_model_len=args.max_model_len, request_timeout_seconds=args.request_timeout_seconds,
         drain_seconds=args.drain_seconds, pod_inactivity_seconds=args.pod_inactivity_seconds,
         enable_lora=args.enable_lora or args.allow_runtime_lora_updating,

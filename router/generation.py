@@ -40,6 +40,7 @@ class ChoiceEvent(NamedTuple):
     token_ids: Sequence[int]
     logprobs: Sequence[pb.TokenLogprobs]
     finish_reason: str | None = None
+    prompt_logprobs: pb.PromptLogprobs | None = None   # on a choice's first event, when asked
 
 
 class Choice:
@@ -115,6 +116,7 @@ class Choice:
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.eos_token_ids)
         message = stream.first_message
+        prompt_logprobs = message.prompt_logprobs if message.HasField("prompt_logprobs") else None
         try:
             while True:
                 token_ids = message.token_ids
@@ -130,13 +132,14 @@ class Choice:
                     finish_reason = message.finish_reason or "stop"
                     text = delta.text + detokenizer.flush().text
                     break
-                yield ChoiceEvent(index, delta.text, token_ids, message.logprobs)
+                yield ChoiceEvent(index, delta.text, token_ids, message.logprobs, None, prompt_logprobs)
+                prompt_logprobs = None
                 message = await stream.next()
         finally:
             stream.close()
         # Before the last yield: a consumer that stops at the last event never resumes us.
         self._record()
-        yield ChoiceEvent(index, text, token_ids, message.logprobs, finish_reason)
+        yield ChoiceEvent(index, text, token_ids, message.logprobs, finish_reason, prompt_logprobs)
 
     def _record(self) -> None:
         """Client-facing latencies, SLO attainment and the per-phase breakdown of one sequence.

@@ -187,9 +187,12 @@ class SequenceStream:
         if self.first_message is not None or (self._handoff is not None and not self._handoff.from_prefill(answer)):
             return None
         self._finished_by_prefill = answer.finished and self.next_index == 0
-        return self._accept(pb.GenerateResponse(
+        message = pb.GenerateResponse(
             index=0, token_ids=[answer.first_token_id], logprobs=[answer.first_token_logprobs],
-            finished=answer.finished, finish_reason=answer.finish_reason), from_prefill=True)
+            finished=answer.finished, finish_reason=answer.finish_reason)
+        if answer.HasField("prompt_logprobs"):
+            message.prompt_logprobs.CopyFrom(answer.prompt_logprobs)
+        return self._accept(message, from_prefill=True)
 
     def _accept(self, message: pb.GenerateResponse, from_prefill: bool = False) -> pb.GenerateResponse | None:
         """Deduplicate by index: the message with only tokens not given yet, or None if it has none."""

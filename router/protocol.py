@@ -76,11 +76,14 @@ class _SamplingFields(GuidedFields, _Strict):
     # Output constraints (router/structured/): OpenAI's, vLLM's, and vLLM's older `guided_*` (GuidedFields).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None          # vLLM: score the prompt (router/logprobs.py)
+    return_tokens_as_token_ids: bool = False    # vLLM: tokens spelled `token_id:N` in logprobs
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this body; raises SamplingParamsError naming the bad field."""
         values: dict[str, Any] = {
-            "max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+            "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "stop": tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
@@ -110,7 +113,17 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        return self._sampling(max_tokens, self.logprobs)
+        if self.scores_only:
+            max_tokens = 1    # one token is sampled and not shown (vLLM does the same)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:   # the echoed prompt shows its logprobs too
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt back (with its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(_Strict):
@@ -161,7 +174,7 @@ class ChatCompletionRequest(_SamplingFields):
         requested = self.requested_max_tokens()
         max_tokens = requested if requested is not None else default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, self.prompt_logprobs)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template (text parts joined; router/tools/messages.py)."""

@@ -1,4 +1,5 @@
-"""OpenAI response bodies: completions and chat, whole and as SSE chunks, with logprobs and usage.
+"""OpenAI response bodies: completions and chat, whole and as SSE chunks, and usage (their logprobs:
+`router.logprobs`).
 
 A streamed chunk differs from the request's previous one only in its text, so `sse_template`
 renders a chunk once per request with a hole for the text; filling it costs one `json.dumps` of a
@@ -8,12 +9,11 @@ string and gives exactly the bytes `sse(body)` would.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from wire import cbserve_pb2 as pb
-from engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -24,6 +24,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: pb.PromptLogprobs | None = None
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -49,37 +50,6 @@ def sse_template(body: dict[str, Any]) -> Callable[[str], str]:
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs],
-                        text_offset: int) -> dict[str, Any]:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, offsets = [], []
-    for token_id in token_ids:
-        text = _token_text(tokenizer, token_id)
-        tokens.append(text)
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{_token_text(tokenizer, t.token_id): t.logprob for t in lp.top} for lp in logprobs],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs]) -> dict[str, Any]:
-    """The chat shape: one entry per token with its bytes and top alternatives."""
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
-                        for token_id, lp in zip(token_ids, logprobs)]}
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[dict[str, Any]],

@@ -230,6 +230,7 @@ async def _collect(run: RequestRun, count: int) -> list[R.ChoiceResult]:
         result.token_ids += event.token_ids
         result.logprobs += event.logprobs
         result.finish_reason = event.finish_reason or result.finish_reason
+        result.prompt_logprobs = event.prompt_logprobs or result.prompt_logprobs
     return results
 
 
@@ -238,14 +239,21 @@ def _failure_status(exc: Exception) -> str:
     return "rejected" if isinstance(exc, APIError) and exc.status in (429, 503) else "error"
 
 
+def sse_error(exc: APIError) -> str:
+    """A failure after the stream began: the error object, then the end of the stream."""
+    return R.sse(exc.body()) + R.sse("[DONE]")
+
+
 @dataclass(frozen=True)
 class StreamFormat:
     """How an endpoint streams: the SSE text before any event (chat's role deltas, an echo), one
-    chunk per event (from a pre-rendered template in the common case), and the end (usage, [DONE])."""
+    chunk per event (from a pre-rendered template in the common case), the end (usage, [DONE]),
+    and a failure after the stream began."""
 
     head: str
     chunk: Callable[[ChoiceEvent], str]
     tail: Callable[[RequestRun], str]
+    error: Callable[[APIError], str] = sse_error
 
 
 async def execute(state: ServingState, http: Request, arrival: float, specs: list[SequenceSpec], stream: bool,
@@ -300,12 +308,12 @@ async def execute(state: ServingState, http: Request, arrival: float, specs: lis
             status = "success"
         except APIError as exc:
             status = "error"
-            yield R.sse(exc.body()) + R.sse("[DONE]")
+            yield fmt.error(exc)
         except Exception as exc:   # noqa: BLE001 - the client still gets a clean end of stream
             log.exception("stream of %s failed", specs[0].request_id)
             status = "error"
-            yield R.sse(APIError(500, f"Internal error: {type(exc).__name__}", type="server_error",
-                                 code="internal_error").body()) + R.sse("[DONE]")
+            yield fmt.error(APIError(500, f"Internal error: {type(exc).__name__}", type="server_error",
+                                     code="internal_error"))
         finally:
             run.cancel()
             state.metrics.request_finished(status)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "structured")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "structured", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -42,7 +43,8 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     structured: StructuredSpec
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured: _Optional[_Union[StructuredSpec, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured: _Optional[_Union[StructuredSpec, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class StructuredSpec(_message.Message):
     __slots__ = ("kind", "text", "any_whitespace", "after_token_ids")
@@ -95,6 +97,20 @@ class TokenLogprobs(_message.Message):
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("token_logprobs", "token_ranks", "num_top", "top_token_ids", "top_logprobs")
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_ranks: _containers.RepeatedScalarFieldContainer[int]
+    num_top: int
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., token_ranks: _Optional[_Iterable[int]] = ..., num_top: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("pod_id", "role", "num_waiting", "num_running", "prefill_queue_tokens", "num_free_blocks", "num_total_blocks", "step_seconds_ewma", "prefill_tokens_per_second", "step_samples", "timestamp", "draining", "block_size", "max_num_seqs", "num_held_kv", "max_num_batched_tokens", "lora_adapters", "max_loras")
@@ -239,28 +255,28 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "prompt_logprobs", "num_cached_tokens", "queue_seconds", "prefill_seconds", "finished", "finish_reason", "grammar_fingerprint")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "num_cached_tokens", "queue_seconds", "prefill_seconds", "finished", "finish_reason", "grammar_fingerprint", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprobs: TokenLogprobs
-    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     num_cached_tokens: int
     queue_seconds: float
     prefill_seconds: float
     finished: bool
     finish_reason: str
     grammar_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("expires_unix_ms", "mac")
@@ -289,7 +305,7 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_identity: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint")
+    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +318,7 @@ class KVChunk(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block_index: int
     num_blocks: int
@@ -314,7 +331,8 @@ class KVChunk(_message.Message):
     first_token_id: int
     first_token_logprobs: TokenLogprobs
     grammar_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class SetupTransportRequest(_message.Message):
     __slots__ = ("group", "store_host", "store_port", "backend")
@@ -357,7 +375,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_from: _Optional[str] = ..., kv_transport: _Optional[str] = ..., arrival_time: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "local_prefill", "kv_transfer_seconds", "queue_seconds", "num_cached_tokens")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "local_prefill", "kv_transfer_seconds", "queue_seconds", "num_cached_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +387,7 @@ class GenerateResponse(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -380,7 +399,8 @@ class GenerateResponse(_message.Message):
     kv_transfer_seconds: float
     queue_seconds: float
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("generate", "cancel_request_id")
@@ -465,7 +485,7 @@ class CorePullChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class CoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds", "grammar_fingerprint")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds", "grammar_fingerprint", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +500,7 @@ class CoreOutput(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -494,7 +515,8 @@ class CoreOutput(_message.Message):
     queue_seconds: float
     prefill_seconds: float
     grammar_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputStats(_message.Message):
     __slots__ = ("request_kinds", "compile_seconds", "compile_cache_hits", "first_token_rejected_fingerprint", "first_token_rejected_token")

@@ -34,7 +34,7 @@ from router.structured.surface import Constraint
 from router.structured.validate import SpecValidator
 from router.tools.formats import JSON_LIST, ToolCallFormat
 from router.tools.grammar import answer_lark, calls_lark, choice_answer, json_answer, regex_answer, think_block
-from router.tools.request import ToolRequest
+from router.tools.request import ToolRequest, tool_request
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,11 @@ class OutputFeatures:
         return cls(validator, tokenizer, TOOL_CALL_PARSERS.get(config.tool_call_parser or ""),
                    config.enable_auto_tool_choice, REASONING_PARSERS.get(config.reasoning_parser or ""),
                    config.exclude_tools_when_tool_choice_none)
+
+    def tool_request(self, request: Any, flat: bool = False) -> ToolRequest | None:
+        """The checked tools of a request under this router's parser flags (`tool_request`)."""
+        return tool_request(request, self.validator, has_parser=self.tool_format is not None,
+                            auto_enabled=self.auto_tool_choice, flat=flat)
 
     def special_marker_id(self, text: str) -> int | None:
         """The id of `text` if it is one special token (dropped from text by skip_special_tokens)."""
@@ -127,6 +132,15 @@ def chat_plan(features: OutputFeatures, constraint: Constraint | None, tools: To
         if think is not None and spec.kind != "lark":     # a Lark grammar has its own start: after_token_ids
             spec = _lark(features, answer_lark(_answer(constraint, spec), think), (), constraint.param)
     return OutputPlan(spec, output, keep_special)
+
+
+async def plan_output(encoder: Any, features: OutputFeatures, constraint: Constraint | None,
+                      tools: ToolRequest | None, prompt_text: str) -> OutputPlan:
+    """`chat_plan` in the encoder's worker threads, or the empty plan (no thread hop) for a request
+    that asks for nothing the plan decides."""
+    if constraint is None and tools is None and features.reasoning is None:
+        return OutputPlan(None, OutputSpec())
+    return await encoder.run(lambda: chat_plan(features, constraint, tools, prompt_text))
 
 
 def _answer(constraint: Constraint, spec: StructuredSpec) -> str:

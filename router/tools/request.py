@@ -64,8 +64,10 @@ class ToolRequest:
         return [(t.name, t.parameters) for t in tools]
 
 
-def tool_request(request: Any, validator: SpecValidator, *, has_parser: bool, auto_enabled: bool) -> ToolRequest | None:
-    """The checked `ToolRequest` of a chat body, or None when it has no tools; 400s name the field."""
+def tool_request(request: Any, validator: SpecValidator, *, has_parser: bool, auto_enabled: bool,
+                 flat: bool = False) -> ToolRequest | None:
+    """The checked `ToolRequest` of a chat body, or None when it has no tools; 400s name the field
+    (`tools[i].name` where the client wrote the Responses API's `flat` tools)."""
     legacy = request.functions is not None or request.function_call is not None
     if request.tools is not None and request.functions is not None:
         raise bad_request("send tools or the legacy functions, not both", param="functions")
@@ -93,7 +95,7 @@ def tool_request(request: Any, validator: SpecValidator, *, has_parser: bool, au
                           param=param, code="too_many_tools")
     tools, seen = [], set()
     for i, definition in enumerate(definitions):
-        where = f"{param}[{i}].function" if param == "tools" else f"{param}[{i}]"
+        where = f"{param}[{i}].function" if param == "tools" and not flat else f"{param}[{i}]"
         if not _NAME.match(definition.name):
             raise bad_request(f"{where}.name must match [a-zA-Z0-9_-]{{1,64}}, got {definition.name!r}",
                               param=f"{where}.name")
@@ -110,3 +112,11 @@ def tool_request(request: Any, validator: SpecValidator, *, has_parser: bool, au
                           '(send tool_choice "none", "required" or a named function)', param=choice_param)
     parallel = request.parallel_tool_calls is not False and not legacy and choice != "named"
     return ToolRequest(tuple(tools), choice, named, parallel, legacy)
+
+
+def template_tools(tools: ToolRequest | None, exclude_when_none: bool) -> list[dict[str, Any]] | None:
+    """The tools the chat template is given: none without tools, or with `tool_choice: "none"`
+    under `--exclude-tools-when-tool-choice-none`."""
+    if tools is None or (tools.choice == "none" and exclude_when_none):
+        return None
+    return [tool.template_tool() for tool in tools.tools]

@@ -14,7 +14,7 @@ from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
-from tests.pods.podproc import Pod, disaggregated, pod_channel, pod_pair, run, sampling
+from tests.pods.podproc import Pod, disaggregated, pod_channel, pod_pair, run, sampling, vouched
 
 pytestmark = pytest.mark.slow
 
@@ -205,3 +205,31 @@ def test_quantized_pods_equal_the_quantized_colocated_engine(name):
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nccl"])
+def test_prompt_logprobs_come_with_the_first_token_from_both_pods(pods, reference, transport):
+    """P scores the prompt and sends the scores with its first token, to the router (its answer) and
+    in the KV pull's last chunk (D's first message): whichever reaches the router first carries them."""
+    prefill, decode = pods
+    prompt = _prompts()[0]                       # 151 tokens: three 64-token chunks on P
+    expected = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))[0]
+    params = sampling(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+
+    async def both():
+        async with pod_channel(prefill.address) as pc, pod_channel(decode.address) as dc:
+            answer = pb_grpc.PrefillServiceStub(pc).Prefill(pb.PrefillRequest(
+                request_id=f"plp-{transport}", prompt_token_ids=prompt, sampling=params), timeout=60)
+            stream = pb_grpc.DecodeServiceStub(dc).Generate(vouched(pb.GenerateRequest(
+                request_id=f"plp-{transport}", prompt_token_ids=prompt, sampling=params,
+                prefill_from=prefill.address, kv_transport=transport)), timeout=60)
+            return await answer, [m async for m in stream]
+
+    answer, messages = run(both())
+    assert not messages[0].local_prefill
+    for scores in (answer.prompt_logprobs, messages[0].prompt_logprobs):
+        assert scores.num_top == 2 and len(scores.token_logprobs) == len(prompt) - 1
+        assert list(scores.token_ranks) == expected.prompt_logprobs.token_ranks
+        assert list(scores.top_token_ids) == expected.prompt_logprobs.top_token_ids
+        assert list(scores.token_logprobs) == pytest.approx(expected.prompt_logprobs.token_logprobs, abs=1e-5)
+    assert not any(m.HasField("prompt_logprobs") for m in messages[1:])

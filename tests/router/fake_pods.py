@@ -27,6 +27,16 @@ def token_for(prompt_token_ids, index: int) -> int:
     return BYTE_OFFSET + ord(ALPHABET[(sum(prompt_token_ids) + 3 * index) % len(ALPHABET)])
 
 
+def fake_prompt_logprobs(prompt_token_ids, num_top: int, vocab_size: int = 260) -> pb.PromptLogprobs:
+    """The fake model's prompt scores: token i+1 gets -(id % 7 + 1) / 4, rank id % 3 + 1, and the
+    alternatives id, id+1, ... (mod vocab) with logprobs -0.1, -0.2, ..."""
+    targets = list(prompt_token_ids[1:])
+    return pb.PromptLogprobs(
+        token_logprobs=[-(t % 7 + 1) / 4 for t in targets], token_ranks=[t % 3 + 1 for t in targets],
+        num_top=num_top, top_token_ids=[(t + j) % vocab_size for t in targets for j in range(num_top)],
+        top_logprobs=[-0.1 * (j + 1) for _ in targets for j in range(num_top)])
+
+
 def expected_tokens(prompt_token_ids, max_tokens: int, eos_at: int | None = None) -> list[int]:
     out = []
     for i in range(max_tokens):
@@ -55,6 +65,7 @@ class Script:
     output_token_ids: list[int] | None = None   # the model's output instead of the fake function (ends in EOS)
     grammar_fingerprint: str = ""           # prefill: what a constrained first token was sampled under
     logprob: float = -0.5
+    top_alternatives: tuple[int, ...] | None = None   # logprobs' alternatives (default: the token itself)
     max_model_len: int = 256
     vocab_size: int = 260
     block_size: int = 16
@@ -235,11 +246,13 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
             token = self._tokens(request, 1, self.script.eos_at)[0]
             finished = request.sampling.max_tokens == 1 or token == EOS_ID
             reason = ("stop" if token == EOS_ID else "length") if finished else ""
-            return pb.PrefillResponse(
+            response = pb.PrefillResponse(
                 request_id=request.request_id, first_token_id=token, finished=finished, finish_reason=reason,
                 first_token_logprobs=self._logprobs(token, request.sampling),
                 grammar_fingerprint=self.script.grammar_fingerprint if request.sampling.HasField("structured") else "",
                 queue_seconds=0.001, prefill_seconds=self.script.first_token_delay)
+            self._score_prompt(request, response)
+            return response
         except asyncio.CancelledError:
             self.records.cancelled.append(request.request_id)
             self.records.cancel_seen.set()
@@ -254,8 +267,15 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
     def _logprobs(self, token: int, sampling: pb.SamplingParams) -> pb.TokenLogprobs:
         top = []
         if sampling.HasField("logprobs"):
-            top = [pb.TopLogprob(token_id=token, logprob=self.script.logprob)][: sampling.logprobs]
+            alternatives = self.script.top_alternatives or (token,)
+            top = [pb.TopLogprob(token_id=t, logprob=self.script.logprob - 0.1 * j)
+                   for j, t in enumerate(alternatives)][: sampling.logprobs]
         return pb.TokenLogprobs(logprob=self.script.logprob, top=top)
+
+    def _score_prompt(self, request, response) -> None:
+        if request.sampling.HasField("prompt_logprobs"):
+            response.prompt_logprobs.CopyFrom(fake_prompt_logprobs(
+                request.prompt_token_ids, request.sampling.prompt_logprobs, self.script.vocab_size))
 
     # -- decode -----------------------------------------------------------------------------------------
     async def _until_prefill_arrived(self, request) -> None:
@@ -297,6 +317,7 @@ class FakePod(SessionOverGenerate, pb_grpc.PrefillServiceServicer, pb_grpc.Decod
                     logprobs=[self._logprobs(token, request.sampling) for token in ids], finished=last,
                     finish_reason=reason, num_prompt_tokens=len(request.prompt_token_ids))
                 if i == 0:
+                    self._score_prompt(request, response)
                     response.local_prefill = not request.prefill_from
                     response.kv_transfer_seconds = 0.0 if not request.prefill_from else 0.002
                     response.queue_seconds = 0.001
