@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter whose pip configuration to use")
     parser.add_argument("--mirror", default=os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian"))
     args = parser.parse_args(argv)
+    args.store = args.store.resolve()       # buildah takes volumes by absolute path only
     if os.geteuid() != 0:
         raise SystemExit("build_image.py runs as root (buildah chroot isolation, debootstrap)")
     for tool in ("buildah", "debootstrap"):
