@@ -167,6 +167,11 @@ def test_a_grammar_that_does_not_compile_fails_on_both_pods(pods):
                     errors.append(e)
             return errors
 
-    errors = run(both())
-    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 2
-    assert all("nowhere" in e.details() for e in errors)
+    pre_error, gen_error = run(both())
+    assert gen_error.code() == grpc.StatusCode.INVALID_ARGUMENT and "nowhere" in gen_error.details()
+    # The prefill pod refuses the grammar itself, unless the decode pod refused first and so ended
+    # its KV pull: a race both ways round (the pods compile at once), each a clear end.
+    if pre_error.code() == grpc.StatusCode.ABORTED:
+        assert "pull ended early" in pre_error.details(), pre_error.details()
+    else:
+        assert pre_error.code() == grpc.StatusCode.INVALID_ARGUMENT and "nowhere" in pre_error.details()
