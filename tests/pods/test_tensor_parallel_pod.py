@@ -22,6 +22,8 @@ from tests.pods.podproc import AUTH, Pod, disaggregated, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow
+
 EXIT_DEADLINE_SECONDS = 60.0   # the watchdog polls every 0.2 s; generous for a loaded machine
 PROMPT = list(range(5, 105))   # 100 tokens: two prefill chunks (64-token steps), 7 blocks, the last partial
 MAX_TOKENS = 8
