@@ -209,11 +209,20 @@ def test_router_prefill_and_decode_from_the_image_answer_over_loopback(built, co
         stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True)
         pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
         assert len(pieces) >= 2 and "".join(pieces)
-        # The request went P -> D: the decode pod pulled its KV from the prefill pod (the pull
-        # ends before D's first token, so the counter is final once the stream is).
-        metrics = httpx.get(f"http://127.0.0.1:{decode_metrics}/metrics", timeout=10).text
-        (kv_bytes,) = [float(line.split()[-1]) for line in metrics.splitlines()
-                       if line.startswith('cbserve_kv_transfer_bytes_total{role="decode"}')]
+        # Requests go P -> D: the decode pod pulls their KV from the prefill pod (a pull ends before
+        # D's first token, so the counter is final once the stream is). Right after /ready the
+        # router may still pass over a prefill pod whose first load reports it has not read (the
+        # decode pod then prefills locally: served, but no pull), so a few more requests may be
+        # needed before one shows the pull.
+        for attempt in range(6):
+            if attempt:
+                time.sleep(1)
+                client.completions.create(model="tiny", prompt="Hello again", max_tokens=4, temperature=0)
+            metrics = httpx.get(f"http://127.0.0.1:{decode_metrics}/metrics", timeout=10).text
+            (kv_bytes,) = [float(line.split()[-1]) for line in metrics.splitlines()
+                           if line.startswith('cbserve_kv_transfer_bytes_total{role="decode"}')]
+            if kv_bytes > 0:
+                break
         assert kv_bytes > 0, metrics
     finally:
         # Everything inside the image, by its mark; each `buildah run` exits once its command has.
