@@ -58,7 +58,11 @@ from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 _PARAMS = operator.attrgetter("sampling_params")
-_STRUCTURED = operator.attrgetter("structured")
+
+
+def _reads_host_tokens(params) -> bool:
+    """Its next step needs the previous token's value on the host: penalties, or a grammar."""
+    return params.structured is not None or has_penalty(params)
 
 
 @dataclass(frozen=True)
@@ -355,8 +359,7 @@ class Engine:
             extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device, extra)
             requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
-            if prev is not None and (any(map(has_penalty, map(_PARAMS, requests)))
-                                     or any(map(_STRUCTURED, map(_PARAMS, requests)))):
+            if prev is not None and any(map(_reads_host_tokens, map(_PARAMS, requests))):
                 outputs, prev = self._resolve(prev), None
             sample = self._sample(logits, requests) if requests else None
             if extra is not None:   # read back now (a sync, in this step only): emitted from _resolve
