@@ -16,6 +16,7 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
+from tests.engine.pd_handoff import run_disaggregated
 
 
 def make_engine(async_scheduling: bool, role: str = "colocated", num_blocks: int = 256, **sched) -> Engine:
@@ -134,11 +135,6 @@ def test_abort_of_the_only_request_leaves_nothing_in_flight(engines):
     assert not async_.has_unfinished_requests() and async_.stats().kv_cache_usage == 0.0
 
 
-def _move_kv(src: Engine, src_blocks, dst: Engine, dst_blocks) -> None:
-    for s, d in zip(src_blocks, dst_blocks):
-        dst.kv_cache[d].copy_(src.kv_cache[s])
-
-
 def test_decode_role_landing_remote_kv_equals_colocated():
     """A decode engine with async scheduling: prompts arrive with KV written into reserved blocks
     (as the transfer layer does) and their first token; output equals the colocated engine."""
@@ -146,25 +142,5 @@ def test_decode_role_landing_remote_kv_equals_colocated():
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     want = make_engine(False).generate(prompts, params)
     prefill, decode = make_engine(False, role="prefill"), make_engine(True, role="decode")
-    results: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        rid = f"r{i}"
-        prefill.add_request(prompt, params, request_id=rid)
-        decode.add_request(prompt, params, request_id=rid, remote_kv=True)
-    first: dict[str, int] = {}
-    while prefill.has_unfinished_requests():
-        for o in prefill.step():
-            first[o.request_id] = o.new_token_ids[0]
-    landed = set()
-    while decode.has_unfinished_requests():
-        for rid in decode.last_schedule.reserved_request_ids if decode.last_schedule else ():
-            if rid not in landed:   # KV arrives after a few decode steps of the others
-                req = decode.scheduler.get_request(rid)
-                _move_kv(prefill, prefill.scheduler.held[rid].block_ids, decode, req.block_ids)
-                out = decode.land_remote_kv(rid, first[rid])
-                results.setdefault(rid, []).extend(out.new_token_ids)
-                landed.add(rid)
-        for o in decode.step():
-            results.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert [results[f"r{i}"] for i in range(3)] == [w.output_token_ids for w in want]
+    assert run_disaggregated(prefill, decode, prompts, params) == [w.output_token_ids for w in want]
     assert decode.stats().kv_cache_usage == 0.0

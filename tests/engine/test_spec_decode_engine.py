@@ -27,6 +27,7 @@ from engine.spec_decode.adaptive import FixedController, SpecController
 from engine.presets import resolve_model_dir
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from tests.engine.hf_models import make_hf_model
+from tests.engine.pd_handoff import run_disaggregated
 
 # Aborts in the leak test: 300 keeps it within its share of CI on two cores;
 # CBSERVE_SPEC_ABORTS=1000 runs the issue's full count (as tests/faults/test_cancellations.py does).
@@ -215,11 +216,6 @@ def test_async_scheduling_in_and_out_of_speculative_steps_equals_the_plain_engin
     _same(plain, spec, PROMPTS, params)
 
 
-def _move_kv(src: Engine, src_blocks, dst: Engine, dst_blocks) -> None:
-    for s, d in zip(src_blocks, dst_blocks):
-        dst.kv_cache[d].copy_(src.kv_cache[s])
-
-
 def test_decode_role_with_a_draft_model_equals_colocated(plain):
     """KV lands from a prefill engine (as the transfer layer writes it) for the target only; the
     draft catches up on the prompt it has. Tokens equal the colocated plain engine's."""
@@ -229,25 +225,7 @@ def test_decode_role_with_a_draft_model_equals_colocated(plain):
     prefill = make_engine(draft_config(), role="prefill")
     assert prefill.spec is None                    # the prefill role ignores the config
     decode = make_engine(draft_config(), role="decode")
-    results: dict[str, list[int]] = {}
-    first: dict[str, int] = {}
-    for i, prompt in enumerate(prompts):
-        prefill.add_request(prompt, params, request_id=f"r{i}")
-        decode.add_request(prompt, params, request_id=f"r{i}", remote_kv=True)
-    while prefill.has_unfinished_requests():
-        for o in prefill.step():
-            first[o.request_id] = o.new_token_ids[0]
-    landed = set()
-    while decode.has_unfinished_requests():
-        for rid in decode.last_schedule.reserved_request_ids if decode.last_schedule else ():
-            if rid not in landed:
-                req = decode.scheduler.get_request(rid)
-                _move_kv(prefill, prefill.scheduler.held[rid].block_ids, decode, req.block_ids)
-                results.setdefault(rid, []).extend(decode.land_remote_kv(rid, first[rid]).new_token_ids)
-                landed.add(rid)
-        for o in decode.step():
-            results.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert [results[f"r{i}"] for i in range(3)] == [w.output_token_ids for w in want]
+    assert run_disaggregated(prefill, decode, prompts, params) == [w.output_token_ids for w in want]
     stats = decode.stats().spec_decode
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
     assert decode.stats().kv_cache_usage == 0.0
