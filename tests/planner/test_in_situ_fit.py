@@ -28,8 +28,8 @@ def test_probes_recover_path_contention_and_kv_bandwidth(profile):
 
 
 def test_probes_run_one_at_a_time(profile):
-    probes = probe_requests(profile, repeats=3, seed=1)
-    assert len(probes) == 18 and {p.max_tokens for p in probes} == {2, 24}
+    probes = probe_requests(profile, repeats=2, seed=1)
+    assert len(probes) == 12 and {p.max_tokens for p in probes} == {2, 24}
     measured, _ = _simulate(with_serving(profile, TRUTH), probes)
     spans = sorted((r.sent_s, r.done_s) for r in measured)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # no overlap: each alone on the cluster
@@ -56,7 +56,7 @@ def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_steps(profi
     from cbserve.goodput.workloads import MIXES
     from cbserve.planner.in_situ import InSituSettings, _fit_cpu, _result_json
 
-    settings = InSituSettings(seconds=4.0)
+    settings = InSituSettings(seconds=2.0)
     requests = MIXES[settings.mix].requests(1.0, settings.seconds, settings.seed)
     results, steps = _simulate(with_serving(profile, ServingProfile()), requests)
     tokens = sum(r.num_output_tokens for r in results)
