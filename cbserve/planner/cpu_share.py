@@ -7,8 +7,9 @@ fair share), so the step's wall time is its CPU time times max(1, n/c). What wan
 - this pod (one torch thread: one core while it steps);
 - every other pod, for the share of the last `window_s` it spent in steps;
 - the serving path (the router's HTTP, SSE and routing, the pods' gRPC and load reports, the
-  client): `cpu_per_token_s` CPU seconds per token streamed to the client and `cpu_per_request_s`
-  per request, over the same window (measured in situ from the processes' CPU seconds).
+  client): `cpu_per_token_s` CPU seconds per token streamed to the client, over the same window
+  (measured in situ from the processes' CPU seconds; per token, since the streamed tokens are
+  what the router and the client spend most of their CPU on).
 So contention is a property of the deployment's co-location and of the traffic at that moment,
 not a constant: a colocated pair near its knee, both pods stepping and the router streaming
 hundreds of tokens a second, is slowed more than the same pair at a tenth of the rate. What the
@@ -29,7 +30,6 @@ class CpuShareCosts:
 
     cores: float = 0.0
     cpu_per_token_s: float = 0.0
-    cpu_per_request_s: float = 0.0
     window_s: float = 1.0
 
 
@@ -66,9 +66,9 @@ class CpuShare:
         self._serving: deque[tuple[float, float]] = deque()     # (time, CPU seconds) of the serving path
         self._serving_total = 0.0
 
-    def serving_work(self, tokens: int = 0, requests: int = 0) -> None:
-        """The serving path handled `tokens` tokens and `requests` new requests just now."""
-        cpu = tokens * self.costs.cpu_per_token_s + requests * self.costs.cpu_per_request_s
+    def serving_work(self, tokens: int) -> None:
+        """The serving path streamed `tokens` tokens just now."""
+        cpu = tokens * self.costs.cpu_per_token_s
         if cpu > 0:
             self._serving.append((self.clock(), cpu))
             self._serving_total += cpu

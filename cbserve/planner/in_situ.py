@@ -174,16 +174,16 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
     runs = [(raw["load_rate"], raw.get("load", []), raw.get("cpu_seconds"), PD)]
     colocated = raw.get("colocated") or {}
     runs.append((colocated.get("load_rate"), colocated.get("load", []), colocated.get("cpu_seconds"), COLOCATED))
-    cpu, tokens = 0.0, 0
+    serving_cpu, tokens = 0.0, 0
     for rate, results, cpu_seconds, fields in runs:
         if not cpu_seconds or rate is None:
             continue
         requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
         c, n = _serving_cpu(profile, requests, [RequestResult(**r) for r in results], cpu_seconds, fields)
-        cpu, tokens = cpu + c, tokens + n
+        serving_cpu, tokens = serving_cpu + c, tokens + n
     if device.get("type") != "cpu" or not tokens:
         return serving
-    return replace(serving, cores=float(device.get("cpu_count") or 1), cpu_per_token_s=cpu / tokens)
+    return replace(serving, cores=float(device.get("cpu_count") or 1), cpu_per_token_s=serving_cpu / tokens)
 
 
 def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],

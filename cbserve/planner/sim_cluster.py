@@ -204,8 +204,6 @@ class SimCluster:
 
     async def _serve(self, spec: RequestSpec, prompt: list[int], result: RequestResult, start: float) -> None:
         await asyncio.sleep(self.serving.http_in_s)
-        if self.cpu_share is not None:
-            self.cpu_share.serving_work(requests=1)
         request_id = f"sim-{next(self._ids)}"
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
         bs = self.shape.block_size
@@ -313,7 +311,7 @@ class SimCluster:
             return
         at = sampled_at + self.serving.token_out_s
         if self.cpu_share is not None:
-            self.cpu_share.serving_work(tokens=1)
+            self.cpu_share.serving_work(1)
         result = flow.result
         result.num_chunks += 1
         loop = asyncio.get_running_loop()

@@ -45,7 +45,7 @@ def test_cores_shared_by_steps_and_serving_slow_a_step_down():
     now[0] = 1.0
     assert share.factor("a") == 1.0                   # a and b: one core each
     for _ in range(1000):                             # 1000 tokens in the last second: one more core wanted
-        share.serving_work(tokens=1)
+        share.serving_work(1)
     assert share.factor("a") == pytest.approx(1.5)    # 3 wanting, 2 cores
     now[0] = 2.5                                      # the tokens are out of the window again
     assert share.factor("a") == 1.0
