@@ -189,7 +189,9 @@ class DecodeCore(EngineCore):
             first_lp = logprobs_from_pb(result.first_token_logprobs)
             prompt_lp = None if result.prompt_logprobs is None else PromptLogprobs.from_proto(result.prompt_logprobs)
             if job.structured is not None:   # compiled while P prefilled; landing must not wait for it
-                await asyncio.wrap_future(rt.engine.structured.compile_future(job.structured))
+                compiled = rt.engine.structured.compile_future(job.structured)
+                if not compiled.done():   # else no await: it would cost a loop iteration (a wake-up)
+                    await asyncio.wrap_future(compiled)
             await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp,
                                                    result.grammar_fingerprint, prompt_lp))
         except asyncio.CancelledError:
