@@ -48,13 +48,12 @@ def test_reference_follows_llguidance_bit_order(apply):
     assert np.array_equal(ours.numpy(), theirs)
 
 
-@IMPLEMENTATIONS
 @pytest.mark.parametrize("vocab, words", [(77, 3), (64, 2), (100, 2), (5000, 157)])
-def test_reference_masks_exactly_the_forbidden_and_padded_tokens(apply, vocab, words):
+def test_reference_masks_exactly_the_forbidden_and_padded_tokens(vocab, words):
     """(100, 2): logits wider than the bitmask: the ids past it are always masked."""
     logits, bitmask, rows, allowed = _cases(1, 6, vocab, words)
     out = logits.clone()
-    apply(out, bitmask, rows)
+    apply_grammar_mask_ref(out, bitmask, rows)
     for j, row in enumerate(rows.tolist()):
         keep = torch.zeros(vocab, dtype=torch.bool)
         keep[allowed[j]] = True
@@ -91,8 +90,9 @@ def test_triton_strided_logits_and_no_masks(triton_backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_host_path_on_every_row_equals_reference(dtype):
-    """The launcher's CPU path, with masks on every row in order (in place, no gather) and not."""
+def test_host_path_equals_reference(dtype):
+    """The launcher's CPU path, with masks on every row in order (in place, no gather), in
+    another order, and on some rows (a gather and a scatter)."""
     logits, bitmask, _, _ = _cases(3, 3, 100, 2)          # 100 > 64: padded ids masked too
     logits = logits.to(dtype)
     for rows in (torch.arange(3), torch.tensor([2, 0, 1])):
@@ -100,6 +100,11 @@ def test_host_path_on_every_row_equals_reference(dtype):
         apply_grammar_mask_ref(want, bitmask, rows)
         kernels.apply_grammar_mask(got, bitmask, rows)
         assert torch.equal(got, want)
+    wide, some_masks, some_rows, _ = _cases(4, 6, 5000, 157)
+    want, got = wide.clone(), wide.clone()
+    apply_grammar_mask_ref(want, some_masks, some_rows)
+    kernels.apply_grammar_mask(got, some_masks, some_rows)
+    assert torch.equal(got, want) and not torch.equal(got, wide)
 
 
 def test_launcher_refuses_bad_inputs():
