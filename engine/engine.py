@@ -392,16 +392,15 @@ class Engine:
         emit = self._emit
         return [emit(req, [req.output_token_ids[-1]], [lp]) for req, lp in zip(resolved, logprobs)]
 
-    def _sample(self, logits, requests: list[Request], filled=None) -> DeviceSample:
+    def _sample(self, logits, requests: list[Request]) -> DeviceSample:
         """One step's tokens, on the device, under the requests' grammars (their masks are filled
-        here, while the forward pass runs, or were beside it: `filled`); a request whose grammar
-        failed ends first."""
-        return self.sampler.sample_on_device(logits, requests, self._grammar_masks(requests, filled))
+        here, while the forward pass runs); a request whose grammar failed ends first."""
+        return self.sampler.sample_on_device(logits, requests, self._grammar_masks(requests))
 
-    def _grammar_masks(self, rows: list, filled=None) -> GrammarMask | None:
+    def _grammar_masks(self, rows: list) -> GrammarMask | None:
         """The masks of a step's sampler rows (`rows[i]` samples row i; also a speculative step's,
         `engine.spec_decode`); a request whose grammar failed ends first."""
-        mask, failed = self.structured.prepare(rows, filled)
+        mask, failed = self.structured.prepare(rows)
         if failed:
             self._fail(failed)
         return mask
@@ -445,13 +444,11 @@ class Engine:
         logprobs: dict[str, TokenLogprobs | None] = {}
         if out.scheduled:
             extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
-            to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
-            scheduled = self.scheduler.scheduled_requests
-            rows = [scheduled[i] for i in to_sample]
-            filled = self.structured.fill_beside_forward(rows) if to_sample else None   # during the forward
             logits = self.runner.run(out.scheduled, extra=extra)
+            to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
-                result = self._sample(logits, rows, filled).resolve()
+                scheduled = self.scheduler.scheduled_requests
+                result = self._sample(logits, [scheduled[i] for i in to_sample]).resolve()
                 for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
                     sampled[out.scheduled[i].request_id] = token
                     logprobs[out.scheduled[i].request_id] = lp

@@ -5,10 +5,7 @@ A request with a `StructuredSpec`:
    run meanwhile: a compile overlaps the prefill.
 2. `prepare(requests)`, before each sampling step, after the forward pass was launched (so the
    host work overlaps it): every constrained request's matcher is synced to its output and fills
-   its mask row; the rows go to the device as one `GrammarMask`. Where the forward pass blocks
-   the engine thread (a CPU forward, the synchronous step), `fill_beside_forward` runs that host
-   work on the fill thread *during* the forward instead (llguidance drops the GIL while it fills,
-   and torch while it computes), and `prepare` only uploads its rows. Only the step that samples a
+   its mask row; the rows go to the device as one `GrammarMask`. Only the step that samples a
    request's *first constrained* token can wait for its compile, and only if the compile outlasted
    the prefill (cold cache and a short prompt; llguidance compiles typical schemas in about a
    millisecond): waiting there keeps the prefill overlapped and needs no scheduler state. A compile
@@ -71,7 +68,6 @@ class StructuredOutputs:
                 end_words[token_id // 32] |= np.uint32(1 << (token_id % 32))
         self._not_end = ~end_words.view(np.int32)
         self._stats = StructuredStats()
-        self._fill_thread: concurrent.futures.ThreadPoolExecutor | None = None   # made on first use
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer | None, vocab_width: int, eos_token_ids: Sequence[int],
@@ -121,38 +117,13 @@ class StructuredOutputs:
     def close(self) -> None:
         if self.compiler is not None:
             self.compiler.close()
-        if self._fill_thread is not None:
-            self._fill_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ a step
-    def fill_beside_forward(self, requests: Sequence[Request]) -> concurrent.futures.Future | None:
-        """`prepare`'s host work for a step whose forward pass is about to block this thread: it
-        runs on the fill thread meanwhile; pass the future to `prepare`. Nothing else may touch
-        the grammars until then (the engine thread is in the forward). None: no grammars."""
-        if not self.states:
-            return None
-        if self._fill_thread is None:
-            self._fill_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-        return self._fill_thread.submit(self._fill, list(requests))
-
-    def prepare(self, requests: Sequence[Request], filled: concurrent.futures.Future | None = None
-                ) -> tuple[GrammarMask | None, list[tuple[Request, Exception]]]:
+    def prepare(self, requests: Sequence[Request]) -> tuple[GrammarMask | None, list[tuple[Request, Exception]]]:
         """The masks of a sampling step (`requests[i]` samples row `i`), and the requests that
-        must fail instead (their rows are left free: the engine aborts them before `update`).
-        `filled`: this step's `fill_beside_forward`, whose host work is done (or is waited for)."""
-        if filled is None:
-            if not self.states:
-                return None, []
-            rows, end_only, failed = self._fill(requests)
-        else:
-            rows, end_only, failed = filled.result()
-        if not rows:
-            return None, failed
-        return self._buffers.upload(len(rows), rows, end_only), failed
-
-    def _fill(self, requests: Sequence[Request]) -> tuple[list[int], frozenset[int], list[tuple[Request, Exception]]]:
-        """Sync the constrained requests' matchers and fill their host rows: (their sampler rows,
-        the rows that allow only an end token under `min_tokens`, the requests that must fail)."""
+        must fail instead (their rows are left free: the engine aborts them before `update`)."""
+        if not self.states:
+            return None, []
         states = self.states
         failed: list[tuple[Request, Exception]] = []
         constrained: list[tuple[int, RequestGrammar]] = []
@@ -166,13 +137,13 @@ class StructuredOutputs:
             elif state.constrained:
                 constrained.append((row, state))
         if not constrained:
-            return [], frozenset(), failed
+            return None, failed
         host = self._buffers.host_rows(len(constrained))
         self.compiler.backend.fill_bitmask([(state.matcher, j) for j, (_, state) in enumerate(constrained)], host)
         end_only = frozenset(row for j, (row, state) in enumerate(constrained)
                              if len(requests[row].output_token_ids) < requests[row].sampling_params.min_tokens
                              and not (host[j] & self._not_end).any())
-        return [row for row, _ in constrained], end_only, failed
+        return self._buffers.upload(len(constrained), [row for row, _ in constrained], end_only), failed
 
     def _sync(self, state: RequestGrammar, request: Request) -> Exception | None:
         """Bring `state` up to the request's output, starting its matcher (which may wait for the
