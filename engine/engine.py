@@ -369,8 +369,7 @@ class Engine:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
             if sample is not None:
-                rows = dict(zip(sampled_ids, range(len(sampled_ids))))
-                self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, rows))
+                self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, ids=sampled_ids))
             self._record_step(out, time.perf_counter() - t0)
         elif prev is not None:
             outputs = self._resolve(prev)
