@@ -51,8 +51,9 @@ def _same(engines, prompts, params):
     return want
 
 
-def test_async_engine_is_on_only_where_asked():
-    assert make_engine(True).async_scheduling and not make_engine(False).async_scheduling
+def test_async_engine_is_on_only_where_asked(engines):
+    sync, async_ = engines          # make_engine(False), make_engine(True)
+    assert async_.async_scheduling and not sync.async_scheduling
     assert not Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=16))).async_scheduling  # CPU
     assert not make_engine(True, role="prefill").async_scheduling
 
