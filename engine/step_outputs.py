@@ -3,14 +3,14 @@
 Why: a decode step of 256 requests built 256 `RequestOutput`s (14 fields each), the largest
 per-request cost of the host step (`bench/host_step.py`). Almost every row of a steady decode step
 says only "request r gained token t": it is a *token row*, two list slots (the request, its
-token). Every other row (the request finished, asked for logprobs, has a detokenizer, carries its
-prompt logprobs, or gained several tokens) keeps its full `RequestOutput`, built by the engine
-as before.
+token). Every other row (the request finished, asked for logprobs, has a detokenizer, or carries
+its prompt logprobs) keeps its full `RequestOutput`, built by the engine as before (a speculative
+step, whose rows gain several tokens, returns a plain list).
 
 Readers that want the columns (the decode pod's writer packs token rows into three repeated
 fields) call `split`; every other reader iterates, and gets `RequestOutput`s in batch order, each
 token row built on read, exactly as the engine would have built it (`token_row_output`;
-`tests/engine/test_step_outputs.py` checks the round trip). A token row's fields are those of its
+`tests/engine/test_async_scheduling.py` checks the round trip). A token row's fields are those of its
 request that no longer change once it decodes, plus its token, so reading them later (the pod's
 writer thread) is safe; `output_token_ids` is the request's live list, as it always was.
 """
@@ -34,10 +34,10 @@ _RUNNING = RequestStatus.RUNNING
 
 def token_row_output(request: Request, token_id: int) -> RequestOutput:
     """The `RequestOutput` of a token row: `request` gained `token_id` and nothing else happened
-    (running, no logprobs, no text, no prompt logprobs)."""
+    (running, so no stop reason; no logprobs, no text, no prompt logprobs)."""
     return RequestOutput(request.request_id, [token_id], [None], "", False, None, len(request.prompt_token_ids),
                          request.num_cached_tokens, request.output_token_ids, "", request.first_token_time,
-                         request.arrival_time, request.first_scheduled_time, request.stop_reason)
+                         request.arrival_time, request.first_scheduled_time, None)
 
 
 def other_rows(requests: list[Request], logprobs: list, detokenizing: Container[str], every_row: bool
