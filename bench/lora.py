@@ -16,8 +16,8 @@ adapters into slots (the host cache holds all 16: no disk read). Adapters are ra
 files written here (every projection targeted: q/k/v/o and gate/up/down), not trained ones:
 the cost does not depend on the values.
 
-    python bench/lora.py --model tiny --batch 8 --max-tokens 8 --rounds 3      # docs/benchmarks.md
-    python bench/lora.py --model small --batch 16 --max-tokens 32 --rounds 3
+    python bench/lora.py --model small --batch 8 --prompt-len 64 --max-tokens 32 --rounds 3      # docs/benchmarks.md
+    python bench/lora.py --model small --batch 32 --prompt-len 64 --max-tokens 32 --rounds 3 --registered 1
     python bench/lora.py --shape 8b --device cuda --dtype bfloat16 --batch 64 --max-tokens 128   # GPU: unmeasured
 """
 
@@ -161,6 +161,9 @@ def main() -> None:
             elif name == "8 adapters, resident":
                 run_batch(engine, prompts[:8], set_a[:8], 2, device)   # make set A resident first
             figures[name].append(run_batch(engine, prompts, loras, args.max_tokens, device))
+            tps, ttft, tpot, copies = figures[name][-1]    # as it goes: a run cut short still tells
+            print(f"round {len(figures[name])} {name}: {tps:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms, "
+                  f"TPOT {tpot * 1e3:.1f} ms, {copies} slot copies", file=sys.stderr, flush=True)
     base_tps = statistics.median(f[0] for f in figures["base"])
     base_ttft = statistics.median(f[1] for f in figures["base"])
     base_tpot = statistics.median(f[2] for f in figures["base"])

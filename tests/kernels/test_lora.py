@@ -26,6 +26,11 @@ def _slots(kind: str, num_tokens: int, gen: torch.Generator) -> torch.Tensor:
         return torch.full((num_tokens,), -1, dtype=torch.int32)
     if kind == "mixed":   # -1 and slots 0, 1, 3 interleaved; slot 2 gets nothing
         return torch.tensor([(-1, 0, 3, 1, 0, -1, 3)[i % 7] for i in range(num_tokens)], dtype=torch.int32)
+    if kind == "sorted":  # slots in token order, as many tokens each (as many slots as divide evenly)
+        slots = next(s for s in (NUM_SLOTS, 2, 1) if num_tokens % s == 0)
+        return (torch.arange(num_tokens) * slots // num_tokens).to(torch.int32)
+    if kind == "skewed":  # a prefill chunk of slot 1 beside single tokens of slots 0 and 3, and -1
+        return torch.tensor([0, 3, -1] + [1] * (num_tokens - 3), dtype=torch.int32)[:num_tokens]
     return torch.randint(-1, NUM_SLOTS, (num_tokens,), generator=gen, dtype=torch.int32)
 
 
@@ -56,10 +61,13 @@ def _loop(x, a, b, y, slot_ids, starts):
 
 
 KINDS = ["one_adapter", "mixed", "random", "none"]
+# The reference's layouts: one slot in place; padded to one width and batched (mixed, random), in
+# token order and added in place (sorted); packed runs, one matmul pair per slot (skewed).
+REF_KINDS = [*KINDS, "sorted", "skewed"]
 SLICES = [(48,), (40, 40), (64, 32, 32)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", REF_KINDS)
 @pytest.mark.parametrize("slices", SLICES)
 @pytest.mark.parametrize("num_tokens", [1, 13, 70])
 def test_reference_equals_a_per_token_loop(torch_backend, kind, slices, num_tokens):
@@ -71,11 +79,17 @@ def test_reference_equals_a_per_token_loop(torch_backend, kind, slices, num_toke
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_reference_plan_takes_all_rows_of_a_lone_adapter():
-    plan = lora_plan_ref(torch.full((5,), 3, dtype=torch.int32), NUM_SLOTS)
-    assert plan.groups == ((3, None),)
-    mixed = lora_plan_ref(torch.tensor([-1, 1, 1, -1], dtype=torch.int32), NUM_SLOTS)
-    assert [(s, rows.tolist()) for s, rows in mixed.groups] == [(1, [1, 2])]
+def test_reference_plan_groups_tokens_by_slot():
+    lone = lora_plan_ref(torch.full((5,), 3, dtype=torch.int32), NUM_SLOTS).groups
+    assert (lone.slots, lone.rows, lone.positions) == ((3,), None, None)      # all rows, no gather
+    mixed = lora_plan_ref(torch.tensor([-1, 1, 1, -1], dtype=torch.int32), NUM_SLOTS).groups
+    assert (mixed.rows.tolist(), mixed.width, mixed.zero) == ([1, 2, 1], 3, 2)  # padded: the zeroed position
+    assert mixed.positions.tolist() == [2, 0, 1, 2]
+    decode = lora_plan_ref(torch.tensor([2, 0, 1, 0, 2, 1], dtype=torch.int32), NUM_SLOTS).groups
+    assert (decode.slots, decode.index, decode.width, decode.zero) == ((0, 1, 2), None, 2, -1)  # one bmm, a view
+    assert decode.rows.tolist() == [1, 3, 2, 5, 0, 4]
+    skewed = lora_plan_ref(torch.tensor([0, 3, 1, 1, 1, 1, 1], dtype=torch.int32), NUM_SLOTS).groups
+    assert (skewed.width, skewed.runs, skewed.index.tolist()) == (0, ((0, 1), (1, 5), (6, 1)), [0, 1, 3])
 
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
