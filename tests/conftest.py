@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+import engine  # noqa: F401 - before torch: libgomp's threads wait passively (engine/__init__.py)
 import torch
 
 from tests import grpc_leaks

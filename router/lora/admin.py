@@ -99,6 +99,11 @@ class LoRAAdmin:
     async def load(self, name: str, path: str) -> None:
         """Load on every pod, or on none (APIError with the first refusal)."""
         async with self._lock:
+            if name in self.loaded:
+                # Known here, whichever pods have it now: one that missed the first load (down, or
+                # out of routing for a moment) gets it from the reconciler, not from a second load,
+                # which would otherwise answer 200 or 400 depending on that pod's timing.
+                raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
             pods = self._pods()
             if not pods:
                 raise unavailable("No pod is ready to load a LoRA adapter on.")

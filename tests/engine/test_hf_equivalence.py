@@ -64,9 +64,28 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint):
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
 
+def transformers_next_token_logits(hf, prompt: list[int], ours: list[int]) -> torch.Tensor:
+    """transformers' next-token logits after `prompt` and each of our tokens but the last, from one
+    full forward over prompt + ours."""
+    with torch.no_grad():
+        return hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(ours)].float()
+
+
+def transformers_greedy(hf, logits: torch.Tensor) -> list[int]:
+    """The tokens transformers' greedy `generate(min_new_tokens=len(logits))` picks from those rows
+    (end-of-sequence barred, as its min-length processor bars it). Equal to our tokens, it means
+    `generate` from the prompt would produce exactly ours, by induction over positions, without its
+    token-by-token loop."""
+    eos = hf.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    barred = logits.clone()
+    barred[:, eos] = float("-inf")
+    return barred.argmax(-1).tolist()
+
+
 def check_against_transformers(name: str, engine: Engine, hf, prompts: list[list[int]] | None = None) -> None:
     """Six greedy requests through `engine` (chunked, arriving mid-flight, finishing at different
-    times) equal transformers' `generate`, and their logits at every sampled position equal one
+    times) are transformers' greedy tokens, and their logits at every sampled position equal one
     full forward of `hf`; every block is free at the end."""
     vocab = hf.config.vocab_size
     prompts = prompts or _prompts(vocab, seed=len(name))
@@ -95,18 +114,12 @@ def check_against_transformers(name: str, engine: Engine, hf, prompts: list[list
     for rid, prompt, n in zip(ids, prompts, max_tokens):
         ours = finished[rid]
         assert len(ours) == n
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                                   do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert ours == expected, f"{name}: greedy tokens differ for {rid}"
+        ref = transformers_next_token_logits(hf, prompt, ours)
+        assert transformers_greedy(hf, ref) == ours, f"{name}: greedy tokens differ for {rid}"
 
-        # Logits at every sampled position (end of the chunked prefill, then each decode step)
-        # against one full forward of transformers over prompt + generated tokens. After a
-        # preemption the request is recomputed, so a position may have been sampled twice: the
-        # last sample of each position counts (it produced the kept token).
-        full = torch.tensor([prompt + ours])
-        with torch.no_grad():
-            ref = hf(full).logits[0, len(prompt) - 1: len(prompt) - 1 + n].float()
+        # Logits at every sampled position (end of the chunked prefill, then each decode step).
+        # After a preemption the request is recomputed, so a position may have been sampled twice:
+        # the last sample of each position counts (it produced the kept token).
         rows = logits_seen[rid]
         got = torch.stack(rows[-n:])
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -114,7 +114,17 @@ async def test_a_pod_that_was_down_gets_the_adapter_when_it_is_back(tokenizer):
         response = await h.http().post(LOAD, json={"lora_name": "extra", "lora_path": "extra"})
         assert response.status_code == 200
         assert not late.script.load.lora_adapters
+        # Loaded once through this router: a second load is 400 even while the pod that missed the
+        # first is back and still lacks it (it would take it, and the answer would depend on how
+        # fast the reconciler is). The reconciler waits until then.
+        admin = h.app.state.lora_admin
+        await admin.stop()
         late.script.down = False
+        await h.wait_routable(len(h.pods))
+        again = await h.http().post(LOAD, json={"lora_name": "extra", "lora_path": "extra"})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        assert not late.script.load.lora_adapters
+        admin.start()
         for _ in range(200):
             if late.script.load.lora_adapters:
                 break
