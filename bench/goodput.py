@@ -34,7 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cbserve.goodput import prom
+from cbserve.goodput import cpu, prom
 from cbserve.goodput.loadgen import run_open_loop
 from cbserve.goodput.plots import plot_mix
 from cbserve.goodput.report import format_table, goodput_ratios, print_ratios
@@ -114,9 +114,11 @@ def scrape_all(cluster: LocalCluster) -> tuple[prom.Samples, prom.Samples]:
 def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, rate: float, model_id: str) -> dict:
     requests = mix.requests(rate, args.duration, args.seed)
     router_before, pods_before = scrape_all(cluster)
+    cpu_before = cpu.cluster_cpu_seconds(cluster)
     results, elapsed = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=args.request_timeout,
                                                  api_key=os.environ.get("CBSERVE_API_KEY"),
                                                  desc=f"{mix.name} at {rate:g} req/s"))
+    cpu_used = cpu.delta(cpu.cluster_cpu_seconds(cluster), cpu_before)
     router_after, pods_after = scrape_all(cluster)
     router = prom.delta(router_after, router_before)
     queue_p95 = prom.histogram_quantile(0.95, router, "cbserve_request_phase_seconds", phase="router_queue")
@@ -127,7 +129,8 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, 
     row = summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3],
                                # each role's mean engine step in the run (what the planner's contention scales)
                                "mean_step_s": prom.mean_by_label(prom.delta(pods_after, pods_before),
-                                                                 "cbserve_step_seconds")}
+                                                                 "cbserve_step_seconds"),
+                               "cpu_s": cpu_used}      # each process's CPU seconds in the run (the cores' load)
     if args.save_requests:
         row["requests"] = [asdict(r) for r in results]
     return row

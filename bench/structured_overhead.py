@@ -179,7 +179,7 @@ def section_tpot(args) -> None:
 
     print(f"\n## TPOT, 100% JSON-schema traffic vs unconstrained ({args.model}, {args.max_tokens} tokens, "
           f"{torch.get_num_threads()} torch thread(s), median decode step)")
-    print(f"{'batch':>6} {'free ms':>10} {'json ms':>10} {'ratio':>7} {'json valid prefixes':>20}")
+    print(f"{'batch':>6} {'free ms':>10} {'json ms':>10} {'ratio':>7} {'per round':>20} {'json valid prefixes':>20}")
     records = {"type": "array", "items": PERSON, "minItems": args.max_tokens}    # never ends early
     spec = json_spec(records)
     for batch in args.batch:
@@ -195,21 +195,26 @@ def section_tpot(args) -> None:
                        for i in range(batch)]
         engine.generate(prompts, constrained)          # warm: compile, first steps
         times: dict[str, list[float]] = {"free": [], "json": []}
+        rounds: list[float] = []      # each round's json / free median step
         valid = True
         for _ in range(args.repeats):
+            medians = {}
             for name, params in (("free", free), ("json", constrained)):
                 engine.reset_step_stats()
                 outputs = engine.generate(prompts, params)
-                times[name] += [s.seconds for s in engine.step_samples
-                                if s.num_prefill_tokens == 0 and s.num_seqs == batch]
+                steps = [s.seconds for s in engine.step_samples if s.num_prefill_tokens == 0 and s.num_seqs == batch]
+                times[name] += steps
+                medians[name] = statistics.median(steps)
                 if name == "json":
                     matcher = engine.structured.compile_future(spec).result()
                     for out in outputs:
                         m = matcher.matcher()
                         valid &= len(out.output_token_ids) == args.max_tokens and all(
                             m.accept(t) for t in out.output_token_ids)
+            rounds.append(medians["json"] / medians["free"])
         free_ms, json_ms = (statistics.median(times[k]) * 1e3 for k in ("free", "json"))
-        print(f"{batch:>6} {free_ms:10.2f} {json_ms:10.2f} {json_ms / free_ms:6.3f}x {str(valid):>20}")
+        spread = f"{min(rounds):.3f}-{max(rounds):.3f}x"
+        print(f"{batch:>6} {free_ms:10.2f} {json_ms:10.2f} {json_ms / free_ms:6.3f}x {spread:>20} {str(valid):>20}")
         engine.close()
 
 

@@ -25,6 +25,7 @@ from engine.grammar.backend import GrammarCompileError
 from engine.grammar.structured_outputs import FirstTokenRejected
 from engine.outputs import RequestOutput
 from engine.prompt_logprobs import PromptLogprobs
+from engine.step_outputs import split
 from kvtransfer.collective import PairGroup, gloo_bind_host, host_store
 from kvtransfer.errors import (ChecksumError, KVTransferError, LayoutError, SourceAbortedError,
                                SourceLostError)
@@ -63,9 +64,12 @@ class DecodeCore(EngineCore):
     def fill_outputs(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], extra) -> None:
         """Writer thread: outputs that are only new tokens go out packed (three repeated fields
         filled in bulk); a request's first output, its last, and outputs with logprobs go out as
-        `CoreOutput`s."""
-        jobs, ids, counts, tokens = self.jobs, [], [], []
-        for out in outputs:
+        `CoreOutput`s. A step's token rows (`engine.step_outputs`) are packed as they come, but
+        for a request whose first output this is."""
+        jobs = self.jobs
+        ids, tokens, others = split(outputs, self._first_output)
+        counts = [1] * len(ids)
+        for out in others:
             job = jobs.get(out.request_id)
             if not out.finished and (job is None or job.reported) and \
                     not (out.new_logprobs and out.new_logprobs[0] is not None):
@@ -93,6 +97,12 @@ class DecodeCore(EngineCore):
             events.token_request_ids.extend(ids)
             events.num_new_tokens.extend(counts)
             events.token_ids.extend(tokens)
+
+    def _first_output(self, request_id: str) -> bool:
+        """Writer thread: `request_id`'s next output is the first one reported (it carries the
+        request's KV transfer figures)."""
+        job = self.jobs.get(request_id)
+        return job is not None and not job.reported
 
     # ------------------------------------------------------------------ commands (event loop)
     def _add(self, request: cbserve_pb2.GenerateRequest) -> None:
@@ -189,7 +199,9 @@ class DecodeCore(EngineCore):
             first_lp = logprobs_from_pb(result.first_token_logprobs)
             prompt_lp = None if result.prompt_logprobs is None else PromptLogprobs.from_proto(result.prompt_logprobs)
             if job.structured is not None:   # compiled while P prefilled; landing must not wait for it
-                await asyncio.wrap_future(rt.engine.structured.compile_future(job.structured))
+                compiled = rt.engine.structured.compile_future(job.structured)
+                if not compiled.done():   # else no await: it would cost a loop iteration (a wake-up)
+                    await asyncio.wrap_future(compiled)
             await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp,
                                                    result.grammar_fingerprint, prompt_lp))
         except asyncio.CancelledError:

@@ -125,7 +125,7 @@ class DecodeBuckets:
     def run(self, scheduled, bucket: int, prev=None, lora_slots=None) -> torch.Tensor:
         """Logits `[len(scheduled), vocab]` of a decode-only batch, padded to `bucket` sequences."""
         t = self.inputs.prepare(scheduled, pad_to=bucket, width=self.width,
-                                prev_rows=None if prev is None else prev.rows, lora_slots=lora_slots)
+                                prev_rows=prev, lora_slots=lora_slots)
         if prev is not None:
             t.fill_from(prev.token_ids)
         graph = self.graphs.get(bucket)

@@ -43,12 +43,13 @@ from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
 from engine.runner.inference import inference_mode
-from engine.sampler import DeviceSample, Sampler, TokenLogprobs, has_penalty
+from engine.sampler import DeviceSample, Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.step_outputs import StepOutputs, other_rows, split
 from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
 from engine.tp_kv import TPKVBlocks
@@ -58,11 +59,10 @@ from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 _PARAMS = operator.attrgetter("sampling_params")
-
-
-def _reads_host_tokens(params) -> bool:
-    """Its next step needs the previous token's value on the host: penalties, or a grammar."""
-    return params.structured is not None or has_penalty(params)
+_OUTPUTS, _REQUEST_ID, _LAST = operator.attrgetter("output_token_ids"), operator.attrgetter("request_id"), \
+    operator.itemgetter(-1)
+# Its next step needs the previous token's value on the host: penalties, or a grammar.
+_READS_HOST_TOKENS = operator.attrgetter("reads_host_tokens")
 
 
 @dataclass(frozen=True)
@@ -335,8 +335,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     @inference_mode      # once per step: the runner and the sampler inside take it as given
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs that became known in it.
+    def step(self) -> Sequence[RequestOutput]:
+        """One engine step; returns the outputs that became known in it (a `StepOutputs`: token
+        rows as columns, `engine.step_outputs`; a list where it has no rows or speculates).
 
         Synchronous: schedule, run, sample, update, emit. With async scheduling the step planned
         here runs on the device while the previous step's tokens are read back and processed:
@@ -353,13 +354,13 @@ class Engine:
         t0 = time.perf_counter()
         out = self._schedule()
         prev, self._in_flight = self._in_flight, None
-        outputs: list[RequestOutput] = []
+        outputs: Sequence[RequestOutput] = []
         if out.scheduled:
             scheduled = self.scheduler.scheduled_requests
             extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device, extra)
             requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
-            if prev is not None and any(map(_reads_host_tokens, map(_PARAMS, requests))):
+            if prev is not None and any(map(_READS_HOST_TOKENS, map(_PARAMS, requests))):
                 outputs, prev = self._resolve(prev), None
             sample = self._sample(logits, requests) if requests else None
             if extra is not None:   # read back now (a sync, in this step only): emitted from _resolve
@@ -368,14 +369,13 @@ class Engine:
                 outputs = self._resolve(prev)
             updated = self.scheduler.update(out, None)
             if sample is not None:
-                rows = dict(zip(sampled_ids, range(len(sampled_ids))))
-                self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, rows))
+                self._in_flight = _InFlight(updated, sample, PrevSample(sample.token_ids, ids=sampled_ids))
             self._record_step(out, time.perf_counter() - t0)
         elif prev is not None:
             outputs = self._resolve(prev)
         return outputs
 
-    def _resolve(self, in_flight: _InFlight) -> list[RequestOutput]:
+    def _resolve(self, in_flight: _InFlight) -> StepOutputs:
         """Read a launched step's sampled ids back, write them into its requests, emit."""
         result = in_flight.sample.resolve()
         requests = in_flight.requests
@@ -389,8 +389,8 @@ class Engine:
         if len(resolved) != len(requests):           # aborted meanwhile, or failed its grammar: not emitted
             kept = {id(r) for r in resolved}
             logprobs = [lp for r, lp in zip(requests, logprobs) if id(r) in kept]
-        emit = self._emit
-        return [emit(req, [req.output_token_ids[-1]], [lp]) for req, lp in zip(resolved, logprobs)]
+            tokens = None
+        return self._emit_step(resolved, logprobs, tokens)
 
     def _sample(self, logits, requests: list[Request]) -> DeviceSample:
         """One step's tokens, on the device, under the requests' grammars (their masks are filled
@@ -437,8 +437,9 @@ class Engine:
             self.lora.activate_loads()   # adapters given a slot by this schedule, before its forward
         return out
 
-    def _step_sync(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+    def _step_sync(self, t0: float | None = None, speculative: bool = False) -> StepOutputs:
+        """`t0`, `speculative`: a speculative step that ran plain (`_step_speculative`)."""
+        t0 = time.perf_counter() if t0 is None else t0
         out = self._schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
@@ -455,10 +456,9 @@ class Engine:
             if extra is not None:   # after the sample: the grammar masks were filled beside the forward
                 self.prompt_logprobs.finish(extra)
         updated = self._settle_grammars(self.scheduler.update(out, sampled))
-        outputs = [self._emit(req, [req.output_token_ids[-1]], [logprobs.get(req.request_id)])
-                   for req in updated]
+        outputs = self._emit_step(updated, list(map(logprobs.get, map(_REQUEST_ID, updated))))
         if out.scheduled:
-            self._record_step(out, time.perf_counter() - t0)
+            self._record_step(out, time.perf_counter() - t0, len(updated) if speculative else None)
         return outputs
 
     def _step_speculative(self) -> list[RequestOutput]:
@@ -467,13 +467,14 @@ class Engine:
         so a step still in flight (async scheduling) is resolved first."""
         t0 = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
-        outputs = self._resolve(prev) if prev is not None else []
+        outputs = list(self._resolve(prev)) if prev is not None else []
         spec, scheduler = self.spec, self.scheduler
         drafts = spec.propose(scheduler)
         # Nothing to verify (no n-gram match): a plain step costs less. While a prompt is being
         # scored (prompt logprobs) steps are plain too: only they carry its extra logits rows.
+        # Timed from t0 as a speculative step: proposing that found nothing is speculation's cost.
         if not drafts or self.prompt_logprobs.pending:
-            return outputs + self._step_sync()
+            return [*outputs, *self._step_sync(t0, speculative=True)]
         out = self._schedule(drafts)
         if not out.scheduled:
             return outputs
@@ -520,6 +521,18 @@ class Engine:
         if falls_back:
             self.prompt_logprobs.add(self.scheduler.get_request(request_id))
         return falls_back
+
+    def _emit_step(self, requests: list[Request], logprobs: list, tokens: list[int] | None = None) -> StepOutputs:
+        """A step's outputs for `requests`, each with its newest token (`tokens[i]`, when the
+        caller has them; `logprobs[i]`: its logprobs or None): token rows as columns, an `_emit`
+        for every other row (`engine.step_outputs`)."""
+        if tokens is None:
+            tokens = list(map(_LAST, map(_OUTPUTS, requests)))
+        rows = other_rows(requests, logprobs, self._detok, self.prompt_logprobs.has_done)
+        if rows is None:
+            return StepOutputs(requests, tokens)
+        emit = self._emit
+        return StepOutputs(requests, tokens, {i: emit(requests[i], [tokens[i]], [logprobs[i]]) for i in rows})
 
     def _emit(self, req: Request, new_ids: list[int], new_logprobs: list) -> RequestOutput:
         """The step's output for one request; runs its detokenizer, if it has one (stop strings)."""
@@ -607,7 +620,7 @@ class Engine:
         bar = progress(desc=progress_desc or "", total=len(reqs), unit="req", leave=True,
                        quiet=progress_desc is None)
         while self.has_unfinished_requests():
-            for o in self.step():
+            for o in split(self.step())[2]:      # token rows neither finish nor carry scores
                 if o.prompt_logprobs is not None:
                     scores[o.request_id] = o.prompt_logprobs
                 if o.finished:

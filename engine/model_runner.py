@@ -27,7 +27,7 @@ from engine.runner.inference import inference_mode
 from engine.runner.warmup import warm_up
 from engine.models.causal_lm import CausalLM
 from engine.prompt_logprobs import StepRows, sliced_logits
-from engine.step_inputs import StepInputs, StepTensors, max_layout_bytes
+from engine.step_inputs import PrevSample, StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,6 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("mallopt refused the CPU allocator settings; step times may suffer from page faults")
     return ok
-
-
-@dataclass(frozen=True)
-class PrevSample:
-    """The previous step's sampled ids, still on the device (async scheduling): `token_ids[rows[id]]`
-    is the token of request `id`, whose place in this step's input is `PLACEHOLDER_TOKEN_ID`."""
-
-    token_ids: torch.Tensor     # [num_sampled] int64, on the runner's device
-    rows: dict[str, int]
 
 
 class ModelRunner:
@@ -111,7 +102,7 @@ class ModelRunner:
 
     def prepare(self, scheduled, prev: PrevSample | None = None, extra: StepRows | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's tensors (eager layout)."""
-        return self.inputs.prepare(scheduled, prev_rows=None if prev is None else prev.rows,
+        return self.inputs.prepare(scheduled, prev_rows=prev,
                                    extra_logits_rows=None if extra is None else extra.rows,
                                    lora_slots=self._lora_slots(scheduled))
 

@@ -35,10 +35,10 @@ from engine.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, Tok
 from engine.grammar.mask import GrammarMask
 from engine.runner.inference import inference_mode
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from engine.sampling_screen import ScreenCache
 
 _MASK64 = (1 << 64) - 1
 _PARAMS = operator.attrgetter("sampling_params")
-_LOGPROBS, _TEMPERATURE, _MIN_TOKENS = (operator.attrgetter(name) for name in ("logprobs", "temperature", "min_tokens"))
 
 
 class SamplingRequest(Protocol):
@@ -68,6 +68,7 @@ class Sampler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._pinned = PinnedBuffers()
+        self._screens = ScreenCache()
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
                grammar: GrammarMask | None = None) -> SamplerOutput:
@@ -88,20 +89,18 @@ class Sampler:
         raw_logits = logits.float()  # [num_seqs, vocab]
         if grammar is not None:
             raw_logits = grammar.apply(raw_logits.clone() if raw_logits is logits else raw_logits)
-        # Per-request screens are C-level passes (map/attrgetter), and the Python comprehensions
-        # below run only for the rows a screen says need them: this runs for every request every step.
+        # The batch's params screened (penalties? logprobs? random rows?), reused while the batch
+        # stays (`engine.sampling_screen`): this runs for every request every step.
         params = list(map(_PARAMS, requests))
-        logits = self._apply_penalties(raw_logits, requests)
-        logits = self._apply_min_tokens(logits, requests, params,
-                                        grammar.end_only_rows if grammar is not None else ())
+        screen = self._screens.screen(params)
+        logits = self._apply_penalties(raw_logits, requests) if screen.penalized else raw_logits
+        if screen.min_tokens:
+            logits = self._apply_min_tokens(logits, requests, params,
+                                            grammar.end_only_rows if grammar is not None else ())
 
-        wanted = list(map(_LOGPROBS, params))
-        logprob_rows = [] if wanted.count(None) == len(wanted) else [i for i, n in enumerate(wanted) if n is not None]
+        logprob_rows, random_rows = screen.logprob_rows, screen.random_rows
         # Logprobs of only some rows need those rows' indices on the device: they ride along.
         some_logprobs = logprob_rows if 0 < len(logprob_rows) < len(params) else []
-        temperatures = list(map(_TEMPERATURE, params))
-        random_rows = [] if max(temperatures, default=0.0) < GREEDY_TEMPERATURE_EPS else [
-            i for i, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE_EPS]
         if random_rows:
             token_ids, device_logprob_rows = self._sample_random(
                 logits, requests, random_rows, some_logprobs, in_place=logits is not raw_logits)
@@ -119,13 +118,14 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
         """Repetition penalty over prompt+output tokens (HF/vLLM), presence/frequency over output
-        tokens (OpenAI: `logit -= frequency * count + presence * (count > 0)`).
+        tokens (OpenAI: `logit -= frequency * count + presence * (count > 0)`). Only for a batch
+        with a penalty (`BatchScreen.penalized`).
 
         Works on flat `row * vocab + token` keys of the tokens that occur, so the cost follows the
         number of tokens, not `rows x vocab`. The keys go up in one copy, the factors in another."""
-        if not any(map(has_penalty, map(_PARAMS, requests))):
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.penalized]
+        if not rows:
             return logits
-        rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling_params)]
         device = logits.device
         vocab = logits.shape[1]
         params = [r.sampling_params for r in requests]
@@ -162,9 +162,8 @@ class Sampler:
     def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest],
                           params: list[SamplingParams], exempt_rows: frozenset[int] | tuple = ()) -> torch.Tensor:
         """Forbid eos (unless ignore_eos) and the stop tokens until `min_tokens` have been produced;
-        not in `exempt_rows`, whose grammar allows nothing else (the grammar wins)."""
-        if not any(map(_MIN_TOKENS, params)):      # the usual batch: nobody asks for a minimum
-            return logits
+        not in `exempt_rows`, whose grammar allows nothing else (the grammar wins). Only for a
+        batch with a minimum (`BatchScreen.min_tokens`)."""
         vocab = logits.shape[1]
         keys: list[int] = []    # row * vocab + token
         for i, r in enumerate(requests):
@@ -221,11 +220,6 @@ class Sampler:
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device)
         return generator
-
-
-def has_penalty(p: SamplingParams) -> bool:
-    """Its sampling reads the values of earlier output tokens, not just their count."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _token_keys(token_lists: list[Sequence[int]], rows: list[int], vocab: int) -> np.ndarray:

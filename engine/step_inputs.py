@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -128,6 +129,37 @@ class StepTensors:
             self.input_ids.index_copy_(0, self.fill_dst, prev_token_ids.index_select(0, self.fill_src))
 
 
+class PrevSample(Mapping[str, int]):
+    """The previous step's sampled ids, still on the device (async scheduling): `token_ids[self[id]]`
+    is the token of request `id`, whose place in this step's input is `PLACEHOLDER_TOKEN_ID`.
+    Built from `rows` (request id -> row) or `ids` (the request id of each row), whose inverse
+    map is built on first use only: a batch in the same order as the sample never needs it
+    (`StepInputs.prepare` compares the ids)."""
+
+    __slots__ = ("token_ids", "ids", "_rows")
+
+    def __init__(self, token_ids: torch.Tensor, rows: dict[str, int] | None = None,
+                 ids: list[str] | None = None) -> None:
+        self.token_ids = token_ids      # [num_sampled] int64, on the runner's device
+        self.ids = ids
+        self._rows = rows
+
+    @property
+    def rows(self) -> dict[str, int]:
+        if self._rows is None:
+            self._rows = dict(zip(self.ids, range(len(self.ids))))
+        return self._rows
+
+    def __getitem__(self, request_id: str) -> int:
+        return self.rows[request_id]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 class StepInputs:
     """The staging buffers of one model runner (see the module docstring)."""
 
@@ -194,7 +226,8 @@ class StepInputs:
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
         (default: the widest table of the batch). `prev_rows` maps the request id of every seq
-        whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids.
+        whose token is `PLACEHOLDER_TOKEN_ID` to its row in the previous step's sampled ids (a
+        `PrevSample` that knows its ids: a batch in their order needs no lookup).
         `extra_logits_rows` (eager steps): more token rows for the head, after the sampled ones
         (prompt logprobs, `engine.prompt_logprobs`).
         `lora_slots` ([num seqs] int32): each seq's LoRA adapter slot (-1: none); None: no adapter.
@@ -251,15 +284,21 @@ class StepInputs:
                 h["fill_dst"][:] = fill_dst
         fill_in_order = False
         if num_fill:
-            if decode_only and num_fill == num_real:     # async decode: every token is on the device
-                waiting = request_ids
+            every_fill = decode_only and num_fill == num_real    # async decode: every token is on the device
+            if every_fill and isinstance(prev_rows, PrevSample) and prev_rows.ids is not None \
+                    and list(request_ids) == prev_rows.ids:      # the sample's own order
+                h["fill_src"][:] = np.arange(num_fill)
+                fill_in_order = True
             else:
-                q_lens = np.fromiter(map(len, token_lists), np.int64, num_real)
-                seq_of = fill_dst if decode_only else np.searchsorted(np.cumsum(q_lens), fill_dst, side="right")
-                waiting = [request_ids[i] for i in seq_of.tolist()]
-            fill_src = list(map(prev_rows.__getitem__, waiting))
-            h["fill_src"][:] = fill_src
-            fill_in_order = decode_only and num_fill == num_real and fill_src == list(range(num_fill))
+                if every_fill:
+                    waiting = request_ids
+                else:
+                    q_lens = np.fromiter(map(len, token_lists), np.int64, num_real)
+                    seq_of = fill_dst if decode_only else np.searchsorted(np.cumsum(q_lens), fill_dst, side="right")
+                    waiting = [request_ids[i] for i in seq_of.tolist()]
+                fill_src = list(map(prev_rows.__getitem__, waiting))
+                h["fill_src"][:] = fill_src
+                fill_in_order = every_fill and fill_src == list(range(num_fill))
 
         self._fill_block_table(table, block_lists, num_seqs, (num_tokens, num_seqs, width))
         start_pos = np.array(starts, dtype=np.int64)                                             # [S]

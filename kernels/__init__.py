@@ -14,6 +14,7 @@ from kernels import backend, checks
 from kernels.activation_ref import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.attention_ref import paged_attention_ref
 from kernels.fp8_quant_ref import quantize_fp8_rows_ref
+from kernels.grammar_mask_host import apply_grammar_mask_host
 from kernels.grammar_mask_ref import apply_grammar_mask_ref
 from kernels.kv_write_ref import write_kv_ref
 from kernels.lora_ref import LoRAPlan, lora_expand_ref, lora_plan_ref, lora_shrink_ref
@@ -177,6 +178,8 @@ def apply_grammar_mask(
     checks.check_grammar_mask(logits, bitmask, rows)
     if _use_triton(logits):
         _triton_fn("grammar_mask_triton", "apply_grammar_mask_triton")(logits, bitmask, rows)
+    elif logits.device.type == bitmask.device.type == rows.device.type == "cpu":
+        apply_grammar_mask_host(logits, bitmask, rows)
     else:
         apply_grammar_mask_ref(logits, bitmask, rows)
 def fused_moe(

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, replace
 
 from cbserve.cluster_spec import ClusterSpec
-from cbserve.goodput import prom
+from cbserve.goodput import cpu, prom
 from cbserve.goodput.loadgen import run_open_loop
 from cbserve.goodput.stats import RequestResult, percentile
 from cbserve.goodput.workloads import MIXES, RequestSpec, random_text
@@ -156,6 +156,36 @@ def _serving_from_probes(fit: dict, kv_bytes_per_token: int) -> ServingProfile:
                           kv_bytes_per_s=kv_bytes_per_token / slope if slope > 0 else float("inf"))
 
 
+def _serving_cpu(profile: Profile, requests: list[RequestSpec], results: list[RequestResult],
+                 cpu_seconds: dict[str, float], fields: dict) -> tuple[float, int]:
+    """(CPU seconds of the serving path, tokens streamed) in one load run: every process's CPU
+    (router, pods, the client) less what the pods' steps took (the cost model on the simulated
+    run's steps: the same requests' batches)."""
+    _, steps = _simulate(with_serving(profile, ServingProfile()), requests, fields)
+    total = sum(v for k, v in cpu_seconds.items() if k != "wall")
+    tokens = sum(r.num_output_tokens for r in results)
+    return max(0.0, total - sum(busy for busy, _ in steps.values())), tokens
+
+
+def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: ServingProfile) -> ServingProfile:
+    """The cores the in-situ processes shared and the serving path's CPU per streamed token, from
+    both load runs' process CPU seconds (profiles made before they were recorded: no sharing)."""
+    device = profile.data.get("device", {})
+    runs = [(raw["load_rate"], raw.get("load", []), raw.get("cpu_seconds"), PD)]
+    colocated = raw.get("colocated") or {}
+    runs.append((colocated.get("load_rate"), colocated.get("load", []), colocated.get("cpu_seconds"), COLOCATED))
+    serving_cpu, tokens = 0.0, 0
+    for rate, results, cpu_seconds, fields in runs:
+        if not cpu_seconds or rate is None:
+            continue
+        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
+        c, n = _serving_cpu(profile, requests, [RequestResult(**r) for r in results], cpu_seconds, fields)
+        serving_cpu, tokens = serving_cpu + c, tokens + n
+    if device.get("type") != "cpu" or not tokens:
+        return serving
+    return replace(serving, cores=float(device.get("cpu_count") or 1), cpu_per_token_s=serving_cpu / tokens)
+
+
 def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
                     serving: ServingProfile) -> ServingProfile:
     """Each role's measured mean step over the simulated one (at the current factors), times them."""
@@ -264,18 +294,18 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         model_id = args.model
         asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
         probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
-        load_results, step_seconds = _load_run(cluster, load, model_id)
+        load_results, step_seconds, cpu_used = _load_run(cluster, load, model_id)
     # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run.
     colocated_rate = _load_rate(with_serving(profile, ServingProfile()), settings, COLOCATED)
     colocated_load = mix.requests(colocated_rate, settings.seconds, settings.seed)
     log(f"# profile: in situ on a colocated-2 cluster: {settings.mix} at {colocated_rate:g} req/s")
     with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=2), log_dir=log_dir) as cluster:
         asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
-        colocated_results, colocated_steps = _load_run(cluster, colocated_load, args.model)
+        colocated_results, colocated_steps, colocated_cpu = _load_run(cluster, colocated_load, args.model)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
-           "load_rate": rate, "step_seconds": step_seconds,
+           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used,
            "colocated": {"load_rate": colocated_rate, "load": [_result_json(r) for r in colocated_results],
-                         "step_seconds": colocated_steps},
+                         "step_seconds": colocated_steps, "cpu_seconds": colocated_cpu},
            "seconds": time.monotonic() - started}
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
@@ -284,14 +314,16 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
 def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str):
     """The client's results and each role's (sum, count) of step seconds over the run."""
     before = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
+    cpu_before, started = cpu.cluster_cpu_seconds(cluster), time.monotonic()
     results, _ = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=120, desc="load"))
+    cpu_used = cpu.delta(cpu.cluster_cpu_seconds(cluster), cpu_before) | {"wall": time.monotonic() - started}
     after = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
     by_role: dict[str, prom.Samples] = {}
     for p in cluster.pods:
         for key, value in prom.delta(after[p.name], before[p.name]).items():
             by_role.setdefault(p.role, {})
             by_role[p.role][key] = by_role[p.role].get(key, 0.0) + value
-    return results, _step_means(by_role)
+    return results, _step_means(by_role), cpu_used
 
 
 def _result_json(r: RequestResult) -> dict:
@@ -311,6 +343,7 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
 
     probe_fit = _fit_probes(profile, probes, probe_results)
     serving = _serving_from_probes(probe_fit, profile.engine["kv_bytes_per_token"])
+    serving = _fit_cpu(profile, raw, settings, serving)
     serving = _fit_contention(profile, load, measured_steps, serving)
     # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path
     # (TTFT); then the machine's slow stretches (the tails: TTFT's and TPOT's p90 over p50), and

@@ -7,7 +7,8 @@
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
      "grid": [measurements], "held_out_points": [measurements],
      "serving": {"contention", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s",
-                 "kv_bytes_per_s", "in_situ": {...what was measured}} | null,
+                 "kv_bytes_per_s", "jitter_sigma", "cores", "cpu_per_token_s",
+                 "in_situ": {...what was measured}} | null,
      "seconds": {"grid", "in_situ"}}
 
 `serving` is null for a profile made with `--no-in-situ` (the engine alone; the planner then
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cbserve.planner.cost_model import StepCostModel
+from cbserve.planner.cpu_share import CpuShareCosts
 from cbserve.planner.sim_cluster import PodShape, ServingCosts
 from cbserve.planner.sim_pod import PodCosts
 from engine.config import SchedulerConfig
@@ -50,6 +52,8 @@ class ServingProfile:
     kv_bytes_per_s: float = float("inf")
     jitter_sigma: float = 0.0         # the machine's slow stretches (`sim_pod.Jitter`)
     jitter_period_s: float = 1.0
+    cores: float = 0.0                # the cores pods, router and client share (`cpu_share`; 0: none)
+    cpu_per_token_s: float = 0.0      # the serving path's CPU per streamed token, on those cores
     in_situ: dict = field(default_factory=dict)     # the measurements behind these numbers
 
     def contention_of(self, role: str) -> float:
@@ -61,14 +65,15 @@ class ServingProfile:
             else self.colocated_contention
 
     def costs(self) -> ServingCosts:
-        return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s)
+        return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s,
+                            CpuShareCosts(self.cores, self.cpu_per_token_s))
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
-                      "in_situ": self.in_situ}
+                      "cores": self.cores, "cpu_per_token_s": self.cpu_per_token_s, "in_situ": self.in_situ}
 
     @classmethod
     def from_json(cls, value: dict) -> ServingProfile:
@@ -78,7 +83,8 @@ class ServingProfile:
                    None if colocated is None else float(colocated), float(value["step_gap_s"]), float(value["http_in_s"]),
                    float(value["rpc_s"]), float(value["token_out_s"]), float(value["kv_message_s"]),
                    float("inf") if rate is None else float(rate), float(value.get("jitter_sigma", 0.0)),
-                   float(value.get("jitter_period_s", 1.0)), dict(value.get("in_situ", {})))
+                   float(value.get("jitter_period_s", 1.0)), float(value.get("cores", 0.0)),
+                   float(value.get("cpu_per_token_s", 0.0)), dict(value.get("in_situ", {})))
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ class Profile:
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
         c = (self.serving or ServingProfile()).costs()
         return ServingCosts(c.http_in_s * overhead_scale, c.rpc_s * overhead_scale, c.token_out_s * overhead_scale,
-                            c.kv_message_s * overhead_scale, c.kv_bytes_per_s)
+                            c.kv_message_s * overhead_scale, c.kv_bytes_per_s, c.cpu)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

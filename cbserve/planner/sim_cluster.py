@@ -4,7 +4,8 @@ What runs is production code: every pod's `Scheduler` and `KVCacheManager` (`sim
 the router's `Dispatcher` built by `router.dispatch.build_dispatcher` (load tracker, `PodState`s
 fed the pods' `LoadReport`s every `load_interval_seconds`, the policy with its step-time model and
 latency calibrations, prefix index, admission with its deadline-ordered queue). What is modelled:
-step durations (`PodCosts`, times one machine-wide `Jitter`), the serving path's latencies
+step durations (`PodCosts`, times the cores' share `CpuShare` where pods share a machine, times one
+machine-wide `Jitter`), the serving path's latencies
 (`ServingCosts`), and KV transfer time (a message latency plus bytes / bandwidth, per message). A request's life, as the router runs it:
 
 1. the client sends it at its arrival instant; the router has it `http_in_s` later and admits it
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.goodput.stats import RequestResult
 from cbserve.goodput.workloads import RequestSpec
+from cbserve.planner.cpu_share import CpuShare, CpuShareCosts
 from cbserve.planner.sim_pod import SAMPLED_TOKEN_ID, Jitter, PodCosts, SimPod
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
@@ -58,6 +60,7 @@ class ServingCosts:
     token_out_s: float = 0.0        # a token sampled on a pod -> the client (and the router) has it
     kv_message_s: float = 0.0       # per KV message between pods
     kv_bytes_per_s: float = float("inf")
+    cpu: CpuShareCosts = CpuShareCosts()    # the cores pods, router and client share (none: 0 cores)
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,13 @@ class SimCluster:
             if isinstance(getattr(profile.picker, "rng", None), random.Random):
                 profile.picker.rng = random.Random(f"picker:{seed}:{n}")
         spec = ClusterSpec(model="sim", port=0, **fields)
+        self.cpu_share = CpuShare(serving.cpu, self.clock) if serving.cpu.cores > 0 else None
         self.pods: dict[str, SimPod] = {}
         self._tasks: list[asyncio.Task] = []
         for name, role in spec.pod_roles():
             costs = pod_costs[role] if isinstance(pod_costs, dict) else pod_costs
             pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching), costs, self._on_step, self.clock,
-                         jitter)
+                         jitter, self.cpu_share)
             state = PodState(PodEndpoint(name, role, name), client=None, healthy=True, clock=self.clock)
             self.pods[name] = pod
             self.dispatcher.tracker.pods[name] = state
@@ -306,6 +310,8 @@ class SimCluster:
         if flow.closed:
             return
         at = sampled_at + self.serving.token_out_s
+        if self.cpu_share is not None:
+            self.cpu_share.serving_work(1)
         result = flow.result
         result.num_chunks += 1
         loop = asyncio.get_running_loop()

@@ -10,7 +10,8 @@ irrelevant to scheduling: requests set `ignore_eos` and `max_tokens`, so every s
 same placeholder id and lengths alone decide when a request ends.
 
 The step costs `PodCosts.step_seconds(out)`: the profiled cost model on the step's shape times the
-in-situ contention factor, times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
+in-situ contention factor, times the share of the cores it gets (`cpu_share.CpuShare`, where the
+pods share a machine's cores), times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
 from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 `REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
 """
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cbserve.planner.cost_model import StepCostModel
+from cbserve.planner.cpu_share import CpuShare
 from cbserve.planner.step_shape import StepShape
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
@@ -76,10 +78,12 @@ class SimPod:
     """One pod: `submit` commands, `run()` as a task, `load_report()` for the router."""
 
     def __init__(self, name: str, role: str, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 costs: PodCosts, on_step: StepHook, clock: Callable[[], float], jitter: Jitter | None = None) -> None:
+                 costs: PodCosts, on_step: StepHook, clock: Callable[[], float], jitter: Jitter | None = None,
+                 cpu_share: CpuShare | None = None) -> None:
         self.name, self.role = name, role
         self.costs = costs
         self.jitter = jitter
+        self.cpu_share = cpu_share
         self.clock = clock
         self.on_step = on_step
         self.scheduler = Scheduler(scheduler_config, cache_config, role="prefill" if role == "prefill" else "decode",
@@ -132,8 +136,12 @@ class SimPod:
             seconds = 0.0
             if out.scheduled:
                 seconds = costs.step_seconds(out)
+                if self.cpu_share is not None:
+                    seconds *= self.cpu_share.factor(self.name)
                 if self.jitter is not None:
                     seconds *= self.jitter.factor(self.clock())
+                if self.cpu_share is not None:
+                    self.cpu_share.stepped(self.name, self.clock(), self.clock() + seconds)
                 await asyncio.sleep(seconds)
                 sampled = {seq.request_id: SAMPLED_TOKEN_ID for seq in out.scheduled if seq.sample}
             updated = scheduler.update(out, sampled)

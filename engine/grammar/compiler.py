@@ -50,6 +50,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._backend: Future[GrammarBackend] = self._pool.submit(make_backend)
         self._cache: collections.OrderedDict[str, Future[CompiledGrammar]] = collections.OrderedDict()
+        self._fingerprints: dict[str, str] = {}   # spec key -> fingerprint, for the cached specs
         self._lock = threading.Lock()
         self._stats = CompileStats()
 
@@ -64,7 +65,7 @@ class GrammarCompiler:
                 return future
             future = self._cache[key] = self._pool.submit(self._compile, spec)
             while len(self._cache) > self.cache_size:   # holders of an evicted future keep it
-                self._cache.popitem(last=False)
+                self._fingerprints.pop(self._cache.popitem(last=False)[0], None)
             return future
 
     def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
@@ -87,10 +88,18 @@ class GrammarCompiler:
         return self._backend.result()
 
     def fingerprint(self, spec: StructuredSpec) -> str:
-        """sha256 of (backend, version, spec key, token table hash, logits width)."""
-        b = self.backend
-        return hashlib.sha256(json.dumps([b.name, b.version, spec.key, b.tokenizer_hash, b.vocab_width])
-                              .encode()).hexdigest()
+        """sha256 of (backend, version, spec key, token table hash, logits width); a dict lookup
+        for a cached spec (it is read on the engine thread for every first token of P/D)."""
+        key = spec.key
+        fingerprint = self._fingerprints.get(key)
+        if fingerprint is None:
+            b = self.backend
+            fingerprint = hashlib.sha256(json.dumps([b.name, b.version, key, b.tokenizer_hash, b.vocab_width])
+                                         .encode()).hexdigest()
+            with self._lock:
+                if key in self._cache:
+                    self._fingerprints[key] = fingerprint
+        return fingerprint
 
     def take_stats(self) -> CompileStats:
         """What happened since the last call."""

@@ -47,7 +47,10 @@ class BitmaskBuffers:
     def _allocate(self, rows: int) -> None:
         cuda = self.device.type == "cuda"
         self._host = torch.zeros(rows, self.words, dtype=torch.int32, pin_memory=cuda)
+        self._host_array = self._host.numpy()
         self._device = torch.empty(rows, self.words, dtype=torch.int32, device=self.device) if cuda else None
+        # Sampler rows 0..n-1 (every row constrained, 100% structured traffic): no new index tensor.
+        self._first_rows = torch.arange(rows, device=self.device)
 
     def host_rows(self, num_rows: int) -> np.ndarray:
         """`int32[num_rows, words]` for the backend to fill, once the last upload has left it."""
@@ -56,11 +59,15 @@ class BitmaskBuffers:
             self._copied = None
         if num_rows > self._host.shape[0]:
             self._allocate(1 << (num_rows - 1).bit_length())
-        return self._host.numpy()[:num_rows]
+        return self._host_array[:num_rows]
 
     def upload(self, num_rows: int, sampler_rows: list[int], end_only_rows: frozenset[int]) -> GrammarMask:
-        """The filled rows as a `GrammarMask` on the device (queued, not waited for)."""
-        rows = to_device(torch.tensor(sampler_rows, dtype=torch.int64), self.device)
+        """The filled rows as a `GrammarMask` on the device (queued, not waited for).
+        `sampler_rows`: increasing, so the last one is `num_rows - 1` only when they are 0..n-1."""
+        if sampler_rows[-1] == num_rows - 1:
+            rows = self._first_rows[:num_rows]
+        else:
+            rows = to_device(torch.tensor(sampler_rows, dtype=torch.int64), self.device)
         if self._device is None:
             return GrammarMask(self._host[:num_rows], rows, end_only_rows)
         bitmask = self._device[:num_rows]

@@ -9,6 +9,8 @@ One rule per case:
 - `tool_choice` `auto` with a constraint: calls, or an answer in the constraint (an agent that
   sends an output schema and tools gets either), for JSON, regex and choice constraints (a Lark
   grammar has its own `start` and is refused next to tools);
+- `auto` with a `strict` tool and no constraint: calls (each held to its tool's schema), or free
+  text that the parser reads as no call (`free_answer`);
 - `auto` alone: no grammar; the parser reads whatever calls the model writes.
 With a reasoning parser the grammar starts at the end of the thinking (`after_token_ids`, the
 tokens of `</think>`) unless the prompt already ended it, and the answer is read from there on;
@@ -33,7 +35,8 @@ from router.reasoning.parser import ReasoningFormat, initial_state
 from router.structured.surface import Constraint
 from router.structured.validate import SpecValidator
 from router.tools.formats import JSON_LIST, ToolCallFormat
-from router.tools.grammar import answer_lark, calls_lark, choice_answer, json_answer, regex_answer, think_block
+from router.tools.grammar import (answer_lark, calls_lark, choice_answer, free_answer, json_answer, regex_answer,
+                                  think_block)
 from router.tools.request import ToolRequest, tool_request
 
 
@@ -127,6 +130,11 @@ def chat_plan(features: OutputFeatures, constraint: Constraint | None, tools: To
         grammar = calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel, literal=features.literal,
                              answer=answer, think=think)
         spec = _lark(features, grammar, grammar_after, constraint.param)
+    elif tools is not None and tools.choice == "auto" and tools.strict:
+        free = free_answer(fmt.parse, lambda marker: features.special_marker_id(marker) is not None)
+        grammar = calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel, literal=features.literal,
+                             answer="FREE_TEXT", think=think, tokens={"FREE_TEXT": free})
+        spec = _lark(features, grammar, grammar_after, "tools")
     elif constraint is not None:
         spec = features.validator.spec_for(constraint, after)
         if think is not None and spec.kind != "lark":     # a Lark grammar has its own start: after_token_ids

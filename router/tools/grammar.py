@@ -1,7 +1,8 @@
 """Lark grammars (llguidance's dialect, `%json` for arguments) that force tool calls in a model's
 own format: `tool_choice: "required"` (one or more calls of any tool), a named function (exactly
 that one), `parallel_tool_calls: false` (exactly one call), and `auto` next to a `response_format`
-(calls, or an answer in the format).
+(calls, or an answer in the format) or with `strict` tools (calls, or free text that the format's
+parser reads as no call: `free_answer`).
 
 Each call is its own `%json` schema, `{"name": {"const": ...}, "<args>": <the tool's parameters>}`
 with keys in that order and the separators of `json.dumps` (`", "`, `": "`), which is the text
@@ -16,11 +17,13 @@ model writes after `</think>`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.grammar.source import json_whitespace_options
 from router.tools.formats import CallSyntax
+from router.tools.stream import ToolFormat
 
 # `x-guidance` options on every forced JSON value: fixed whitespace, json.dumps' separators.
 CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -63,13 +66,15 @@ def _start(body: str, think: str | None, rules: list[str]) -> str:
 
 
 def calls_lark(syntax: CallSyntax, tools: Sequence[tuple[str, dict[str, Any] | None]], *, parallel: bool,
-               literal: Callable[[str], str], answer: str | None = None, think: str | None = None) -> str:
+               literal: Callable[[str], str], answer: str | None = None, think: str | None = None,
+               tokens: dict[str, str] | None = None) -> str:
     """A grammar whose every sentence is one call (or, with `parallel`, one or more) of `tools`
     (`(name, parameters)` pairs), in `syntax`; or, given `answer` (a Lark expression), either that
-    or an answer matching it; after an optional `think` block (`think_block`).
+    or an answer matching it; after an optional `think` block (`think_block`). `tokens`: terminal
+    rules `answer` uses (`{NAME: body}`, e.g. `free_answer`'s).
 
     `literal(text)` spells a piece of the syntax: a quoted string, or a special token."""
-    rules = ["%llguidance {}"]
+    rules = ["%llguidance {}"] + [f"{name}: {body}" for name, body in (tokens or {}).items()]
     call = " ".join(p for p in (_pieces(syntax.open, literal), "fn", _pieces(syntax.close, literal)) if p)
     more = f' ({_pieces(syntax.sep, literal)} call)*' if parallel else ""
     body = " ".join(p for p in (_pieces(syntax.prefix, literal), f"call{more}", _pieces(syntax.suffix, literal))
@@ -92,6 +97,30 @@ def answer_lark(answer: str, think: str) -> str:
     rules.insert(1, _start("LEAD? answer", think, rules))
     rules += [r"LEAD: /[ \n]{1,2}/", f"answer: {answer}"]
     return "\n".join(rules) + "\n"
+
+
+ANY_TEXT = r"/(.|\n)*/"
+
+
+def free_answer(parse: ToolFormat, is_special: Callable[[str], bool]) -> str:
+    """The body of a terminal rule (`&` and `~` work on terminals only) for free text that `parse`
+    reads as no call: where calls follow a marker anywhere, text without that marker; where the
+    reply itself is the calls (anchored formats), text that does not open like them (`{` or `[`,
+    or the prefix marker, after whitespace). A marker that is a special token (`is_special`) never
+    appears in text, so it needs no exclusion."""
+    if parse.start_marker is not None:
+        if is_special(parse.start_marker):
+            return ANY_TEXT
+        return rf"{ANY_TEXT} & ~/(.|\n)*{_regex(parse.start_marker)}(.|\n)*/"
+    opens = [r"\[" if parse.array else r"\{"]
+    if parse.start_prefix and not is_special(parse.start_prefix):
+        opens.append(_regex(parse.start_prefix))
+    return rf"{ANY_TEXT} & ~/[ \t\n\r]*({'|'.join(opens)})(.|\n)*/"
+
+
+def _regex(text: str) -> str:
+    """`text` matched literally inside a Lark `/.../` regex."""
+    return re.escape(text).replace("/", "\\/")
 
 
 def json_answer(schema: dict[str, Any] | None, any_whitespace: bool) -> str:

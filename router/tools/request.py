@@ -30,6 +30,7 @@ class FunctionSpec:
     name: str
     description: str | None
     parameters: dict[str, Any] | None
+    strict: bool = False         # OpenAI's `strict`: calls must match `parameters`
 
     def template_tool(self) -> dict[str, Any]:
         """The OpenAI tool object chat templates are given (`tool.function.name`, ...)."""
@@ -54,6 +55,11 @@ class ToolRequest:
     @property
     def parses_calls(self) -> bool:
         return self.choice != "none"
+
+    @property
+    def strict(self) -> bool:
+        """A tool asks for `strict` calls: under `auto` every call is held to its tool's schema."""
+        return any(t.strict for t in self.tools)
 
     @property
     def forced(self) -> bool:
@@ -104,7 +110,8 @@ def tool_request(request: Any, validator: SpecValidator, *, has_parser: bool, au
         seen.add(definition.name)
         if definition.parameters is not None:
             validator.spec_for(Constraint("json_schema", definition.parameters, f"{where}.parameters"))
-        tools.append(FunctionSpec(definition.name, definition.description, definition.parameters))
+        tools.append(FunctionSpec(definition.name, definition.description, definition.parameters,
+                                  definition.strict is True))
     if choice == "named" and named not in seen:
         raise bad_request(f"{choice_param}: no tool is named {named!r}", param=choice_param)
     if choice == "auto" and not (has_parser and auto_enabled):

@@ -22,9 +22,9 @@ def checked(tmp_path_factory):
     directory = tmp_path_factory.mktemp("plan_check")
     profile.save(directory / "profile.json")
     # "Measured": the same simulator on a machine twice to three times as loaded as the profile's.
-    rows = sweep(sim_model(profile), "pd-goodput", MIXES["chat"], [2.0], 8.0, 0, SLO, warmup=4,
+    rows = sweep(sim_model(profile), "pd-goodput", MIXES["chat"], [2.0], 6.0, 0, SLO, warmup=4,
                  stop_below_attainment=0.0, contention={2.0: TRUE_CONTENTION})
-    meta = {"model": "tiny", "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0, "duration_s": 8.0, "seed": 0,
+    meta = {"model": "tiny", "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0, "duration_s": 6.0, "seed": 0,
             "prefix_caching": "auto"}
     (directory / "measured.json").write_text(json.dumps({"meta": meta, "rows": [dict(r, mix="chat") for r in rows]}))
     return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"))

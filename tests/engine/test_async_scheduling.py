@@ -9,13 +9,16 @@ logic is what is tested here.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
+import engine.engine as engine_module
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.step_outputs import StepOutputs, split
 from tests.engine.pd_handoff import run_disaggregated
 
 
@@ -48,8 +51,9 @@ def _same(engines, prompts, params):
     return want
 
 
-def test_async_engine_is_on_only_where_asked():
-    assert make_engine(True).async_scheduling and not make_engine(False).async_scheduling
+def test_async_engine_is_on_only_where_asked(engines):
+    sync, async_ = engines          # make_engine(False), make_engine(True)
+    assert async_.async_scheduling and not sync.async_scheduling
     assert not Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=16))).async_scheduling  # CPU
     assert not make_engine(True, role="prefill").async_scheduling
 
@@ -144,3 +148,56 @@ def test_decode_role_landing_remote_kv_equals_colocated():
     prefill, decode = make_engine(False, role="prefill"), make_engine(True, role="decode")
     assert run_disaggregated(prefill, decode, prompts, params) == [w.output_token_ids for w in want]
     assert decode.stats().kv_cache_usage == 0.0
+
+
+def _view(out):
+    """An output's fields as of now (the run's clock aside: times only as set or not)."""
+    fields = dataclasses.asdict(out)
+    for name in ("first_token_time", "arrival_time", "first_scheduled_time"):
+        fields[name] = fields[name] is not None
+    fields.pop("num_cached_tokens")
+    return fields
+
+
+def _streams(engine, prompts, params, ids) -> tuple[dict[str, list], list]:
+    for prompt, p, rid in zip(prompts, params, ids):
+        engine.add_request(prompt, p, request_id=rid)
+    streams, steps = {rid: [] for rid in ids}, []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps.append(outputs)
+        for out in outputs:
+            streams[out.request_id].append(_view(out))
+    return streams, steps
+
+
+def test_a_steps_batched_outputs_read_as_the_per_request_outputs(engines, monkeypatch):
+    """`StepOutputs` (token rows as columns) reads exactly as the per-request outputs the engine
+    builds when every row is its own `RequestOutput`, whatever the row needs (logprobs, prompt
+    logprobs, a stop string or token, a length stop), and `split` (the decode pod's packing)
+    partitions it into the same rows."""
+    async_ = engines[1]
+    # As in the pods: text only where a stop string needs it (other rows are token rows).
+    monkeypatch.setattr(async_, "config", dataclasses.replace(async_.config, detokenize=False))
+    prompts = [_prompt(50 + s, 8 + s) for s in range(5)]   # under a block: no prefix-cache hits, same floats
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=6, stop=["\x7f\x7f\x7f"]),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=5)]
+    ids = [f"rows-{s}" for s in range(5)]
+    with monkeypatch.context() as m:     # every row its own RequestOutput: the per-request view
+        m.setattr(engine_module, "other_rows", lambda requests, *_: list(range(len(requests))))
+        want, _ = _streams(async_, prompts, params, ids)
+    got, steps = _streams(async_, prompts, params, ids)
+    assert got == want and all(stream[-1]["finished"] for stream in got.values())
+    batched = [s for s in steps if isinstance(s, StepOutputs)]
+    assert any(len(s.others) < len(s) for s in batched) and any(s.others for s in batched)
+    for outputs in batched:
+        token_ids, tokens, others = split(outputs, own=lambda rid: rid == "rows-0")
+        views = [_view(o) for o in outputs]
+        assert [_view(outputs[i]) for i in range(len(outputs))] == views
+        assert sorted(token_ids + [o.request_id for o in others]) == sorted(v["request_id"] for v in views)
+        assert "rows-0" not in token_ids and all(not o.finished for o in map(outputs.__getitem__, [
+            i for i, r in enumerate(outputs.requests) if r.request_id in token_ids]))
+        assert [outputs.token_ids[i] for i, r in enumerate(outputs.requests) if r.request_id in token_ids] == tokens

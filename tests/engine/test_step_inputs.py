@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
-from engine.step_inputs import ALIGN, Layout, StepInputs, max_layout_bytes
+from engine.step_inputs import ALIGN, Layout, PrevSample, StepInputs, max_layout_bytes
 
 BLOCK = 4
 CPU = torch.device("cpu")
@@ -61,7 +61,8 @@ def test_a_reused_buffer_plans_what_a_fresh_one_plans():
         on_device = rng.choice([lambda i: True, lambda i: i % 2 == 1, lambda i: False])   # async: all, some, none
         batch = [ScheduledSeq(rid, (PLACEHOLDER_TOKEN_ID if on_device(i) else rng.randrange(100),), lengths[rid] - 1,
                               tables[rid], True) for i, rid in enumerate(order)]
-        prev = {rid: j for j, rid in enumerate(reversed(order))}
+        # The previous sample in reverse order (a gather), or in this order, known by its ids (a copy).
+        prev = {rid: j for j, rid in enumerate(reversed(order))} if step % 3 else PrevSample(None, ids=list(order))
         pad = 16 if step % 7 else len(batch) + rng.randrange(3)          # mostly one bucket: steady steps
         got = _snapshot(staging.prepare(batch, pad_to=pad, width=8, prev_rows=prev))
         fresh = StepInputs(max_layout_bytes(16, 16, 8), BLOCK, CPU, growable=False)
@@ -76,13 +77,16 @@ def test_a_mixed_step_between_decodes_rewrites_the_table():
     assert _snapshot(staging.prepare(decodes, pad_to=4, width=4)) == first
 
 
+@pytest.mark.parametrize("by_ids", [False, True])
 @pytest.mark.parametrize("rows", [{"a": 0, "b": 1, "c": 2}, {"a": 2, "b": 0, "c": 1}])
-def test_tokens_on_the_device_fill_in_order_or_by_gather(rows):
+def test_tokens_on_the_device_fill_in_order_or_by_gather(rows, by_ids):
     """A steady batch (same requests, same order) copies the previous sample as it is; any other
-    order gathers it. Both put each request's token in its row."""
+    order gathers it. Both put each request's token in its row, whether the sample's rows come as
+    a map or as its ids (`PrevSample`: compared in order, the map built only for a gather)."""
     staging = StepInputs(max_layout_bytes(8, 8, 4), BLOCK, CPU, growable=False)
     batch = [ScheduledSeq(rid, (PLACEHOLDER_TOKEN_ID,), 3, (1 + i,), True) for i, rid in enumerate("abc")]
-    t = staging.prepare(batch, pad_to=4, width=4, prev_rows=rows)
+    prev_rows = PrevSample(None, ids=sorted(rows, key=rows.get)) if by_ids else rows
+    t = staging.prepare(batch, pad_to=4, width=4, prev_rows=prev_rows)
     assert t.fill_in_order == (rows == {"a": 0, "b": 1, "c": 2})
     prev = torch.tensor([70, 71, 72])
     t.fill_from(prev)

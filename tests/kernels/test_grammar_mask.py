@@ -1,5 +1,5 @@
-"""The structured-output mask (`kernels.apply_grammar_mask`): reference against llguidance's own
-bit order, Triton (interpreted on CPU) against the reference."""
+"""The structured-output mask (`kernels.apply_grammar_mask`): the reference and the host path
+against llguidance's own bit order, Triton (interpreted on CPU) against the reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import pytest
 import torch
 
 import kernels
+from kernels.grammar_mask_host import apply_grammar_mask_host
 from kernels.grammar_mask_ref import apply_grammar_mask_ref
+
+IMPLEMENTATIONS = pytest.mark.parametrize("apply", [apply_grammar_mask_ref, apply_grammar_mask_host],
+                                          ids=["ref", "host"])
 
 
 def _bitmask(allowed: list[list[int]], words: int) -> torch.Tensor:
@@ -31,11 +35,12 @@ def _cases(seed: int, num_seqs: int, vocab: int, words: int):
     return logits, _bitmask(allowed, words), rows, allowed
 
 
-def test_reference_follows_llguidance_bit_order():
+@IMPLEMENTATIONS
+def test_reference_follows_llguidance_bit_order(apply):
     llg_numpy = pytest.importorskip("llguidance.numpy")
     logits, bitmask, rows, _ = _cases(0, 5, 77, 3)     # 77: not a multiple of 32
     ours = logits.clone()
-    apply_grammar_mask_ref(ours, bitmask, rows)
+    apply(ours, bitmask, rows)
     theirs = logits.numpy().copy()
     selected = theirs[rows.numpy()]
     llg_numpy.apply_token_bitmask_inplace(selected, bitmask.numpy())
@@ -82,6 +87,24 @@ def test_triton_strided_logits_and_no_masks(triton_backend):
     empty = torch.zeros(0, 8, dtype=torch.int32, device=triton_backend)
     kernels.apply_grammar_mask(got, empty, torch.zeros(0, dtype=torch.int64, device=triton_backend))
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_host_path_equals_reference(dtype):
+    """The launcher's CPU path, with masks on every row in order (in place, no gather), in
+    another order, and on some rows (a gather and a scatter)."""
+    logits, bitmask, _, _ = _cases(3, 3, 100, 2)          # 100 > 64: padded ids masked too
+    logits = logits.to(dtype)
+    for rows in (torch.arange(3), torch.tensor([2, 0, 1])):
+        want, got = logits.clone(), logits.clone()
+        apply_grammar_mask_ref(want, bitmask, rows)
+        kernels.apply_grammar_mask(got, bitmask, rows)
+        assert torch.equal(got, want)
+    wide, some_masks, some_rows, _ = _cases(4, 6, 5000, 157)
+    want, got = wide.clone(), wide.clone()
+    apply_grammar_mask_ref(want, some_masks, some_rows)
+    kernels.apply_grammar_mask(got, some_masks, some_rows)
+    assert torch.equal(got, want) and not torch.equal(got, wide)
 
 
 def test_launcher_refuses_bad_inputs():

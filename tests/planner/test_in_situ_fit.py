@@ -28,8 +28,41 @@ def test_probes_recover_path_contention_and_kv_bandwidth(profile):
 
 
 def test_probes_run_one_at_a_time(profile):
-    probes = probe_requests(profile, repeats=3, seed=1)
-    assert len(probes) == 18 and {p.max_tokens for p in probes} == {2, 24}
+    probes = probe_requests(profile, repeats=2, seed=1)
+    assert len(probes) == 12 and {p.max_tokens for p in probes} == {2, 24}
     measured, _ = _simulate(with_serving(profile, TRUTH), probes)
     spans = sorted((r.sent_s, r.done_s) for r in measured)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # no overlap: each alone on the cluster
+
+
+def test_cores_shared_by_steps_and_serving_slow_a_step_down():
+    from cbserve.planner.cpu_share import CpuShare, CpuShareCosts
+
+    now = [0.0]
+    share = CpuShare(CpuShareCosts(cores=2, cpu_per_token_s=0.001), lambda: now[0])
+    assert share.factor("a") == 1.0                   # alone: a core to itself
+    share.stepped("b", 0.0, 10.0)                     # b steps throughout
+    now[0] = 1.0
+    assert share.factor("a") == 1.0                   # a and b: one core each
+    for _ in range(1000):                             # 1000 tokens in the last second: one more core wanted
+        share.serving_work(1)
+    assert share.factor("a") == pytest.approx(1.5)    # 3 wanting, 2 cores
+    now[0] = 2.5                                      # the tokens are out of the window again
+    assert share.factor("a") == 1.0
+    assert CpuShare(CpuShareCosts(cores=0), lambda: 0.0).factor("a") == 1.0
+
+
+def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_steps(profile):
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import InSituSettings, _fit_cpu, _result_json
+
+    settings = InSituSettings(seconds=2.0)
+    requests = MIXES[settings.mix].requests(1.0, settings.seconds, settings.seed)
+    results, steps = _simulate(with_serving(profile, ServingProfile()), requests)
+    tokens = sum(r.num_output_tokens for r in results)
+    step_cpu = sum(busy for busy, _ in steps.values())
+    cpu = {"router": 0.002 * tokens, "prefill-0": step_cpu, "decode-0": 0.001 * tokens, "client": 0.0, "wall": 9.0}
+    raw = {"load_rate": 1.0, "load": [_result_json(r) for r in results], "cpu_seconds": cpu}
+    fitted = _fit_cpu(profile, raw, settings, ServingProfile())
+    assert fitted.cores == 2 and fitted.cpu_per_token_s == pytest.approx(0.003, rel=1e-6)
+    assert _fit_cpu(profile, raw | {"cpu_seconds": None}, settings, ServingProfile()).cores == 0   # not recorded

@@ -218,6 +218,31 @@ def test_auto_tools_are_free_unless_a_format_is_asked_for(hermes):
     assert last_sampling(hermes).structured.kind == "json_object"
 
 
+def test_auto_with_a_strict_tool_is_calls_or_text_without_a_call(hermes, tokenizer):
+    """`strict: true` under `auto`: a call must be a valid one; free text may not hold a call
+    (the hermes marker is text in this vocabulary, so the grammar excludes it)."""
+    from engine.grammar.llguidance_backend import LLGuidanceBackend
+    from engine.grammar.spec import StructuredSpec
+
+    strict = tool()
+    strict["function"]["strict"] = True
+    post(hermes, CHAT, {"messages": MESSAGES, "tools": [strict, tool("get_time", {"type": "object"})]})
+    sent = last_sampling(hermes).structured
+    assert sent.kind == "lark" and "start: calls | answer" in sent.text and list(sent.after_token_ids)
+    backend = LLGuidanceBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    grammar = backend.compile(StructuredSpec("lark", sent.text))
+
+    def accepts(text: str, complete: bool = True) -> bool:
+        matcher = grammar.matcher()
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) and (
+            not complete or matcher.can_accept(tokenizer.eos_token_ids[0]))
+    assert accepts("It is sunny in Oslo.") and accepts("")
+    assert accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"n": 1}}', complete=False)
+    assert not accepts('<tool_call>\n{"name": "nope"', complete=False)
+    assert not accepts("Calling it: <tool_call>", complete=False)
+
+
 def test_tools_reach_the_chat_template(tmp_path):
     template = ("{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.parameters | tojson }}]{% endfor %}"
                 "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"

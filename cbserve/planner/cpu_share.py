@@ -1,0 +1,92 @@
+"""Pods that share a machine's cores: each step's slow-down from what else wants a core meanwhile.
+
+On a CPU deployment whose pods, router and client share a few cores (this project's 2-core box:
+`LocalCluster`, `bench/goodput.py`), a pod's step takes its profiled CPU seconds only while it has
+a core to itself. With n processes wanting the c cores, each runs at c/n of a core (the kernel's
+fair share), so the step's wall time is its CPU time times max(1, n/c). What wants a core:
+- this pod (one torch thread: one core while it steps);
+- every other pod, for the share of the last `window_s` it spent in steps;
+- the serving path (the router's HTTP, SSE and routing, the pods' gRPC and load reports, the
+  client): `cpu_per_token_s` CPU seconds per token streamed to the client, over the same window
+  (measured in situ from the processes' CPU seconds; per token, since the streamed tokens are
+  what the router and the client spend most of their CPU on).
+So contention is a property of the deployment's co-location and of the traffic at that moment,
+not a constant: a colocated pair near its knee, both pods stepping and the router streaming
+hundreds of tokens a second, is slowed more than the same pair at a tenth of the rate. What the
+share does not explain (caches and memory bandwidth shared, the timer's own gap) stays in each
+role's constant contention factor, fitted on top of it (`in_situ._fit_contention`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuShareCosts:
+    """The cores the processes share (0: every pod has its own device) and the serving path's CPU."""
+
+    cores: float = 0.0
+    cpu_per_token_s: float = 0.0
+    window_s: float = 1.0
+
+
+class _Window:
+    """One pod's steps (start, end), one after another, and their seconds inside the last window."""
+
+    __slots__ = ("spans", "total")
+
+    def __init__(self) -> None:
+        self.spans: deque[tuple[float, float]] = deque()
+        self.total = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        self.spans.append((start, end))
+        self.total += end - start
+
+    def seconds(self, now: float, window_s: float) -> float:
+        spans, since = self.spans, now - window_s
+        while spans and spans[0][1] <= since:
+            start, end = spans.popleft()
+            self.total -= end - start
+        if not spans:
+            return 0.0
+        # Steps do not overlap: only the oldest can start before the window, only the newest end after now.
+        return max(0.0, self.total - max(0.0, since - spans[0][0]) - max(0.0, spans[-1][1] - now))
+
+
+class CpuShare:
+    """One machine's cores, shared by the pods of a `SimCluster` (`factor` before every step)."""
+
+    def __init__(self, costs: CpuShareCosts, clock: Callable[[], float]) -> None:
+        self.costs, self.clock = costs, clock
+        self._busy: dict[str, _Window] = {}
+        self._serving: deque[tuple[float, float]] = deque()     # (time, CPU seconds) of the serving path
+        self._serving_total = 0.0
+
+    def serving_work(self, tokens: int) -> None:
+        """The serving path streamed `tokens` tokens just now."""
+        cpu = tokens * self.costs.cpu_per_token_s
+        if cpu > 0:
+            self._serving.append((self.clock(), cpu))
+            self._serving_total += cpu
+
+    def factor(self, pod: str) -> float:
+        """The wall/CPU factor of a step of `pod` starting now."""
+        now, c = self.clock(), self.costs
+        if c.cores <= 0:
+            return 1.0
+        since = now - c.window_s
+        serving = self._serving
+        while serving and serving[0][0] <= since:
+            self._serving_total -= serving.popleft()[1]
+        others = sum(w.seconds(now, c.window_s) for name, w in self._busy.items() if name != pod)
+        wanting = 1.0 + (others + max(0.0, self._serving_total)) / c.window_s
+        return max(1.0, wanting / c.cores)
+
+    def stepped(self, pod: str, start: float, end: float) -> None:
+        """`pod` is in a step from `start` to `end`: it wants a core meanwhile."""
+        if self.costs.cores > 0:
+            self._busy.setdefault(pod, _Window()).add(start, end)
