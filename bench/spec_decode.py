@@ -1,23 +1,30 @@
 """Speculative decoding side by side: TPOT and throughput with and without drafts, per batch size and workload.
 
-Workloads (`--workloads`), both on the `tiny` preset:
+Workloads (`--workloads`), on `--model` (the `tiny` preset by default):
+- `copy`: the prompt is `D + D[:8]` (`D`: 100 distinct tokens), decoded greedily. On the copying
+  model (`--model copy`, `bench/copy_model.py`: a hand-built induction circuit in a Llama
+  checkpoint) the output is the rest of `D`: the copying workload prompt lookup is for.
 - `edit`: the text to rewrite is in the prompt. Each prompt is `D + C + D`: a random document
   `D`, the model's own greedy continuation `C` of it, and `D` again, decoded greedily: the output
   follows `C` in part (a random model also attends past the repeat), which is what prompt lookup
-  is for. (A model trained to copy would be a truer edit workload; training one did not converge
-  on this CPU in the time there was: see docs/benchmarks.md.)
+  is for, on a model that does not copy.
 - `free`: random prompts sampled at temperature 1 (seeded): nothing in the prompt predicts the
   output, so drafts are nearly always rejected (what the adaptive off-switch is for).
 
-Modes, run on the same prompts, alternating within each round: `plain` (no speculation), `spec`
-(`--speculative-config` as a user sets it: the adaptive controller decides per batch size and
-request) and `fixed` (the same drafts on every step for every request, `FixedController`: what
-speculation costs or gives before the controller steps in). Each batch of B requests starts at
-once; TPOT is each request's (last token - first token) / (tokens - 1), averaged; throughput is
-output tokens / the batch's wall time. A warm-up batch per mode and batch size runs first (the
-adaptive controller learns the batch size's rates there, as a server does in its first seconds).
+Modes, run on the same prompts: `plain` (no speculation), `spec` (`--speculative-config` as a user
+sets it: the adaptive controller decides per batch size and request) and `fixed` (the same drafts
+on every step for every request, `FixedController`: what speculation costs or gives before the
+controller steps in). The modes run *interleaved step by step*: each mode's engine has the same
+batch of B requests, added at once, and the engines take turns, one `Engine.step` each (the order
+rotating every turn), so a change in the host's load lands on all modes alike. Each engine's clock
+is the sum of its own steps' times (all the host work of a step included). TPOT is each request's
+(clock at its last token - at its first) / (tokens - 1), averaged; throughput is output tokens /
+the engine's clock for the batch. A warm-up batch per batch size runs first (the adaptive
+controller learns the batch size's costs there, as a server does in its first seconds); then
+`--rounds` batches, and the table shows medians over rounds.
 
     .venv/bin/python bench/spec_decode.py --batch-sizes 1,8,32,128 --rounds 3
+    .venv/bin/python bench/spec_decode.py --model copy --workloads copy,free --batch-sizes 1
 
 On a shared CPU, compare ratios measured in one run; absolute times drift with the load.
 """
@@ -31,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 MODES = ("plain", "spec", "fixed")
-WORKLOADS = ("edit", "free")
+WORKLOADS = ("edit", "free")   # the default; also `copy`
 DOC_LEN = 100
 
 
@@ -52,6 +59,10 @@ def _prompts(workload: str, batch: int, seed: int, plain, max_tokens: int) -> li
     """`free`: the documents; `edit`: document + the plain engine's greedy continuation + document."""
     from engine.sampling_params import SamplingParams
 
+    if workload == "copy":
+        from bench.copy_model import copy_prompts
+
+        return copy_prompts(batch, seed, DOC_LEN)[0]
     docs = _documents(batch, seed)
     if workload == "free":
         return docs
@@ -62,7 +73,7 @@ def _prompts(workload: str, batch: int, seed: int, plain, max_tokens: int) -> li
 def _params(workload: str, batch: int, max_tokens: int, seed: int):
     from engine.sampling_params import SamplingParams
 
-    if workload == "edit":
+    if workload in ("edit", "copy"):
         return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * batch
     return [SamplingParams(temperature=1.0, seed=seed * 1000 + i, max_tokens=max_tokens, ignore_eos=True)
             for i in range(batch)]
@@ -85,37 +96,53 @@ def _engine(model: str, mode: str, spec_json: str, max_seqs: int, max_len: int):
     return engine
 
 
-def _run(engine, prompts, params) -> Result:
-    """One batch: every request added at once, stepped to the end."""
-    before = engine.stats().spec_decode
-    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    count: dict[str, int] = dict.fromkeys(ids, 0)
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            first.setdefault(out.request_id, now)
-            last[out.request_id] = now
-            count[out.request_id] += len(out.new_token_ids)
-    wall = time.perf_counter() - start
-    tpots = [(last[i] - first[i]) / (count[i] - 1) for i in ids if count[i] > 1]
-    after = engine.stats().spec_decode
-    drafts = accepted = 0
-    if after is not None:
-        drafts = after.num_draft_tokens - before.num_draft_tokens
-        accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    return Result(statistics.mean(tpots), sum(count.values()) / wall, drafts, accepted)
+def _run(engines: dict, prompts, params) -> dict[str, Result]:
+    """One batch per engine, every request added at once; the engines step in turns."""
+    modes = list(engines)
+    before = {m: engines[m].stats().spec_decode for m in modes}
+    clock = dict.fromkeys(modes, 0.0)
+    first: dict[tuple[str, str], float] = {}
+    last: dict[tuple[str, str], float] = {}
+    count: dict[tuple[str, str], int] = {}
+    for mode in modes:
+        for p, sp in zip(prompts, params):
+            count[(mode, engines[mode].add_request(p, sp).request_id)] = 0
+    turn = 0
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        turn += 1
+        for mode in modes[turn % len(modes):] + modes[:turn % len(modes)]:
+            engine = engines[mode]
+            if not engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            outputs = engine.step()
+            now = clock[mode] = clock[mode] + time.perf_counter() - start
+            for out in outputs:
+                key = (mode, out.request_id)
+                first.setdefault(key, now)
+                last[key] = now
+                count[key] += len(out.new_token_ids)
+    results = {}
+    for mode in modes:
+        keys = [k for k in count if k[0] == mode]
+        tpots = [(last[k] - first[k]) / (count[k] - 1) for k in keys if count[k] > 1]
+        after, drafts, accepted = engines[mode].stats().spec_decode, 0, 0
+        if after is not None:
+            drafts = after.num_draft_tokens - before[mode].num_draft_tokens
+            accepted = after.num_accepted_tokens - before[mode].num_accepted_tokens
+        results[mode] = Result(statistics.mean(tpots), sum(count[k] for k in keys) / clock[mode], drafts, accepted)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="a preset, a shape of bench/copy_model.py "
+                        "(copy, copy-small) or a checkpoint directory")
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES), help="plain first; fixed is optional")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     parser.add_argument("--threads", type=int, default=1)
@@ -124,24 +151,27 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from bench.copy_model import SHAPES, build
+
+    model = str(build(args.model)) if args.model in SHAPES else args.model
     batches = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
+    modes = args.modes.split(",")
     max_len = 2 * (DOC_LEN + 1) + 2 * args.max_tokens + 16
-    print(f"speculative config: {args.speculative_config}; {args.max_tokens} tokens per request, "
+    print(f"model {args.model}; speculative config: {args.speculative_config}; {args.max_tokens} tokens per request, "
           f"{args.rounds} rounds, torch threads {args.threads}")
     rows = []
     for workload in workloads:
-        engines = {mode: _engine("tiny", mode, args.speculative_config, max(batches), max_len) for mode in MODES}
+        engines = {mode: _engine(model, mode, args.speculative_config, max(batches), max_len) for mode in modes}
         for batch in batches:
-            results: dict[str, list[Result]] = {mode: [] for mode in MODES}
+            results: dict[str, list[Result]] = {mode: [] for mode in modes}
             prompts = {r: _prompts(workload, batch, r, engines["plain"], args.max_tokens)
                        for r in (999, *range(args.rounds))}
-            for mode in MODES:     # warm-up: kernels, allocator, the controller's first rates
-                _run(engines[mode], prompts[999], _params(workload, batch, args.max_tokens, 999))
+            # warm-up: kernels, allocator, the controller's first costs
+            _run(engines, prompts[999], _params(workload, batch, args.max_tokens, 999))
             for r in range(args.rounds):
-                order = MODES if r % 2 == 0 else MODES[::-1]
-                for mode in order:
-                    results[mode].append(_run(engines[mode], prompts[r], _params(workload, batch, args.max_tokens, r)))
+                for mode, result in _run(engines, prompts[r], _params(workload, batch, args.max_tokens, r)).items():
+                    results[mode].append(result)
             rows.append((workload, batch, results))
             _print_row(workload, batch, results, header=len(rows) == 1)
     _print_summary(rows)
@@ -152,20 +182,26 @@ def _median(results: list[Result], field: str) -> float:
 
 
 def _print_row(workload: str, batch: int, results: dict[str, list[Result]], header: bool) -> None:
+    """Medians over rounds; `x`: the mode's over plain's, and per round (TPOT) in brackets."""
+    others = [m for m in results if m != "plain"]
     if header:
-        print(f"{'workload':<10} {'batch':>5} | {'TPOT plain':>10} {'spec':>8} {'x':>5} {'fixed':>8} {'x':>5} | "
-              f"{'tok/s plain':>11} {'spec':>8} {'x':>5} {'fixed':>8} {'x':>5} | {'accept spec':>11} {'fixed':>6}")
-    tpot = {m: _median(results[m], "tpot") for m in MODES}
-    tput = {m: _median(results[m], "throughput") for m in MODES}
+        cols = " ".join(f"{m:>8} {'x':>5} {'rounds':>16}" for m in others)
+        print(f"{'workload':<10} {'batch':>5} | {'TPOT plain':>10} {cols} | {'tok/s plain':>11} "
+              + " ".join(f"{m:>8} {'x':>5}" for m in others) + " | " + " ".join(f"{'accept ' + m:>12}" for m in others))
+    tpot = {m: _median(results[m], "tpot") for m in results}
+    tput = {m: _median(results[m], "throughput") for m in results}
 
     def acceptance(mode: str) -> str:
         drafts = sum(r.drafts for r in results[mode])
         return f"{sum(r.accepted for r in results[mode]) / drafts:.2f}" if drafts else "-"
 
-    print(f"{workload:<10} {batch:>5} | {tpot['plain'] * 1e3:>8.2f}ms {tpot['spec'] * 1e3:>6.2f}ms "
-          f"{tpot['spec'] / tpot['plain']:>5.2f} {tpot['fixed'] * 1e3:>6.2f}ms {tpot['fixed'] / tpot['plain']:>5.2f} | "
-          f"{tput['plain']:>11.1f} {tput['spec']:>8.1f} {tput['spec'] / tput['plain']:>5.2f} {tput['fixed']:>8.1f} "
-          f"{tput['fixed'] / tput['plain']:>5.2f} | {acceptance('spec'):>11} {acceptance('fixed'):>6}", flush=True)
+    def per_round(mode: str) -> str:
+        return ",".join(f"{r.tpot / p.tpot:.2f}" for r, p in zip(results[mode], results["plain"]))
+
+    print(f"{workload:<10} {batch:>5} | {tpot['plain'] * 1e3:>8.2f}ms "
+          + " ".join(f"{tpot[m] * 1e3:>6.2f}ms {tpot[m] / tpot['plain']:>5.3f} {per_round(m):>16}" for m in others)
+          + f" | {tput['plain']:>11.1f} " + " ".join(f"{tput[m]:>8.1f} {tput[m] / tput['plain']:>5.3f}" for m in others)
+          + " | " + " ".join(f"{acceptance(m):>12}" for m in others), flush=True)
 
 
 def _print_summary(rows) -> None:

@@ -437,8 +437,9 @@ class Engine:
             self.lora.activate_loads()   # adapters given a slot by this schedule, before its forward
         return out
 
-    def _step_sync(self) -> StepOutputs:
-        t0 = time.perf_counter()
+    def _step_sync(self, t0: float | None = None, speculative: bool = False) -> StepOutputs:
+        """`t0`, `speculative`: a speculative step that ran plain (`_step_speculative`)."""
+        t0 = time.perf_counter() if t0 is None else t0
         out = self._schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
@@ -457,7 +458,7 @@ class Engine:
         updated = self._settle_grammars(self.scheduler.update(out, sampled))
         outputs = self._emit_step(updated, list(map(logprobs.get, map(_REQUEST_ID, updated))))
         if out.scheduled:
-            self._record_step(out, time.perf_counter() - t0)
+            self._record_step(out, time.perf_counter() - t0, len(updated) if speculative else None)
         return outputs
 
     def _step_speculative(self) -> list[RequestOutput]:
@@ -471,8 +472,9 @@ class Engine:
         drafts = spec.propose(scheduler)
         # Nothing to verify (no n-gram match): a plain step costs less. While a prompt is being
         # scored (prompt logprobs) steps are plain too: only they carry its extra logits rows.
+        # Timed from t0 as a speculative step: proposing that found nothing is speculation's cost.
         if not drafts or self.prompt_logprobs.pending:
-            return [*outputs, *self._step_sync()]
+            return [*outputs, *self._step_sync(t0, speculative=True)]
         out = self._schedule(drafts)
         if not out.scheduled:
             return outputs

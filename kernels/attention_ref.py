@@ -40,6 +40,9 @@ import torch.nn.functional as F
 # materialises hundreds of MB per layer, big enough that one SDPA call serves a typical batch (1 MB
 # split an 8 x 300 `small` step into 8 calls per layer and measured no faster).
 DECODE_CHUNK_BYTES = 8 << 20
+# Query chunks up to this long run as decode rows (one per token) beside the decodes: verification
+# chunks of speculative decoding (1 + k tokens) in one batched pass, not one call per sequence.
+SHORT_CHUNK = 16
 # Off the CPU: float64 scores per explicit-math chunk of query rows, at most (about).
 ORACLE_CHUNK_BYTES = 256 << 20
 
@@ -267,14 +270,25 @@ def _paged_attention_fp32(q, key_cache, value_cache, block_tables, seq_lens, que
     if decode_seqs and len(decode_seqs) == num_seqs == q.shape[0]:  # pure decode: no scatter
         return _decode_chunked(q, key_cache, value_cache, block_tables, seq_lens, lens, scale, window, sinks)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    if decode_seqs:
-        idx = torch.tensor(decode_seqs, device=q.device)
-        rows = query_start_loc.long()[idx]
-        out[rows] = _decode_chunked(q[rows], key_cache, value_cache, block_tables[idx], seq_lens[idx],
-                                    [lens[i] for i in decode_seqs], scale, window, sinks)
+    # Decodes and short chunks (speculative verification: 1 + k tokens) as decode rows in one batched
+    # pass: query token j of an n-token chunk is a decode of a sequence `seq_len - n + 1 + j` long
+    # (exactly its causal view), so a verification batch costs no per-sequence loop on the host.
+    row_seqs, row_lens, rows = [], [], []
+    for i in range(num_seqs):
+        n = starts[i + 1] - starts[i]
+        if 1 <= n <= SHORT_CHUNK:
+            row_seqs += [i] * n
+            row_lens += range(lens[i] - n + 1, lens[i] + 1)
+            rows += range(starts[i], starts[i + 1])
+    if rows:
+        idx = torch.tensor(row_seqs, device=q.device)
+        at = torch.tensor(rows, device=q.device)
+        out[at] = _decode_chunked(q[at], key_cache, value_cache, block_tables[idx],
+                                  torch.tensor(row_lens, dtype=seq_lens.dtype, device=q.device), row_lens,
+                                  scale, window, sinks)
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
-        if end - start <= 1:  # decode rows done above; empty sequences produce nothing
+        if end - start <= SHORT_CHUNK:  # done above; empty sequences produce nothing
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
         out[start:end] = _prefill_one(q[start:end], key_cache, value_cache, blocks, seq_len, scale, window, sinks)

@@ -3,15 +3,23 @@
 Two decisions, both from measurements, none from a constant threshold:
 
 1. **Per batch size, on or off.** Decode steps are timed as they run (the seconds `Engine.step`
-   took, as `_record_step` sees them). For each batch-size bucket (powers of two) the controller
-   keeps the realised output rate, tokens emitted per second, of plain decode steps and of
-   speculative ones, and speculates where the speculative rate is the higher. That includes every
-   cost speculation adds (proposing, the draft model's passes, the longer verification forward,
-   the sampler's extra rows, and on a GPU the overlap a speculative step gives up), so as the
-   batch grows and the forward turns compute-bound speculation turns itself off. The mode not
-   chosen is probed now and then to keep its rate current: after `MIN_PROBE_INTERVAL` steps, an
-   interval that doubles (to `MAX_PROBE_INTERVAL`) each time a probe confirms the choice, so a
-   losing mode costs at most one step in `MAX_PROBE_INTERVAL` once settled. A bucket starts on.
+   took, as `_record_step` sees them: host work included; a step that wanted drafts and found none
+   counts as speculative, so proposing that finds nothing is charged to speculation). For each
+   batch-size bucket (powers of two) the controller keeps the cost per emitted token of the last
+   `WINDOW` plain steps and of the last `WINDOW` speculative ones, and compares their *medians*:
+   one slow step (a page fault, another process on the core) moves a median by one rank, not the
+   decision. That cost includes everything speculation adds (proposing, the draft model's passes,
+   the longer verification forward, the sampler's extra rows, the overlap a synchronous step gives
+   up), so as the batch grows and the forward turns compute-bound speculation turns itself off.
+   - A new bucket alternates the two modes until each has `MIN_SAMPLES` steps, then decides.
+     Steps with a prefill chunk are not timed: they speculate only where the bucket decided to.
+   - Hysteresis: speculation goes on only when its median cost is `SWITCH_MARGIN` below plain's,
+     and off as soon as it is not below plain's. Where the two are close the bucket stays plain.
+   - The mode not chosen is probed, one step at a time, to keep its window current: every
+     `FIRST_PROBE_INTERVAL` steps after a decision, an interval that doubles (to
+     `MAX_PROBE_INTERVAL`) each time a probe agrees with the choice. So probes are at most one
+     step in `FIRST_PROBE_INTERVAL`, and one in `MAX_PROBE_INTERVAL` once settled. A probe that
+     disagrees brings the interval back to the first, so a change of workload shows within a few.
 
 2. **Per request, how many drafts.** A request's draft `j` is used only if drafts `1..j` are
    all accepted: with per-draft acceptance `alpha` (the geometric estimate from its verifications:
@@ -29,11 +37,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-MIN_PROBE_INTERVAL = 8
+WINDOW = 8                      # recent steps per mode whose median cost decides
+MIN_SAMPLES = 3                 # steps of each mode before a bucket's first decision
+SWITCH_MARGIN = 0.03            # speculation goes on only this much cheaper per token than plain
+FIRST_PROBE_INTERVAL = 16       # steps between probes of the mode not chosen, right after a decision
 MAX_PROBE_INTERVAL = 256
-RATE_ALPHA = 0.2                # EWMA weight of a new step's rate
 ACCEPTANCE_DECAY = 0.9          # per verification: a request's recent drafts count most
 PRIOR_ACCEPTANCE = 0.6          # before a request's first verification
 PRIOR_TRIALS = 2.0
@@ -41,26 +52,59 @@ PRIOR_TOKEN_COST = 0.05         # tokens a draft token costs before the bucket h
 MAX_RETRY_BACKOFF = 64
 
 
-def _ewma(old: float | None, new: float, alpha: float = RATE_ALPHA) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new
+def _median(values) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _window() -> deque:
+    return deque(maxlen=WINDOW)
 
 
 @dataclass
 class _Bucket:
-    on: bool = True
-    plain_rate: float | None = None      # tokens / second of plain decode steps
-    plain_seconds: float | None = None   # seconds per plain decode step
-    spec_rate: float | None = None       # tokens / second of speculative decode steps
+    on: bool = True                      # the chosen mode (until `decided`, the modes alternate)
+    decided: bool = False
+    plain: deque = field(default_factory=_window)        # seconds per emitted token, plain steps
+    spec: deque = field(default_factory=_window)         # ... speculative steps
+    plain_steps: deque = field(default_factory=_window)  # seconds per plain step
     fit: _LineFit | None = None          # extra seconds of a speculative step ~ overhead + cost * drafts
-    countdown: int = MIN_PROBE_INTERVAL  # steps until the other mode is probed
-    interval: int = MIN_PROBE_INTERVAL
+    countdown: int = FIRST_PROBE_INTERVAL   # steps until the mode not chosen is probed
+    interval: int = FIRST_PROBE_INTERVAL
     probing: bool = False
 
     def token_cost(self) -> float:
         """Tokens of plain output one draft token's extra step time is worth."""
-        if self.fit is None or self.plain_rate is None:
+        if self.fit is None or not self.plain:
             return PRIOR_TOKEN_COST
-        return self.fit.slope() * self.plain_rate
+        return self.fit.slope() / _median(self.plain)
+
+    def choose(self) -> bool:
+        """Whether the next step speculates (counting it towards the next probe)."""
+        if not self.decided:
+            return len(self.spec) <= len(self.plain)
+        self.countdown -= 1
+        if self.countdown <= 0:
+            self.countdown, self.probing = self.interval, True
+            return not self.on
+        return self.on
+
+    def observe(self, speculative: bool, cost: float) -> None:
+        """A step of `cost` seconds per emitted token (already in its window): the mode, and
+        when to probe next."""
+        probe, self.probing = self.probing and speculative != self.on, False
+        if len(self.spec) < MIN_SAMPLES or len(self.plain) < MIN_SAMPLES:
+            return
+        plain, spec = _median(self.plain), _median(self.spec)
+        on = spec < plain if self.decided and self.on else spec < plain * (1 - SWITCH_MARGIN)
+        if not self.decided or on != self.on:
+            self.on, self.decided = on, True
+            self.interval = self.countdown = FIRST_PROBE_INTERVAL
+        elif probe:   # agreeing: the probed mode cost more than the chosen one's median
+            agrees = cost >= spec if not speculative else cost >= plain * (1 - SWITCH_MARGIN)
+            self.interval = min(MAX_PROBE_INTERVAL, 2 * self.interval) if agrees else FIRST_PROBE_INTERVAL
+            self.countdown = self.interval
 
 
 class _LineFit:
@@ -119,16 +163,15 @@ class SpecController:
         return found
 
     # ------------------------------------------------------------------ decisions
-    def wants_step(self, batch_size: int) -> bool:
-        """Whether the next step (about `batch_size` running requests) speculates."""
+    def wants_step(self, batch_size: int, mixed: bool = False) -> bool:
+        """Whether the next step (about `batch_size` running requests) speculates. `mixed`: it
+        will carry a prefill chunk, so its time says nothing about decode costs (it is not
+        observed): it speculates only where the bucket has decided on speculation, and neither
+        learns nor probes."""
         if batch_size < 1 or (self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size):
             return False
         b = self.bucket(batch_size)
-        b.countdown -= 1
-        if b.countdown <= 0:
-            b.countdown, b.probing = b.interval, True
-            return not b.on
-        return b.on
+        return b.decided and b.on if mixed else b.choose()
 
     def num_drafts(self, request, batch_size: int, limit: int) -> int:
         """Drafts to propose for `request` this step (0: none), at most `limit`."""
@@ -171,35 +214,27 @@ class SpecController:
         """A decode-only step (no prefill chunk) of `num_seqs` requests took `seconds` and emitted
         `num_emitted` tokens; `speculative`: it ran as a speculative step (with `num_draft_tokens`
         drafts, possibly none)."""
-        if num_seqs < 1 or seconds <= 0:
+        if num_seqs < 1 or seconds <= 0 or num_emitted < 1:
             return
         b = self.bucket(num_seqs)
-        rate = num_emitted / seconds
+        cost = seconds / num_emitted
         if speculative:
-            b.spec_rate = _ewma(b.spec_rate, rate)
-            if b.plain_seconds is not None:
+            b.spec.append(cost)
+            if b.plain_steps:
                 if b.fit is None:
                     b.fit = _LineFit()
-                b.fit.add(num_draft_tokens, seconds - b.plain_seconds)
+                b.fit.add(num_draft_tokens, seconds - _median(b.plain_steps))
         else:
-            b.plain_rate = _ewma(b.plain_rate, rate)
-            b.plain_seconds = _ewma(b.plain_seconds, seconds)
-        if b.spec_rate is None or b.plain_rate is None:
-            return
-        on = b.spec_rate > b.plain_rate
-        if on != b.on:
-            b.on, b.interval, b.countdown = on, MIN_PROBE_INTERVAL, MIN_PROBE_INTERVAL
-        elif b.probing:
-            b.interval = min(MAX_PROBE_INTERVAL, 2 * b.interval)
-            b.countdown = b.interval
-        b.probing = False
+            b.plain.append(cost)
+            b.plain_steps.append(seconds)
+        b.observe(speculative, cost)
 
 
 class FixedController(SpecController):
     """Always speculate, always the most drafts: for tests of the verification path and for
     benchmarks that separate acceptance from the adaptive policy (never the engine's default)."""
 
-    def wants_step(self, batch_size: int) -> bool:
+    def wants_step(self, batch_size: int, mixed: bool = False) -> bool:
         return batch_size >= 1
 
     def num_drafts(self, request, batch_size: int, limit: int) -> int:

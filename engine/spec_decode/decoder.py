@@ -91,7 +91,9 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ the step
     def wants_step(self, scheduler) -> bool:
-        return self.controller.wants_step(len(scheduler.running))
+        running = scheduler.running
+        mixed = bool(scheduler.waiting) or any(len(r.token_ids) - r.num_computed_tokens > 1 for r in running)
+        return self.controller.wants_step(len(running), mixed)
 
     def propose(self, scheduler) -> dict[str, list[int]]:
         """Drafts of every running decode that gets some (n-gram: the tokens; draft model: slots

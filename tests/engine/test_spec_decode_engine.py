@@ -197,7 +197,7 @@ class _EveryOther(SpecController):
         super().__init__(k)
         self._n = 0
 
-    def wants_step(self, batch_size: int) -> bool:
+    def wants_step(self, batch_size: int, mixed: bool = False) -> bool:
         self._n += 1
         return self._n % 2 == 0
 

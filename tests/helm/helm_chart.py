@@ -81,6 +81,20 @@ def kube_versions() -> list[str]:
     return [f"1.{minor}.0" for minor in range(OLDEST_KUBE_MINOR, newest + 1)]
 
 
+def kube_versions_where_the_chart_changes() -> list[str]:
+    """Of `kube_versions()`: the oldest, the newest, and each version a template tests with
+    `semverCompare ">=1.N-0"` (the chart renders the same manifests between those). Schemas only
+    gain fields and lose deprecated APIs from one minor to the next, so manifests that one rendering
+    gives and both ends of its range accept strictly are accepted in between."""
+    versions = kube_versions()
+    minors = {int(v.split(".")[1]) for v in (versions[0], versions[-1])}
+    for template in (CHART / "templates").rglob("*"):
+        if template.is_file():
+            for m in re.findall(r'semverCompare ">=1\.(\d+)', template.read_text()):
+                minors.update((int(m) - 1, int(m)))      # the last version before the change, the first after
+    return [v for v in versions if int(v.split(".")[1]) in minors]
+
+
 def template_args(values_files: tuple[str, ...] = (), sets: tuple[str, ...] = (), kube_version: str | None = None,
                   api_versions: tuple[str, ...] = ()) -> list[str]:
     """Command-line arguments of `helm template` for one rendering."""
