@@ -103,8 +103,8 @@ def split(outputs: Sequence[RequestOutput], own: Callable[[str], bool] | None = 
     ids = list(map(_REQUEST_ID, requests))
     if own is not None:
         marks = list(map(own, ids))
-        if any(marks):
-            others = {**others, **{i: token_row_output(requests[i], tokens[i]) for i in compress(count(), marks)}}
+        if any(marks):   # a row that has its own output keeps it (it may be the request's last)
+            others = {**{i: token_row_output(requests[i], tokens[i]) for i in compress(count(), marks)}, **others}
     if not others:
         return ids, list(tokens), []
     rows = [i for i in range(len(ids)) if i not in others]

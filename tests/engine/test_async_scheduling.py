@@ -198,6 +198,9 @@ def test_a_steps_batched_outputs_read_as_the_per_request_outputs(engines, monkey
         views = [_view(o) for o in outputs]
         assert [_view(outputs[i]) for i in range(len(outputs))] == views
         assert sorted(token_ids + [o.request_id for o in others]) == sorted(v["request_id"] for v in views)
+        # The other rows are the step's own outputs, in batch order (a finished row marked `own`
+        # keeps its output: a colocated pod's one-token scoring request finishes on its first).
+        assert [_view(o) for o in others] == [v for v in views if v["request_id"] not in token_ids]
         assert "rows-0" not in token_ids and all(not o.finished for o in map(outputs.__getitem__, [
             i for i, r in enumerate(outputs.requests) if r.request_id in token_ids]))
         assert [outputs.token_ids[i] for i, r in enumerate(outputs.requests) if r.request_id in token_ids] == tokens
