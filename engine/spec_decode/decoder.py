@@ -88,8 +88,8 @@ class SpecDecoder:
     # ------------------------------------------------------------------ KV (draft model, EAGLE head)
     def fit_cache(self, sized: CacheConfig, requested: CacheConfig, target_cfg: ModelConfig,
                   kv_dtype: torch.dtype) -> CacheConfig:
-        """A draft model's (or EAGLE head's) cache has a block for every target block: the memory sized for the target
-        is split between the two (an explicit `--num-blocks` gives both that many)."""
+        """A draft model's (or an EAGLE head's) cache has a block for every target block: the memory
+        sized for the target is split between the two (an explicit `--num-blocks` gives both that many)."""
         if self.draft is None or requested.num_blocks is not None:
             return sized
         target = bytes_per_block(target_cfg, sized.block_size, kv_dtype)

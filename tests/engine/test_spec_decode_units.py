@@ -1,6 +1,6 @@
 """Speculative decoding's parts, each against a reference: the config's keys and errors, the n-gram
-proposer against a brute-force rescan (vLLM's rule), EAGLE's hidden-state ring, the adaptive controller on synthetic step
-costs, the counters and their Prometheus exposition."""
+proposer against a brute-force rescan (vLLM's rule), EAGLE's hidden-state ring, the adaptive
+controller on synthetic step costs, the counters and their Prometheus exposition."""
 
 from __future__ import annotations
 
