@@ -35,6 +35,10 @@ def test_config_takes_vllms_keys_and_defaults():
     c.check_tensor_parallel(1)
     with pytest.raises(SpeculativeConfigError, match="'eagle' with --tensor-parallel-size 2"):
         c.check_tensor_parallel(2)
+    from engine.engine import EngineConfig
+
+    with pytest.raises(SpeculativeConfigError, match="'eagle' with --tensor-parallel-size 2"):
+        EngineConfig(speculative=c, tensor_parallel_size=2)       # at startup, before any model loads
 
 
 @pytest.mark.parametrize("text, names", [
@@ -60,7 +64,26 @@ def test_config_errors_name_the_key(text, names):
         speculative_config_arg(text)
 
 
-# ---------------------------------------------------------------------------------------- EAGLE's ring
+# ---------------------------------------------------------------------------------------- EAGLE
+def test_eagle_head_configs_in_vllms_forms(tmp_path):
+    import json
+
+    from engine.spec_decode.eagle_head import _head_config
+
+    llama = {"hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 260}
+    for raw in ({**llama, "architectures": ["LlamaForCausalLM"]}, {**llama, "architectures": ["EagleLlamaForCausalLM"]},
+                {"model_type": "eagle", "model": llama}):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        assert _head_config(tmp_path)["architectures"] == ["LlamaForCausalLM"]
+        assert _head_config(tmp_path)["hidden_size"] == 64
+    for raw, names in (({"model_type": "eagle", "model": llama, "truncated_vocab_size": 100}, "truncated_vocab_size"),
+                       ({**llama, "add_para_norm": True}, "add_para_norm"),
+                       ({**llama, "architectures": ["Qwen2ForCausalLM"]}, "architectures")):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(SpeculativeConfigError, match=names):
+            _head_config(tmp_path)
+
+
 def test_hidden_states_ring_keeps_each_requests_positions_and_reads_zeros_where_it_has_none():
     ring = HiddenStates(8, 2, torch.float32, torch.device("cpu"))
     a, b = Chunks(), Chunks()
