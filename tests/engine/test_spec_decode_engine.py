@@ -346,7 +346,7 @@ def test_the_adaptive_controller_as_shipped_gives_the_same_tokens(plain):
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
-    from tests.engine.hf_models import make_eagle_head, make_hf_model
+    from tests.engine.hf_models import make_hf_model
 
     make_hf_model("llama_gqa", tmp_path / "other")           # vocab 300, the target's 260
     with pytest.raises(SpeculativeConfigError, match="vocabulary"):
