@@ -76,6 +76,7 @@ class VerifyBuckets:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._padding = ScheduledSeq("", (0,) * w, 0, (), w)
         self._no_lora = np.full(top, -1, np.int32) if decode._no_lora is not None else None
+        self._lengths = np.zeros(0, np.int64)     # the last run's real tokens per seq
 
     @staticmethod
     def logits_rows(num_speculative_tokens: int, max_batch: int) -> int:
@@ -111,11 +112,19 @@ class VerifyBuckets:
             graph.replay()
         else:
             self.decode.forward(t.input_ids, t.positions, t.meta, logits[:bucket * w])
+        self._lengths = lengths
+        return self.real_rows(logits)
+
+    def real_rows(self, padded: torch.Tensor) -> torch.Tensor:
+        """The real tokens' rows (each seq's in order, padding dropped) of a buffer laid out as the
+        last `run`'s padded step, `[bucket * w, ...]`: its logits, or anything else per token."""
+        lengths, w = self._lengths, self.query_width
+        num_real = len(lengths)
         if (lengths == w).all():
-            return logits[:num_real * w]
+            return padded[:num_real * w]
         total = int(lengths.sum())
         rows = np.repeat(np.arange(num_real) * w - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
-        return logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True))
+        return padded.index_select(0, torch.from_numpy(rows).to(padded.device, non_blocking=True))
 
     def capture(self, pool=None) -> float:
         """Capture every bucket (CUDA only) into `pool`; returns the seconds it took."""
