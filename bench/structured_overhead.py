@@ -6,8 +6,9 @@ Four sections, each printed as one table (ratios are measured side by side in on
    `tiny` preset on this device), at batch 1, 32 and 128: one engine per arm (`--arms`: `free`,
    `json`, and `free2`, a second unconstrained engine whose ratio to `free` is the noise floor of
    the measurement, A/A), the same batch in each, stepped in turns (`bench/interleaved.py`: each
-   arm's clock is the sum of its own steps), `--repeats` rounds after a warm-up round; TPOT per
-   round, and the median of the per-round ratios to `free`. The schema is a list of person
+   arm's clock is the sum of its own steps; the arms move to the next engine every round),
+   `--repeats` rounds after a warm-up round; TPOT per round, and the median of the per-round
+   ratios to `free`. The schema is a list of person
    records with at least `--max-tokens` records, so no structured request ends early and both
    batches stay full; free requests use `ignore_eos`.
 2. `mask`: the host mask fill at a 128k vocabulary (llguidance over a byte-level BPE table of
@@ -181,7 +182,8 @@ def json_spec(schema: dict) -> StructuredSpec:
 def section_tpot(args) -> None:
     """Each arm's engine runs the same batch, stepped in turns (`bench.interleaved`); a round is
     one batch per arm, and its ratio is the arm's TPOT over the free arm's. `free2` is a second
-    unconstrained engine: free2 / free is the noise floor of the same measurement (A/A)."""
+    unconstrained arm: free2 / free is the noise floor of the same measurement (A/A). Use a
+    multiple of the number of arms as `--repeats`, so every engine plays every arm equally."""
     from bench.interleaved import run_interleaved
     from engine.engine import Engine, EngineConfig
 
@@ -195,14 +197,19 @@ def section_tpot(args) -> None:
     records = {"type": "array", "items": PERSON, "minItems": args.max_tokens}    # never ends early
     spec = json_spec(records)
     for batch in args.batch:
-        engines = {arm: Engine(EngineConfig(model=args.model, device=args.device, detokenize=False,
-                                            cache=CacheConfig(num_blocks=max(64, batch * 4)),
-                                            scheduler=SchedulerConfig(max_num_seqs=max(batch, 1),
-                                                                      max_num_batched_tokens=max(512, batch * 16))))
-                   for arm in arms}
+        pool = [Engine(EngineConfig(model=args.model, device=args.device, detokenize=False,
+                                    cache=CacheConfig(num_blocks=max(64, batch * 4)),
+                                    scheduler=SchedulerConfig(max_num_seqs=max(batch, 1),
+                                                              max_num_batched_tokens=max(512, batch * 16))))
+                for _ in arms]
+        for engine in pool:
+            engine.structured.compile_future(spec).result()
         tpots: dict[str, list[float]] = {arm: [] for arm in arms}
         valid = True
-        for r in range(-1, args.repeats):          # round -1: warm-up (compile, first steps)
+        for r in range(-1, args.repeats):          # round -1: warm-up (first steps, allocator)
+            # Two engines of the same code can differ by a few % (where their weights landed):
+            # each round the arms move to the next engine, so each plays every arm in turn.
+            engines = {arm: pool[(i + r) % len(pool)] for i, arm in enumerate(arms)}
             rng = random.Random(batch * 1000 + r)
             prompts = [[1] + [rng.randrange(4, 260) for _ in range(15)] for _ in range(batch)]
             params = [SamplingParams(temperature=1.0, seed=r * 1000 + i, max_tokens=args.max_tokens,
@@ -225,7 +232,7 @@ def section_tpot(args) -> None:
             cols.append(f"{statistics.median(ratios):7.3f}x {','.join(f'{x:.2f}' for x in ratios):>{6 * args.repeats}}")
         print(f"{batch:>6} {statistics.median(tpots['free']) * 1e3:8.2f} " + " ".join(cols)
               + f" {str(valid) if 'json' in arms else '-':>10}", flush=True)
-        for engine in engines.values():
+        for engine in pool:
             engine.close()
 
 
@@ -362,7 +369,7 @@ def main() -> None:
     parser.add_argument("--kernel-iters", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=5, help="tpot rounds (after a warm-up round)")
+    parser.add_argument("--repeats", type=int, default=6, help="tpot rounds (after a warm-up round)")
     parser.add_argument("--arms", nargs="+", default=["free", "json", "free2"], help="tpot arms: free (the "
                         "reference, first), json (100%% constrained), free2 (free again: the A/A noise floor)")
     parser.add_argument("--threads", type=int, default=2)
