@@ -5,9 +5,10 @@ Each arm's engine is given the same batch of requests at once; then the engines 
 `Engine.step` each, so a change in the host's load lands on all arms alike. The order runs through
 every permutation of the arms in turn, so each arm follows every other equally often: a step pays
 for what the step before it left in the caches (a grammar arm's matchers, another model's
-weights), and with a plain rotation of three arms one arm would always follow the same one. Each arm's clock is the sum of its own steps' times (all the host work of a step
-included). TPOT is each request's (clock at its last token - at its first) / (tokens - 1),
-averaged over the batch; throughput is output tokens / the arm's clock.
+weights), and with a plain rotation of three arms one arm would always follow the same one.
+Each arm's clock is the sum of its own steps' times (all the host work of a step included). TPOT
+is each request's (clock at its last token - at its first) / (tokens - 1), averaged over the
+batch; throughput is output tokens / the arm's clock.
 
 Used by `bench/spec_decode.py` (plain vs speculative engines) and `bench/structured_overhead.py`
 (unconstrained vs grammar-constrained engines, and free vs free for the noise floor).

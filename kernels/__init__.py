@@ -177,7 +177,8 @@ def apply_grammar_mask(
     or ``t >= 32 * words`` (llguidance's / xgrammar's layout); other rows are untouched."""
     checks.check_grammar_mask(logits, bitmask, rows)
     triton = _use_triton(logits)
-    if not triton and logits.device.type == bitmask.device.type == "cpu" and (rows is None or rows.device.type == "cpu"):
+    on_host = logits.device.type == bitmask.device.type == "cpu" and (rows is None or rows.device.type == "cpu")
+    if not triton and on_host:
         apply_grammar_mask_host(logits, bitmask, rows)
         return
     if rows is None:

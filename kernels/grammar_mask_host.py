@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 # Per float type: the unsigned type of its width, its sign bit and +inf's bit pattern.
-_BITS = {np.dtype(np.float32): (np.uint32, 31, 0x7F800000), np.dtype(np.float16): (np.uint16, 15, 0x7C00),
-         np.dtype(np.float64): (np.uint64, 63, 0x7FF0000000000000)}
+_BITS = {np.dtype(np.float32): (np.uint32, 31, 0x7F800000), np.dtype(np.float16): (np.uint16, 15, 0x7C00)}
 
 
 def apply_grammar_mask_host(
