@@ -26,6 +26,12 @@ medians over rounds.
 
     .venv/bin/python bench/spec_decode.py --batch-sizes 1,8,32,128 --rounds 3
     .venv/bin/python bench/spec_decode.py --model copy --workloads copy,free --batch-sizes 1
+    .venv/bin/python bench/spec_decode.py --workloads free --batch-sizes 1,8 \
+        --speculative-config '{"method": "eagle", "model": "random", "num_speculative_tokens": 4}'
+
+An EAGLE head named `random` is a random-weight head for `--model` (written next to it,
+`tests/engine/hf_models.make_eagle_head`): it accepts almost nothing, so the figures are what the
+head, its hidden-state ring and the adaptive controller cost where speculation cannot pay.
 
 On a shared CPU, compare ratios measured in one run; absolute times drift with the load.
 """
@@ -131,6 +137,7 @@ def main() -> None:
     from bench.copy_model import SHAPES, build
 
     model = str(build(args.model)) if args.model in SHAPES else args.model
+    args.speculative_config = _random_eagle_head(args.speculative_config, model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
     modes = args.modes.split(",")
@@ -152,6 +159,24 @@ def main() -> None:
             rows.append((workload, batch, results))
             _print_row(workload, batch, results, header=len(rows) == 1)
     _print_summary(rows)
+
+
+def _random_eagle_head(spec_json: str, model: str) -> str:
+    """`"model": "random"` in an EAGLE config: a random-weight head for `model`, written once."""
+    import json
+    from pathlib import Path
+
+    from engine.presets import resolve_model_dir
+    from tests.engine.hf_models import make_eagle_head
+
+    raw = json.loads(spec_json)
+    if raw.get("method") != "eagle" or raw.get("model") != "random":
+        return spec_json
+    target = resolve_model_dir(model)
+    head = target.parent / f"{target.name}-eagle-random"
+    if not (head / "model.safetensors").exists():
+        make_eagle_head(target, head, seed=0)
+    return json.dumps({**raw, "model": str(head)})
 
 
 def _median(results: list[Result], field: str) -> float:
