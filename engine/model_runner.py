@@ -63,11 +63,14 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
                  max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None,
-                 lora_slot_of: dict[str, int] | None = None) -> None:
+                 lora_slot_of: dict[str, int] | None = None, hidden_sink=None) -> None:
         """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
         inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs).
         `lora_slot_of` (LoRA enabled): request id -> its adapter's slot, kept current by the
-        scheduler (`engine.lora.slots`); each step stages its tokens' slots from it."""
+        scheduler (`engine.lora.slots`); each step stages its tokens' slots from it.
+        `hidden_sink(scheduled, hidden)` (an EAGLE head, `engine.spec_decode.eagle`): called after
+        every forward with its final hidden states `[T, hidden]`, in the order of the step's tokens
+        (graphed decode steps copy them into a buffer the graphs write); None: none kept."""
         self.model = model
         self.tp = tp
         self.lora_slot_of = lora_slot_of
@@ -90,6 +93,11 @@ class ModelRunner:
             self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
             min(max_num_seqs, max_num_batched_tokens), max_model_len,
             lora=lora_slot_of is not None) if use_buckets else None
+        self.hidden_sink = hidden_sink
+        self._hidden: torch.Tensor | None = None
+        self._hidden_buf = None if hidden_sink is None or self.decode_buckets is None else torch.empty(
+            self.decode_buckets.batch_sizes[-1], model.cfg.hidden_size, dtype=next(model.parameters()).dtype,
+            device=device)
 
     def capture_cuda_graphs(self) -> float:
         """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
@@ -128,14 +136,22 @@ class ModelRunner:
         if self.decode_buckets is not None and extra is None:
             bucket = self.decode_buckets.bucket(scheduled)
             if bucket is not None:
-                return self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
+                logits = self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
+                if self.hidden_sink is not None:
+                    self.hidden_sink(scheduled, self._hidden_buf[:len(scheduled)])
+                return logits
         t = self.prepare(scheduled, prev, extra)
         if prev is not None:
             t.fill_from(prev.token_ids)
         if self.tp is None:
-            return self._forward(t, extra)
-        with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
-            return self._forward(t, extra)
+            logits = self._forward(t, extra)
+        else:
+            with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
+                logits = self._forward(t, extra)
+        if self.hidden_sink is not None:
+            self.hidden_sink(scheduled, self._hidden)
+            self._hidden = None
+        return logits
 
     @torch.inference_mode()
     def run_received(self, layout) -> torch.Tensor:
@@ -144,6 +160,8 @@ class ModelRunner:
 
     def _forward(self, t: StepTensors, extra: StepRows | None = None, receiving: bool = False) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
+        if self.hidden_sink is not None:
+            self._hidden = hidden
         # Decode-only steps sample every row: no copy. (A step with prompt-logprob rows never takes
         # every row: `PromptLogprobsTracker.plan` keeps the counts apart, for every rank.)
         if t.layout.num_sampled != hidden.shape[0]:
@@ -155,4 +173,6 @@ class ModelRunner:
     def _forward_into(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out: torch.Tensor) -> None:
         """A padded decode batch (every row samples): model and head, logits written into `out`."""
         hidden = self.model(input_ids, positions, self.kv_cache, meta)      # [bs, hidden]
+        if self._hidden_buf is not None:
+            self._hidden_buf[:hidden.shape[0]].copy_(hidden)
         self.model.compute_logits(hidden, out=out)
