@@ -107,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative is not None:
+            self.speculative.check_tensor_parallel(self.tensor_parallel_size)
 
 
 class Engine:
@@ -186,6 +188,7 @@ class Engine:
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
                                   max_model_len=max_len, enforce_eager=None if self.decode_graphs else True,
                                   tp=self.tp, lora_slot_of=None if self.lora is None else self.lora.slots.slot_of_request,
+                                  hidden_sink=None if self.spec is None else self.spec.hidden_sink,
                                   verify=self._verify_shape(sched_cfg))
         self.runner.warm_up()               # every kernel variant compiled now, not while serving
         self.runner.capture_cuda_graphs()
@@ -200,6 +203,8 @@ class Engine:
         self.failed: dict[str, Exception] = {}   # requests ended by an error since `take_failures`
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
                                    lora_slots=None if self.lora is None else self.lora.slots)
+        if self.spec is not None:   # an EAGLE head reads the target's embedding, head and batch order
+            self.spec.attach(self.model, self.scheduler)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()

@@ -112,13 +112,17 @@ def test_prepare_marks_placeholder_tokens_for_the_device_fill(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
     """The CUDA-graph path's logic on CPU: a decode batch padded to its bucket (and its block
-    table to the bucket's width) gives the same logits and KV as the plain eager step."""
+    table to the bucket's width) gives the same logits and KV as the plain eager step, and hands
+    an EAGLE head's sink the same hidden states (the padded path through its graph buffer)."""
     path, cfg = tiny
     blocks = 40
+    sunk = {}
     eager = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
-                        BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=True)
+                        BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=True,
+                        hidden_sink=lambda seqs, hidden: sunk.__setitem__("eager", hidden.clone()))
     padded = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
-                         BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=False)
+                         BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=False,
+                         hidden_sink=lambda seqs, hidden: sunk.__setitem__("padded", hidden.clone()))
     assert eager.decode_buckets is None and padded.decode_buckets is not None
     g = torch.Generator().manual_seed(0)
     for runner in (eager, padded):   # the same random context in both caches
@@ -131,6 +135,9 @@ def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
     assert got.shape == want.shape == (5, cfg.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
     assert torch.equal(padded.kv_cache, eager.kv_cache)   # padding wrote nothing
+    assert sunk["eager"].shape == sunk["padded"].shape == (5, cfg.hidden_size)
+    torch.testing.assert_close(sunk["padded"], sunk["eager"], atol=1e-5 if dtype == torch.float32 else 2e-2,
+                               rtol=1e-5)
 
 
 def test_padded_verification_step_equals_the_eager_one(tiny):

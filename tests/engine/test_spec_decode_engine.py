@@ -1,9 +1,10 @@
 """Speculative decoding in the engine: output equals the non-speculative engine, token for token.
 
 On a two-layer random Llama with the tiny preset's tokenizer (quick steps), greedy and seeded
-sampling with the n-gram proposer and with a draft model (the same checkpoint: a draft equal to
+sampling with the n-gram proposer, with a draft model (the same checkpoint: a draft equal to
 the target is accepted at every greedy position, so every step emits several tokens, which is
-what the edge cases need): logprobs, penalties,
+what the edge cases need) and with a random-weight EAGLE head (its drafts checked against a
+transformers reference, since the target rejects nearly all of them): logprobs, penalties,
 min_tokens, stop strings completed in the middle of a verified run, stop tokens, max_tokens,
 preemption under a small cache, async scheduling moving in and out of speculative steps, the
 decode role landing remote KV (the draft prefills itself from the prompt), prefix-cache hits,
@@ -26,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.adaptive import FixedController, SpecController
 from engine.presets import resolve_model_dir
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-from tests.engine.hf_models import make_hf_model
+from tests.engine.hf_models import make_eagle_head, make_hf_model
 from tests.engine.pd_handoff import run_disaggregated
 
 # Aborts in the leak test: 300 keeps it within its share of CI on two cores;
@@ -61,6 +62,19 @@ def draft_config() -> SpeculativeConfig:
     return SpeculativeConfig("draft_model", 4, model=_model["path"])
 
 
+def eagle_config() -> SpeculativeConfig:
+    """A random-weight EAGLE-1 head on the target, written once."""
+    root = Path(_model["path"])
+    head = root.parent / f"{root.name}-eagle"
+    if not head.exists():
+        make_eagle_head(root, head, seed=5)
+    return SpeculativeConfig("eagle", 4, model=str(head))
+
+
+def _config(method: str) -> SpeculativeConfig:
+    return NGRAM if method == "ngram" else draft_config() if method == "draft_model" else eagle_config()
+
+
 def make_engine(spec: SpeculativeConfig | None = None, forced: bool = True, num_blocks: int = 256,
                 async_scheduling: bool = False, role: str = "colocated", **sched) -> Engine:
     engine = Engine(EngineConfig(model=_model["path"], role=role, speculative=spec, async_scheduling=async_scheduling,
@@ -78,7 +92,7 @@ def plain(_micro) -> Engine:
 
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
 def spec(request, _micro) -> Engine:
-    return make_engine(NGRAM if request.param == "ngram" else draft_config())
+    return make_engine(_config(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +152,81 @@ def test_seeded_sampling_equals_the_plain_engine(plain, ngram):
     _same(plain, ngram, PROMPTS, params)
 
 
+@pytest.fixture(scope="module")
+def eagle(_micro) -> Engine:
+    return make_engine(eagle_config())
+
+
+def test_eagle_drafts_equal_a_transformers_reference(eagle):
+    """The head's drafts in its first two speculative steps (after the prefill, then after a
+    verification), against EAGLE's definition computed with transformers: the target's final
+    (normed) hidden states h_p and the embedding of token p + 1 through fc, the head's Llama layer
+    (no input norm at layer 0) and the target's lm_head; each further draft feeds the head's own
+    output back, one position on."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    seen = []
+    verify = eagle.spec.verify
+    eagle.spec.verify = lambda sampler, logits, seqs, *rest: seen.append(seqs[0]) or verify(sampler, logits, seqs,
+                                                                                             *rest)
+    try:
+        (out,) = eagle.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    finally:
+        del eagle.spec.verify
+    sequence = [*PROMPTS[1], *out.output_token_ids]
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(_model["path"], dtype=torch.float32).eval()
+    head_dir = Path(eagle_config().model)
+    head = transformers.LlamaModel(transformers.LlamaConfig.from_pretrained(head_dir)).eval()
+    weights = load_file(str(head_dir / "model.safetensors"))
+    fc = weights["fc.weight"]
+    head.layers.load_state_dict({k.removeprefix("layers."): v for k, v in weights.items() if k != "fc.weight"},
+                                strict=False)
+    head.layers[0].input_layernorm, head.norm = torch.nn.Identity(), torch.nn.Identity()
+    embed = target.model.embed_tokens
+    for _, (newest, *drafts), n, *_ in seen[:2]:
+        assert sequence[n] == newest and len(drafts) == 4
+        with torch.no_grad():
+            h = target(torch.tensor([sequence[:n]]), output_hidden_states=True).hidden_states[-1][0]   # [n, H]
+            rows = torch.cat((embed(torch.tensor(sequence[1:n + 1])), h), dim=-1) @ fc.t()               # [n, H]
+            want = []
+            for _ in drafts:
+                last = head(inputs_embeds=rows[None]).last_hidden_state[0, -1]
+                want.append(int(target.lm_head(last).argmax()))
+                rows = torch.cat((rows, (torch.cat((embed(torch.tensor(want[-1])), last)) @ fc.t())[None]))
+        assert drafts == want
+
+
+def test_eagle_greedy_seeded_and_the_decode_role_equal_the_plain_engine(plain, eagle):
+    """Greedy rows token for token and seeded rows draw for draw, whatever the head proposed
+    (prompt 3 is chunked: the head catches up on hidden states from two prefill steps); a decode
+    engine has no hidden states for a prompt prefilled elsewhere (the head reads zeros there) and
+    its tokens equal the colocated plain engine's."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=12, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    _same(plain, eagle, PROMPTS[:3], params)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = plain.generate(PROMPTS[:3], greedy)
+    decode = make_engine(eagle_config(), role="decode")
+    assert run_disaggregated(make_engine(role="prefill"), decode, PROMPTS[:3], greedy) == \
+        [w.output_token_ids for w in want]
+    assert decode.stats().spec_decode.num_drafts > 0 and decode.stats().kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("change, names", [
+    (dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1), "hidden_size is 32"),
+    (dict(drop=("fc.weight",)), "missing tensors for: fc.weight"),
+    (dict(drop=("layers.0.mlp.down_proj.weight",)), "layers.0.mlp.down_proj.weight"),
+])
+def test_a_malformed_eagle_head_is_refused_at_startup_naming_the_key(tmp_path, change, names):
+    make_eagle_head(Path(_model["path"]), tmp_path / "head", **change)
+    with pytest.raises(SpeculativeConfigError, match=names):
+        make_engine(SpeculativeConfig("eagle", 2, model=str(tmp_path / "head")))
+
+
 def test_logprobs_penalties_and_min_tokens_equal_the_plain_engine(plain, spec):
     params = [SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4,
@@ -177,11 +266,12 @@ def test_stop_strings_and_stop_tokens_inside_a_verified_run(plain, draft):
     assert checked >= 3
 
 
-def test_preemption_under_a_small_cache_equals_the_plain_engine():
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_preemption_under_a_small_cache_equals_the_plain_engine(method):
     prompts = [_prompt(s, 40 + 9 * s) for s in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = make_engine(num_blocks=14).generate(prompts, params)
-    spec = make_engine(draft_config(), num_blocks=14)
+    spec = make_engine(_config(method), num_blocks=14)
     got = spec.generate(prompts, params)
     assert spec.stats().num_preemptions > 0
     assert _summary(got) == _summary(want)

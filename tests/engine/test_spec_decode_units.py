@@ -1,6 +1,6 @@
 """Speculative decoding's parts, each against a reference: the config's keys and errors, the n-gram
-proposer against a brute-force rescan (vLLM's rule), the adaptive controller on synthetic step
-costs, the counters and their Prometheus exposition."""
+proposer against a brute-force rescan (vLLM's rule), EAGLE's hidden-state ring, the adaptive
+controller on synthetic step costs, the counters and their Prometheus exposition."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import argparse
 import random
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.spec_decode.adaptive import FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, SWITCH_MARGIN, SpecController, bucket_of
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError, speculative_config_arg
+from engine.spec_decode.hidden_states import Chunks, HiddenStates
 from engine.spec_decode.metrics import SpecDecodeMetrics, stats_from_pb, stats_to_pb
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.stats import SpecDecodeStats
@@ -28,11 +30,21 @@ def test_config_takes_vllms_keys_and_defaults():
     assert c.method == "draft_model" and c.model == "tiny"
     again = SpeculativeConfig.from_json(c.to_json())
     assert again == c
+    c = SpeculativeConfig.from_json('{"method": "eagle", "model": "/heads/x", "num_speculative_tokens": 3}')
+    assert (c.method, c.model) == ("eagle", "/heads/x") and SpeculativeConfig.from_json(c.to_json()) == c
+    c.check_tensor_parallel(1)
+    with pytest.raises(SpeculativeConfigError, match="'eagle' with --tensor-parallel-size 2"):
+        c.check_tensor_parallel(2)
+    from engine.engine import EngineConfig
+
+    with pytest.raises(SpeculativeConfigError, match="'eagle' with --tensor-parallel-size 2"):
+        EngineConfig(speculative=c, tensor_parallel_size=2)       # at startup, before any model loads
 
 
 @pytest.mark.parametrize("text, names", [
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
-    ('{"method": "eagle3", "num_speculative_tokens": 2}', "eagle3"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' needs model"),
+    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}', "'eagle3' is not supported"),
+    ('{"method": "mtp", "num_speculative_tokens": 2}', "'mtp' is not supported"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
@@ -50,6 +62,45 @@ def test_config_errors_name_the_key(text, names):
         SpeculativeConfig.from_json(text)
     with pytest.raises(argparse.ArgumentTypeError, match=names):
         speculative_config_arg(text)
+
+
+# ---------------------------------------------------------------------------------------- EAGLE
+def test_eagle_head_configs_in_vllms_forms(tmp_path):
+    import json
+
+    from engine.spec_decode.eagle_head import _head_config
+
+    llama = {"hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 260}
+    for raw in ({**llama, "architectures": ["LlamaForCausalLM"]}, {**llama, "architectures": ["EagleLlamaForCausalLM"]},
+                {"model_type": "eagle", "model": llama}):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        assert _head_config(tmp_path)["architectures"] == ["LlamaForCausalLM"]
+        assert _head_config(tmp_path)["hidden_size"] == 64
+    for raw, names in (({"model_type": "eagle", "model": llama, "truncated_vocab_size": 100}, "truncated_vocab_size"),
+                       ({**llama, "add_para_norm": True}, "add_para_norm"),
+                       ({**llama, "architectures": ["Qwen2ForCausalLM"]}, "architectures")):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(SpeculativeConfigError, match=names):
+            _head_config(tmp_path)
+
+
+def test_hidden_states_ring_keeps_each_requests_positions_and_reads_zeros_where_it_has_none():
+    ring = HiddenStates(8, 2, torch.float32, torch.device("cpu"))
+    a, b = Chunks(), Chunks()
+    rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None].repeat(1, 2)
+    first = ring.write(rows(100, 5))                  # a prefill: a's positions 0..2, b's 0..1
+    a.record(0, first, 3, ring.oldest, 0)
+    b.record(0, first + 3, 2, ring.oldest, 0)
+    first = ring.write(rows(200, 4))                  # a verification at 3..6 (1 + 3 drafts), b at 2
+    a.record(3, first, 3, ring.oldest, 0)
+    b.record(2, first + 3, 1, ring.oldest, 0)
+    first = ring.write(rows(300, 2))                  # a rejected its drafts: the next step is at 4
+    a.record(4, first, 1, ring.oldest, 0)
+    got = ring.gather([(a, 0, 6), (b, 1, 3)])[:, 0].tolist()
+    # 11 rows written into 8: a's positions 0..2 (rows 0..2) are gone; b's position 3 never came.
+    assert got == [0, 0, 0, 200, 300, 0, 104, 203, 0]
+    a.record(5, ring.write(rows(400, 1)), 1, ring.oldest, needed=4)
+    assert [run[0] for run in a.runs] == [4, 5]       # what the head has read is dropped
 
 
 # ---------------------------------------------------------------------------------------- n-gram
