@@ -345,6 +345,30 @@ def test_the_adaptive_controller_as_shipped_gives_the_same_tokens(plain):
     assert _summary(got) == _summary(want)
 
 
+def test_verification_padded_to_the_graphs_width_equals_eager_and_the_plain_engine(plain, ngram):
+    """The verification CUDA graphs' path on CPU (`engine.spec_decode.verify_graphs`, eager: the
+    same padded forward a graph replays): every request padded to 1 + k tokens, the batch to a
+    bucket. Output equals the eager speculative engine's and the plain engine's; no block leaks."""
+    from engine.cuda_graphs import DecodeBuckets
+    from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
+
+    padded = make_engine(NGRAM)
+    runner, sched = padded.runner, padded.scheduler_config
+    k, largest = verify_shape(padded.spec.config, sched.max_num_seqs, sched.max_num_batched_tokens)
+    runner.decode_buckets = DecodeBuckets(runner._forward_into, padded.model_config.vocab_size, padded.dtype,
+                                          runner.block_size, runner.device, min(sched.max_num_seqs, 64),
+                                          runner.max_model_len, logits_rows=VerifyBuckets.logits_rows(k, largest))
+    runner.verify_buckets = VerifyBuckets(runner.decode_buckets, k, largest, runner.max_model_len)
+    runs = []
+    run = runner.verify_buckets.run
+    runner.verify_buckets.run = lambda *args: (runs.append(args[1]), run(*args))[1]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=31, max_tokens=32, ignore_eos=True)] * 2
+    want, _ = _same(plain, padded, PROMPTS, params)
+    assert _summary(ngram.generate(PROMPTS, params)) == _summary(want)
+    assert runs and set(runs) <= {1, 2, 4}          # verification steps went through the padded buckets
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     from tests.engine.hf_models import make_hf_model
 
@@ -405,14 +429,23 @@ def test_structured_requests_beside_drafted_ones_equal_the_plain_engine(plain, d
     check_complete(specs[1], got[2].text)
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "gemma3"])
-def test_sliding_window_models_equal_the_plain_engine(tmp_path, name):
+@pytest.mark.parametrize("name", ["mistral_window", "gemma3", "mixtral"])
+def test_sliding_window_and_moe_models_equal_the_plain_engine(tmp_path, name):
     """Verification rows attend through each layer's window (Gemma 3: local and global layers);
     with every layer windowed (Mistral) the blocks behind the window are freed while drafts are
-    in flight. The draft is the target's own checkpoint, so most steps emit several tokens."""
-    from tests.engine.hf_window_models import make_window_model
+    in flight. The draft is the target's own checkpoint, so most steps emit several tokens.
+    Mixtral (mixture of experts: verification rows routed to their experts like any token) with
+    n-gram drafts."""
+    if name == "mixtral":
+        make_hf_model(name, tmp_path, seed=4)
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(Path(_model["path"]) / file, tmp_path / file)
+        drafts = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        from tests.engine.hf_window_models import make_window_model
 
-    make_window_model(name, tmp_path)
+        make_window_model(name, tmp_path)
+        drafts = SpeculativeConfig("draft_model", 3, model=str(tmp_path))
 
     def engine(spec: SpeculativeConfig | None) -> Engine:
         e = Engine(EngineConfig(model=str(tmp_path), speculative=spec,
@@ -426,4 +459,4 @@ def test_sliding_window_models_equal_the_plain_engine(tmp_path, name):
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
-    _same(engine(None), engine(SpeculativeConfig("draft_model", 3, model=str(tmp_path))), prompts, params)
+    _same(engine(None), engine(drafts), prompts, params)
