@@ -44,6 +44,7 @@ def apply_grammar_mask_host(
     ids = None if rows is None else rows.numpy()
     masked = values[:num_masks] if ids is None else values[ids]      # a view, or the gathered rows
     np.minimum(masked[:, :width], bound.view(values.dtype), out=masked[:, :width])
-    masked[:, width:] = -np.inf
+    if width < values.shape[1]:
+        masked[:, width:] = -np.inf
     if ids is not None:
         values[ids] = masked
