@@ -345,28 +345,46 @@ def test_the_adaptive_controller_as_shipped_gives_the_same_tokens(plain):
     assert _summary(got) == _summary(want)
 
 
-def test_verification_padded_to_the_graphs_width_equals_eager_and_the_plain_engine(plain, ngram):
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_verification_padded_to_the_graphs_width_equals_eager_and_the_plain_engine(plain, method, request):
     """The verification CUDA graphs' path on CPU (`engine.spec_decode.verify_graphs`, eager: the
     same padded forward a graph replays): every request padded to 1 + k tokens, the batch to a
-    bucket. Output equals the eager speculative engine's and the plain engine's; no block leaks."""
+    bucket. Output equals the eager speculative engine's and the plain engine's; no block leaks.
+    With EAGLE the head reads the target's hidden states from the padded steps' buffer (only the
+    real tokens' rows), so its drafts, too, are the eager engine's."""
     from engine.cuda_graphs import DecodeBuckets
     from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 
-    padded = make_engine(NGRAM)
+    eager = request.getfixturevalue(method)
+    padded = make_engine(NGRAM if method == "ngram" else eagle_config())
     runner, sched = padded.runner, padded.scheduler_config
     k, largest = verify_shape(padded.spec.config, sched.max_num_seqs, sched.max_num_batched_tokens)
     runner.decode_buckets = DecodeBuckets(runner._forward_into, padded.model_config.vocab_size, padded.dtype,
                                           runner.block_size, runner.device, min(sched.max_num_seqs, 64),
                                           runner.max_model_len, logits_rows=VerifyBuckets.logits_rows(k, largest))
     runner.verify_buckets = VerifyBuckets(runner.decode_buckets, k, largest, runner.max_model_len)
+    if runner.hidden_sink is not None:     # as the runner allocates it when it builds the buckets
+        import torch
+
+        runner._hidden_buf = torch.empty(runner.decode_buckets.logits.shape[0], padded.model_config.hidden_size,
+                                         dtype=padded.dtype)
     runs = []
     run = runner.verify_buckets.run
     runner.verify_buckets.run = lambda *args: (runs.append(args[1]), run(*args))[1]
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=31, max_tokens=32, ignore_eos=True)] * 2
-    want, _ = _same(plain, padded, PROMPTS, params)
-    assert _summary(ngram.generate(PROMPTS, params)) == _summary(want)
+    verified = {"eager": [], "padded": []}        # every verification step's sequences, drafts included
+    for name, engine in (("eager", eager), ("padded", padded)):
+        verify = engine.spec.verify
+        engine.spec.verify = lambda sampler, logits, seqs, *rest, _v=verify, _out=verified[name]: (
+            _out.append([(tuple(s[1]), s[2]) for s in seqs]) or _v(sampler, logits, seqs, *rest))
+    try:
+        want, _ = _same(plain, padded, PROMPTS, params)
+        assert _summary(eager.generate(PROMPTS, params)) == _summary(want)
+    finally:
+        del eager.spec.verify, padded.spec.verify
     assert runs and set(runs) <= {1, 2, 4}          # verification steps went through the padded buckets
+    assert verified["padded"] == verified["eager"]  # the same drafts: the head read the same hidden states
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
