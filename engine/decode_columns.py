@@ -15,12 +15,14 @@ and the pool has a token and a block for every running request (nothing can pree
 step takes the general path, unchanged.
 
 One owner per fact: the `Request`s. The columns hold (a) what never changes about a request
-while it runs (its id, its token lists' objects, prompt + max_tokens), gathered once per
-membership of the batch, and (b) the plan of the step (`starts`, `tables`), which
-`update_columns` writes into the requests (`num_computed_tokens`, the placeholders) and the next
-`schedule` advances by one. (b) is trusted only from a columns update to the next schedule of
-the same requests in the same order (`ready`); anything else (a general step, a request that
-finished or was aborted, an arrival) rebuilds the columns from the requests.
+while it runs (its id, its token lists' objects, prompt + max_tokens, what its params ask),
+gathered once when it joins the columns, and (b) the plan of the step (`starts`, `tables`),
+which `update_columns` writes into the requests (`num_computed_tokens`, the placeholders) and
+the next `schedule` advances by one. (b) is trusted only from a columns update to the next
+schedule (`ready`); any general step, or a request joining, clears it, and the next columns step
+reads (b) again from the requests (C-level passes). Membership follows `Scheduler.running`: rows
+of requests that left are dropped, requests that joined at its end are appended, and any other
+change (a reorder) gathers every row afresh.
 
 Readers of `SchedulerOutput.scheduled` that do not know columns see `ScheduledSeq`s exactly as
 the general path would have built them (`DecodeSeqs`, built on first read;
@@ -30,6 +32,7 @@ the general path would have built them (`DecodeSeqs`, built on first read;
 from __future__ import annotations
 
 import operator
+from itertools import compress, repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,10 +43,10 @@ from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, DecodeSeqs, SchedulerO
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
 
-_RUNNING = RequestStatus.RUNNING
-_TOKENS, _OUTPUTS, _COMPUTED, _ID, _PROMPT, _PARAMS, _FIRST_TOKEN = (operator.attrgetter(name) for name in (
+_RUNNING, _ABORTED = RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED
+_TOKENS, _OUTPUTS, _COMPUTED, _ID, _PROMPT, _PARAMS, _FIRST_TOKEN, _STATUS = (operator.attrgetter(name) for name in (
     "token_ids", "output_token_ids", "num_computed_tokens", "request_id", "prompt_token_ids", "sampling_params",
-    "first_token_time"))
+    "first_token_time", "status"))
 _MAX_TOKENS, _STOP_IDS, _HOST_TOKENS = (operator.attrgetter(name) for name in (
     "max_tokens", "stop_token_ids", "reads_host_tokens"))
 _LAST = operator.itemgetter(-1)
@@ -55,83 +58,137 @@ COLUMNS_MIN_BATCH = 16
 class DecodeColumns:
     """The columns of a steady decode batch (module docstring): `requests` in batch order."""
 
-    __slots__ = ("requests", "ids", "outputs", "tokens", "limits", "stop_ids", "reads_host_tokens", "started",
-                 "starts", "tables", "num_blocks", "ready")
+    __slots__ = ("requests", "ids", "outputs", "tokens", "limits", "host_rows", "stop_rows", "stop_ids",
+                 "started", "starts", "tables", "num_blocks", "ready")
 
-    def __init__(self, requests: list[Request], max_model_len: int, eos_token_ids: frozenset[int],
-                 starts: np.ndarray, tables: list[tuple[int, ...]]) -> None:
-        n = len(requests)
-        params = list(map(_PARAMS, requests))
-        self.requests = requests                   # a list of its own: never changed in place
-        self.ids = list(map(_ID, requests))
-        self.outputs = list(map(_OUTPUTS, requests))    # the requests' own lists (never replaced)
-        self.tokens = list(map(_TOKENS, requests))
-        # A length stop once len(token_ids) reaches this (`_check_stop`'s two tests in one).
-        limits = np.fromiter(map(len, map(_PROMPT, requests)), np.int64, n)
-        limits += np.fromiter(map(_MAX_TOKENS, params), np.int64, n)
-        self.limits = np.minimum(limits, max_model_len)
-        # The tokens that can end a request when resolved (eos, every member's stop tokens).
-        self.stop_ids = eos_token_ids.union(*map(_STOP_IDS, params))
-        self.reads_host_tokens = any(map(_HOST_TOKENS, params))
-        self.started = None not in list(map(_FIRST_TOKEN, requests))   # every one has its first token
-        self.starts = starts
-        self.tables = tables
-        self.num_blocks = np.fromiter(map(len, tables), np.int64, n)
+    def __init__(self, requests: list[Request], ids: list[str], outputs: list[list[int]], tokens: list[list[int]],
+                 limits: np.ndarray, host_rows: np.ndarray, stop_rows: list, eos_token_ids: frozenset[int],
+                 started: bool) -> None:
+        self.requests = requests        # a list of its own: never changed in place
+        self.ids = ids
+        self.outputs = outputs          # the requests' own lists (never replaced)
+        self.tokens = tokens
+        self.limits = limits            # [S] int64: a length stop once len(token_ids) reaches it
+        self.host_rows = host_rows      # [S] bool: its next step reads its newest token on the host
+        self.stop_rows = stop_rows      # each row's stop_token_ids
+        # The tokens that can end some row when resolved: eos and every row's stop tokens.
+        self.stop_ids = eos_token_ids.union(*stop_rows)
+        self.started = started          # every row has its first token (time)
+        self.starts: np.ndarray | None = None              # [S] int64: this step's start positions
+        self.tables: list[tuple[int, ...]] | None = None   # this step's block tables
+        self.num_blocks: np.ndarray | None = None          # [S] int64: their lengths
         self.ready = False              # starts/tables are what the last columns update left
 
-    def owns(self, requests: list[Request], running: list[Request]) -> bool:
-        """`requests` is this batch, every one of them still running (C-level: identity compares)."""
-        return requests is self.requests and running == requests
+    @classmethod
+    def of(cls, requests: list[Request], max_model_len: int, eos_token_ids: frozenset[int]) -> DecodeColumns:
+        """The columns of `requests` (what never changes about them; no plan yet)."""
+        n = len(requests)
+        params = list(map(_PARAMS, requests))
+        # `_check_stop`'s two length tests in one: len(token_ids) reaches prompt + max_tokens or the model's.
+        limits = np.fromiter(map(len, map(_PROMPT, requests)), np.int64, n)
+        limits += np.fromiter(map(_MAX_TOKENS, params), np.int64, n)
+        return cls(list(requests), list(map(_ID, requests)), list(map(_OUTPUTS, requests)),
+                   list(map(_TOKENS, requests)), np.minimum(limits, max_model_len),
+                   np.fromiter(map(_HOST_TOKENS, params), np.bool_, n), list(map(_STOP_IDS, params)), eos_token_ids,
+                   None not in list(map(_FIRST_TOKEN, requests)))
+
+    def kept(self, keep: list[bool], eos_token_ids: frozenset[int]) -> DecodeColumns:
+        """The rows where `keep` (in order), plan and `ready` included."""
+        mask = np.array(keep, np.bool_)
+        cols = DecodeColumns(*(list(compress(rows, keep)) for rows in (self.requests, self.ids, self.outputs,
+                                                                           self.tokens)),
+                             self.limits[mask], self.host_rows[mask], list(compress(self.stop_rows, keep)),
+                             eos_token_ids, self.started)
+        if self.starts is not None:
+            cols.starts, cols.tables, cols.num_blocks = (self.starts[mask], list(compress(self.tables, keep)),
+                                                         self.num_blocks[mask])
+        cols.ready = self.ready
+        return cols
+
+    def extended(self, tail: DecodeColumns, eos_token_ids: frozenset[int]) -> DecodeColumns:
+        """These rows, then `tail`'s (no plan: the next step reads it)."""
+        return DecodeColumns(self.requests + tail.requests, self.ids + tail.ids, self.outputs + tail.outputs,
+                             self.tokens + tail.tokens, np.concatenate([self.limits, tail.limits]),
+                             np.concatenate([self.host_rows, tail.host_rows]), self.stop_rows + tail.stop_rows,
+                             eos_token_ids, self.started and tail.started)
+
+    @property
+    def reads_host_tokens(self) -> bool:
+        return bool(self.host_rows.any())
+
+
+def _running_rows(requests: list[Request]) -> list[bool]:
+    return list(map(operator.is_, map(_STATUS, requests), repeat(_RUNNING, len(requests))))
+
+
+def _columns_for(scheduler: Scheduler, running: list[Request]) -> DecodeColumns:
+    """Columns whose rows are `running`: the last ones, with the rows of requests that left
+    dropped and those that joined at the end appended; or gathered afresh."""
+    cols, max_len, eos = scheduler._columns, scheduler.config.max_model_len, scheduler.eos_token_ids
+    if cols is None:
+        return DecodeColumns.of(running, max_len, eos)
+    if running == cols.requests:
+        return cols
+    alive = set(running)
+    keep = list(map(alive.__contains__, cols.requests))
+    num_kept = keep.count(True)
+    if running[:num_kept] != list(compress(cols.requests, keep)):     # reordered
+        return DecodeColumns.of(running, max_len, eos)
+    if num_kept < len(keep):
+        cols = cols.kept(keep, eos)
+    if num_kept < len(running):
+        cols = cols.extended(DecodeColumns.of(running[num_kept:], max_len, eos), eos)
+    return cols
 
 
 def schedule_columns(scheduler: Scheduler, reserved: tuple, finished: tuple) -> SchedulerOutput | None:
     """This step as columns, or None where the general path must plan it (`Scheduler.schedule`
     checked the budget, the pool, the drafts and the queue). Grows the tables that need a block."""
     running = scheduler.running
-    cols = scheduler._columns
-    if cols is not None and cols.ready and running == cols.requests:
+    cols = scheduler._columns = _columns_for(scheduler, running)
+    kv, n = scheduler.kv_manager, len(running)
+    if cols.ready:
         starts = cols.starts + 1        # the placeholder the last update appended is this step's token
-        token_ids = [PLACEHOLDER_TOKEN_ID] * len(running)
+        token_ids = [PLACEHOLDER_TOKEN_ID] * n
         all_placeholders = True
+        tables, num_blocks = list(cols.tables), cols.num_blocks   # this step's (the output keeps it)
     else:
-        cols = None
-        tokens = list(map(_TOKENS, running))
-        n = len(running)
         starts = np.fromiter(map(_COMPUTED, running), np.int64, n)
-        if not (np.fromiter(map(len, tokens), np.int64, n) - starts == 1).all():
+        if not (np.fromiter(map(len, cols.tokens), np.int64, n) - starts == 1).all():
             return None                 # a prefill continues: the general path plans this step
-        token_ids = list(map(_LAST, tokens))
+        token_ids = list(map(_LAST, cols.tokens))
         all_placeholders = token_ids.count(PLACEHOLDER_TOKEN_ID) == n
-    kv = scheduler.kv_manager
-    if cols is None:
-        tables = list(map(kv.block_tables.__getitem__, map(_ID, running)))
-        cols = DecodeColumns(list(running), scheduler.config.max_model_len, scheduler.eos_token_ids, starts, tables)
-        scheduler._columns = cols
-    tables = list(cols.tables)          # this step's: the output keeps it while the next grows
-    num_blocks = cols.num_blocks
+        tables = list(map(kv.block_tables.__getitem__, cols.ids))
+        num_blocks = np.fromiter(map(len, tables), np.int64, n)
     grow = np.flatnonzero(starts >= num_blocks * scheduler.block_size)
     if len(grow):                       # the pool has a block for each (`_decodes_cannot_run_short`)
         requests = cols.requests
         for i in grow.tolist():
             kv.allocate_slots(requests[i], 1)
             tables[i] = kv.block_table(requests[i])
+        num_blocks = num_blocks.copy()
         num_blocks[grow] += 1
-    cols.starts, cols.tables, cols.ready = starts, tables, False
+    cols.starts, cols.tables, cols.num_blocks, cols.ready = starts, tables, num_blocks, False
     seqs = DecodeSeqs(cols.ids, token_ids, starts, tables, int(num_blocks.max()), all_placeholders)
-    out = SchedulerOutput(seqs, len(running), (), reserved, finished)
+    out = SchedulerOutput(seqs, n, (), reserved, finished)
     scheduler._pending_output, scheduler._pending_requests = out, cols.requests
     return out
 
 
 def update_columns(scheduler: Scheduler, seqs: DecodeSeqs, now: float) -> list[Request] | None:
-    """`update(out, None)` of a columns step: every request one computed token more and a
-    placeholder; None (nothing changed) when some request left the batch since `schedule` (the
-    general update skips it)."""
+    """`update(out, None)` of a columns step: every request still running one computed token
+    more and a placeholder (the rows of those that left since `schedule` are dropped); None when
+    the batch changed otherwise (the general update runs)."""
     cols = scheduler._columns
-    if cols is None or seqs.ids is not cols.ids or scheduler.running != cols.requests:
+    if cols is None or seqs.ids is not cols.ids:
         return None
+    if scheduler.running != cols.requests:      # finished or aborted since schedule (a stop token)
+        keep = _running_rows(cols.requests)
+        if list(compress(cols.requests, keep)) != scheduler.running:
+            return None
+        cols = scheduler._columns = cols.kept(keep, scheduler.eos_token_ids)
     requests, kv, block_size = cols.requests, scheduler.kv_manager, scheduler.block_size
-    computed = seqs.starts + 1
+    computed = cols.starts + 1
     placeholder = PLACEHOLDER_TOKEN_ID
     for request, outputs, tokens, num in zip(requests, cols.outputs, cols.tokens, computed.tolist()):
         request.num_computed_tokens = num
@@ -145,25 +202,27 @@ def update_columns(scheduler: Scheduler, seqs: DecodeSeqs, now: float) -> list[R
                 request.first_token_time = now
         cols.started = True
     ending = np.flatnonzero(computed + 1 >= cols.limits)               # len(token_ids) now
+    cols.ready = True
+    scheduler._resolving = cols         # its rows get their tokens next (resolve_columns)
     if len(ending):
         for i in ending.tolist():
-            request = requests[i]
-            if scheduler._check_stop(request, placeholder):
-                scheduler.finished_in_update(request, now)
+            if scheduler._check_stop(requests[i], placeholder):
+                scheduler.finished_in_update(requests[i], now)
         scheduler.running = [r for r in scheduler.running if r.status is _RUNNING]
-    else:
-        cols.ready = True
+        scheduler._columns = cols.kept(_running_rows(requests), scheduler.eos_token_ids)
     scheduler.last_progressed = requests
     return requests
 
 
 def resolve_columns(scheduler: Scheduler, requests: list[Request], token_ids: list[int]) -> list[Request] | None:
-    """`resolve_placeholders` of a columns batch whose requests all still run: the tokens
-    written in one pass, the stop tests only for rows whose token is a stop token of some
-    member. None: not such a batch (the general loop resolves it)."""
-    cols = scheduler._columns
-    if cols is None or not cols.owns(requests, scheduler.running):
+    """`resolve_placeholders` of the requests a columns update returned, none of them aborted
+    since: the tokens written in one pass, the stop tests only for rows whose token is a stop
+    token of some row. None: not such a batch (the general loop resolves it)."""
+    cols = scheduler._resolving
+    if cols is None or requests is not cols.requests:
         return None
+    if scheduler.running != requests and _ABORTED in list(map(_STATUS, requests)):
+        return None                     # (the general loop skips those rows)
     for outputs, tokens, token_id in zip(cols.outputs, cols.tokens, token_ids):
         outputs[-1] = token_id
         tokens[-1] = token_id

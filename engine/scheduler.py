@@ -38,7 +38,8 @@ class Scheduler(SchedulerState):
     as columns (`engine.decode_columns`)."""
 
     decode_columns = False
-    _columns: DecodeColumns | None = None   # the last columns step's, while the batch stays
+    _columns: DecodeColumns | None = None   # the running batch's columns (engine.decode_columns)
+    _resolving: DecodeColumns | None = None  # the columns whose requests the last update returned
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
@@ -66,7 +67,8 @@ class Scheduler(SchedulerState):
             if out is not None:
                 self._finished_ids = []
                 return out
-        self._columns = None
+        if self._columns is not None:
+            self._columns.ready = False     # this step is planned without it (its rows stay)
         seqs: list[ScheduledSeq] = []           # batch order
         scheduled: list[Request] = []           # seqs[i] belongs to scheduled[i]
         preempted: list[str] = []
@@ -289,6 +291,7 @@ class Scheduler(SchedulerState):
     def resolve_placeholders(self, requests: list[Request], token_ids: list[int]) -> list[Request]:
         if self._columns is not None:
             self._columns.ready = False   # its plan assumed placeholders (a step that resolves first)
+        if self._resolving is not None:
             resolved = resolve_columns(self, requests, token_ids)
             if resolved is not None:
                 return resolved
@@ -338,7 +341,9 @@ class Scheduler(SchedulerState):
             done = update_columns(self, output.scheduled, now)
             if done is not None:
                 return done
-        self._columns = None
+        self._resolving = None
+        if self._columns is not None:
+            self._columns.ready = False
         kv, block_size = self.kv_manager, self.block_size
         prefill_role = self.role == "prefill"
         if prefill_role and sampled_token_ids is None:

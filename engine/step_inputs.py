@@ -305,7 +305,8 @@ class StepInputs:
                     seq_of = fill_dst if decode_only else np.searchsorted(
                         np.cumsum(np.fromiter(map(len, token_lists), np.int64, num_real)), fill_dst, side="right")
                     waiting = [request_ids[i] for i in seq_of.tolist()]
-                fill_src = list(map(prev_rows.__getitem__, waiting))
+                rows_of = prev_rows.rows if isinstance(prev_rows, PrevSample) else prev_rows   # (C-level lookups)
+                fill_src = list(map(rows_of.__getitem__, waiting))
                 h["fill_src"][:] = fill_src
                 fill_in_order = every_fill and fill_src == list(range(num_fill))
 
