@@ -108,7 +108,8 @@ def measure(args, batch: int) -> dict:
         cpu.append(time.thread_time() - c0)
         wall.append(time.perf_counter() - w0)
     if not churn:
-        assert engine.scheduler.num_running == batch and all(len(s.token_ids) == 1 for s in engine.last_schedule.scheduled)
+        assert engine.scheduler.num_running == batch and all(len(s.token_ids) == 1
+                                                             for s in engine.last_schedule.scheduled)
     wall.sort()
     return {"batch": batch, "median_us": 1e6 * statistics.median(wall), "p10_us": 1e6 * wall[len(wall) // 10],
             "p90_us": 1e6 * wall[int(0.9 * len(wall))], "cpu_us": 1e6 * statistics.median(cpu), "steps": args.steps}

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from engine.decode_columns import COLUMNS_MIN_BATCH, DecodeColumns, reads_host_tokens, resolve_columns, schedule_columns, update_columns
+from engine.decode_columns import (COLUMNS_MIN_BATCH, DecodeColumns, reads_host_tokens, resolve_columns,
+                                   schedule_columns, update_columns)
 from engine.request import Request, RequestStatus
 from engine.request_queue import priority_key
 from engine.scheduler_output import (PLACEHOLDER_TOKEN_ID, DecodeSeqs, ScheduledSeq, SchedulerOutput,
@@ -58,11 +59,13 @@ class Scheduler(SchedulerState):
         short. The decode pass is the hot path (one visit to every running request each step):
         when the budget and the free blocks cover one token and one block per running request,
         nothing can preempt, and `_schedule_decodes_fast` skips every check that guards against it.
+        With `decode_columns` such a step that admits nothing is planned as columns instead
+        (`engine.decode_columns`: no pass over the batch).
         """
         max_tokens = self.config.max_num_batched_tokens
         reserved = self._reserve_remote() if self.waiting_for_blocks else ()
-        if self.decode_columns and drafts is None and len(self.running) >= COLUMNS_MIN_BATCH and self.lora_slots is None \
-                and self._decodes_cannot_run_short(max_tokens) and not self._can_admit():
+        if self.decode_columns and drafts is None and len(self.running) >= COLUMNS_MIN_BATCH \
+                and self.lora_slots is None and self._decodes_cannot_run_short(max_tokens) and not self._can_admit():
             out = schedule_columns(self, tuple(reserved), tuple(self._finished_ids))
             if out is not None:
                 self._finished_ids = []

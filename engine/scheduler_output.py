@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # With async scheduling, a request's newest token is still on the device when the next step is
 # planned: its place in `Request.token_ids` holds this id until the engine resolves the sample.
@@ -33,10 +36,11 @@ class ScheduledSeq(NamedTuple):
 
 
 class DecodeSeqs(Sequence[ScheduledSeq]):
-    """A steady decode step's `SchedulerOutput.scheduled` (`engine.decode_columns`): read as `ScheduledSeq`s (built once, on
-    the first read), or by its columns (`ids`, `token_ids`, `starts`, `tables`, `width`) where a reader
-    knows them (`StepInputs.prepare`, `DecodeBuckets.bucket`, `sampled_requests`, the step
-    stats). Every seq is a decode of one token that samples."""
+    """A steady decode step's `SchedulerOutput.scheduled` (`engine.decode_columns`): read as
+    `ScheduledSeq`s (built once, on the first read), or by its columns (`ids`, `token_ids`,
+    `starts`, `tables`, `width`) where a reader knows them (`StepInputs.prepare`,
+    `DecodeBuckets.bucket`, `sampled_requests`, the step stats). Every seq is a decode of one
+    token that samples."""
 
     __slots__ = ("ids", "token_ids", "starts", "tables", "width", "all_placeholders", "_seqs")
 
@@ -53,8 +57,8 @@ class DecodeSeqs(Sequence[ScheduledSeq]):
     def seqs(self) -> tuple[ScheduledSeq, ...]:
         if self._seqs is None:
             new, seq_type = new_scheduled_seq, ScheduledSeq
-            self._seqs = tuple(new(seq_type, (request_id, (token,), start, table, True)) for request_id, token, start, table
-                               in zip(self.ids, self.token_ids, self.starts.tolist(), self.tables))
+            self._seqs = tuple(new(seq_type, (request_id, (token,), start, table, True)) for request_id, token, start,
+                               table in zip(self.ids, self.token_ids, self.starts.tolist(), self.tables))
         return self._seqs
 
     def __len__(self) -> int:
