@@ -73,7 +73,8 @@ class DecodeSeqs(Sequence[ScheduledSeq]):
     def __eq__(self, other) -> bool:
         return self.seqs() == (other.seqs() if isinstance(other, DecodeSeqs) else other)
 
-    __hash__ = None   # type: ignore[assignment]
+    def __hash__(self) -> int:
+        return hash(self.seqs())
 
     def __repr__(self) -> str:
         return f"DecodeSeqs({len(self.ids)} decodes)"
