@@ -14,17 +14,24 @@ Workloads (`--workloads`), on `--model` (the `tiny` preset by default):
 Modes, run on the same prompts: `plain` (no speculation), `spec` (`--speculative-config` as a user
 sets it: the adaptive controller decides per batch size and request) and `fixed` (the same drafts
 on every step for every request, `FixedController`: what speculation costs or gives before the
-controller steps in). The modes run *interleaved step by step*: each mode's engine has the same
-batch of B requests, added at once, and the engines take turns, one `Engine.step` each (the order
-rotating every turn), so a change in the host's load lands on all modes alike. Each engine's clock
-is the sum of its own steps' times (all the host work of a step included). TPOT is each request's
-(clock at its last token - at its first) / (tokens - 1), averaged; throughput is output tokens /
-the engine's clock for the batch. A warm-up batch per batch size runs first (the adaptive
-controller learns the batch size's costs there, as a server does in its first seconds); then
-`--rounds` batches, and the table shows medians over rounds.
+controller steps in). The modes run *interleaved step by step* (`bench/interleaved.py`): each
+mode's engine has the same batch of B requests, added at once, and the engines take turns, one
+`Engine.step` each (the order running through every permutation of the modes), so a change in the
+host's load lands on all modes alike. Each engine's clock is the sum of its own steps' times (all
+the host work of a step included). TPOT is each request's (clock at its last token - at its
+first) / (tokens - 1), averaged; throughput is output tokens / the engine's clock for the batch.
+A warm-up batch per batch size runs first (the adaptive controller learns the batch size's costs
+there, as a server does in its first seconds); then `--rounds` batches, and the table shows
+medians over rounds.
 
     .venv/bin/python bench/spec_decode.py --batch-sizes 1,8,32,128 --rounds 3
     .venv/bin/python bench/spec_decode.py --model copy --workloads copy,free --batch-sizes 1
+    .venv/bin/python bench/spec_decode.py --workloads free --batch-sizes 1,8 \
+        --speculative-config '{"method": "eagle", "model": "random", "num_speculative_tokens": 4}'
+
+An EAGLE head named `random` is a random-weight head for `--model` (written next to it,
+`tests/engine/hf_models.make_eagle_head`): it accepts almost nothing, so the figures are what the
+head, its hidden-state ring and the adaptive controller cost where speculation cannot pay.
 
 On a shared CPU, compare ratios measured in one run; absolute times drift with the load.
 """
@@ -34,8 +41,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from dataclasses import dataclass
+
+from bench.interleaved import run_interleaved
 
 MODES = ("plain", "spec", "fixed")
 WORKLOADS = ("edit", "free")   # the default; also `copy`
@@ -97,40 +105,15 @@ def _engine(model: str, mode: str, spec_json: str, max_seqs: int, max_len: int):
 
 
 def _run(engines: dict, prompts, params) -> dict[str, Result]:
-    """One batch per engine, every request added at once; the engines step in turns."""
-    modes = list(engines)
-    before = {m: engines[m].stats().spec_decode for m in modes}
-    clock = dict.fromkeys(modes, 0.0)
-    first: dict[tuple[str, str], float] = {}
-    last: dict[tuple[str, str], float] = {}
-    count: dict[tuple[str, str], int] = {}
-    for mode in modes:
-        for p, sp in zip(prompts, params):
-            count[(mode, engines[mode].add_request(p, sp).request_id)] = 0
-    turn = 0
-    while any(e.has_unfinished_requests() for e in engines.values()):
-        turn += 1
-        for mode in modes[turn % len(modes):] + modes[:turn % len(modes)]:
-            engine = engines[mode]
-            if not engine.has_unfinished_requests():
-                continue
-            start = time.perf_counter()
-            outputs = engine.step()
-            now = clock[mode] = clock[mode] + time.perf_counter() - start
-            for out in outputs:
-                key = (mode, out.request_id)
-                first.setdefault(key, now)
-                last[key] = now
-                count[key] += len(out.new_token_ids)
+    """One batch per engine, stepped in turns (`bench.interleaved`), with each mode's drafts."""
+    before = {m: engines[m].stats().spec_decode for m in engines}
     results = {}
-    for mode in modes:
-        keys = [k for k in count if k[0] == mode]
-        tpots = [(last[k] - first[k]) / (count[k] - 1) for k in keys if count[k] > 1]
+    for mode, run in run_interleaved(engines, prompts, params).items():
         after, drafts, accepted = engines[mode].stats().spec_decode, 0, 0
         if after is not None:
             drafts = after.num_draft_tokens - before[mode].num_draft_tokens
             accepted = after.num_accepted_tokens - before[mode].num_accepted_tokens
-        results[mode] = Result(statistics.mean(tpots), sum(count[k] for k in keys) / clock[mode], drafts, accepted)
+        results[mode] = Result(run.tpot, run.throughput, drafts, accepted)
     return results
 
 
@@ -154,6 +137,7 @@ def main() -> None:
     from bench.copy_model import SHAPES, build
 
     model = str(build(args.model)) if args.model in SHAPES else args.model
+    args.speculative_config = _random_eagle_head(args.speculative_config, model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
     modes = args.modes.split(",")
@@ -163,9 +147,12 @@ def main() -> None:
     rows = []
     for workload in workloads:
         engines = {mode: _engine(model, mode, args.speculative_config, max(batches), max_len) for mode in modes}
+        # `edit` prompts hold a greedy continuation: made by an engine of their own, since the one
+        # that made them has their prefix cached (the plain engine's prefill would be ~half of it).
+        maker = _engine(model, "plain", args.speculative_config, max(batches), max_len) if workload == "edit" else None
         for batch in batches:
             results: dict[str, list[Result]] = {mode: [] for mode in modes}
-            prompts = {r: _prompts(workload, batch, r, engines["plain"], args.max_tokens)
+            prompts = {r: _prompts(workload, batch, r, maker, args.max_tokens)
                        for r in (999, *range(args.rounds))}
             # warm-up: kernels, allocator, the controller's first costs
             _run(engines, prompts[999], _params(workload, batch, args.max_tokens, 999))
@@ -175,6 +162,24 @@ def main() -> None:
             rows.append((workload, batch, results))
             _print_row(workload, batch, results, header=len(rows) == 1)
     _print_summary(rows)
+
+
+def _random_eagle_head(spec_json: str, model: str) -> str:
+    """`"model": "random"` in an EAGLE config: a random-weight head for `model`, written once."""
+    import json
+    from pathlib import Path
+
+    from engine.presets import resolve_model_dir
+    from tests.engine.hf_models import make_eagle_head
+
+    raw = json.loads(spec_json)
+    if raw.get("method") != "eagle" or raw.get("model") != "random":
+        return spec_json
+    target = resolve_model_dir(model)
+    head = target.parent / f"{target.name}-eagle-random"
+    if not (head / "model.safetensors").exists():
+        make_eagle_head(target, head, seed=0)
+    return json.dumps({**raw, "model": str(head)})
 
 
 def _median(results: list[Result], field: str) -> float:
@@ -195,13 +200,14 @@ def _print_row(workload: str, batch: int, results: dict[str, list[Result]], head
         drafts = sum(r.drafts for r in results[mode])
         return f"{sum(r.accepted for r in results[mode]) / drafts:.2f}" if drafts else "-"
 
-    def per_round(mode: str) -> str:
-        return ",".join(f"{r.tpot / p.tpot:.2f}" for r, p in zip(results[mode], results["plain"]))
+    def per_round(mode: str, field: str = "tpot") -> str:
+        return ",".join(f"{getattr(r, field) / getattr(p, field):.2f}" for r, p in zip(results[mode], results["plain"]))
 
     print(f"{workload:<10} {batch:>5} | {tpot['plain'] * 1e3:>8.2f}ms "
           + " ".join(f"{tpot[m] * 1e3:>6.2f}ms {tpot[m] / tpot['plain']:>5.3f} {per_round(m):>16}" for m in others)
           + f" | {tput['plain']:>11.1f} " + " ".join(f"{tput[m]:>8.1f} {tput[m] / tput['plain']:>5.3f}" for m in others)
-          + " | " + " ".join(f"{acceptance(m):>12}" for m in others), flush=True)
+          + " | " + " ".join(f"{acceptance(m):>12}" for m in others)
+          + " | tok/s x rounds " + " ".join(per_round(m, "throughput") for m in others), flush=True)
 
 
 def _print_summary(rows) -> None:

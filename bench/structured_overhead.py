@@ -3,10 +3,14 @@
 Four sections, each printed as one table (ratios are measured side by side in one run):
 
 1. `tpot`: 100% JSON-schema traffic against unconstrained traffic on the engine (default the
-   `tiny` preset on this device), at batch 1, 32 and 128: the median decode step (= TPOT at a full
-   batch), runs interleaved free / structured / free / structured. The schema is a list of
-   person records with at least `--max-tokens` records, so no structured request ends early and
-   both batches stay full; free requests use `ignore_eos`.
+   `tiny` preset on this device), at batch 1, 32 and 128: one engine per arm (`--arms`: `free`,
+   `json`, and `free2`, a second unconstrained engine whose ratio to `free` is the noise floor of
+   the measurement, A/A), the same batch in each, stepped in turns (`bench/interleaved.py`: each
+   arm's clock is the sum of its own steps; the arms move to the next engine every round),
+   `--repeats` rounds after a warm-up round; TPOT per round, and the median of the per-round
+   ratios to `free`. The schema is a list of person
+   records with at least `--max-tokens` records, so no structured request ends early and both
+   batches stay full; free requests use `ignore_eos`.
 2. `mask`: the host mask fill at a 128k vocabulary (llguidance over a byte-level BPE table of
    128256 tokens: 256 bytes, specials and 128k multi-byte pieces), µs per request-token, p50/p99,
    one matcher at a time and a batch of 32 / 128 rows in one parallel fill. Each matcher walks its
@@ -21,13 +25,14 @@ Four sections, each printed as one table (ratios are measured side by side in on
 
     .venv/bin/python bench/structured_overhead.py                     # everything, tiny preset
     .venv/bin/python bench/structured_overhead.py --sections mask compile handoff
-    .venv/bin/python bench/structured_overhead.py --sections tpot --model small --batch 1 32
+    .venv/bin/python bench/structured_overhead.py --sections tpot --threads 1 --max-tokens 64 --repeats 9
     python bench/structured_overhead.py --sections tpot kernel --device cuda --model <dir>   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -175,47 +180,60 @@ def json_spec(schema: dict) -> StructuredSpec:
 # -- sections ----------------------------------------------------------------------------------------
 
 def section_tpot(args) -> None:
+    """Each arm's engine runs the same batch, stepped in turns (`bench.interleaved`); a round is
+    one batch per arm, and its ratio is the arm's TPOT over the free arm's. `free2` is a second
+    unconstrained arm: free2 / free is the noise floor of the same measurement (A/A). Use a
+    multiple of the number of arms as `--repeats`, so every engine plays every arm equally."""
+    from bench.interleaved import run_interleaved
     from engine.engine import Engine, EngineConfig
 
+    arms = args.arms
     print(f"\n## TPOT, 100% JSON-schema traffic vs unconstrained ({args.model}, {args.max_tokens} tokens, "
-          f"{torch.get_num_threads()} torch thread(s), median decode step)")
-    print(f"{'batch':>6} {'free ms':>10} {'json ms':>10} {'ratio':>7} {'per round':>20} {'json valid prefixes':>20}")
+          f"{torch.get_num_threads()} torch thread(s); arms {', '.join(arms)} interleaved step by step; "
+          f"{args.repeats} rounds after a warm-up; ratios: medians of per-round ratios to free)")
+    others = [a for a in arms if a != "free"]
+    print(f"{'batch':>6} {'free ms':>8} " + " ".join(f"{a + ' x':>8} {'per round':>{6 * args.repeats}}"
+                                                    for a in others) + f" {'json valid':>10}")
     records = {"type": "array", "items": PERSON, "minItems": args.max_tokens}    # never ends early
     spec = json_spec(records)
     for batch in args.batch:
-        engine = Engine(EngineConfig(model=args.model, device=args.device,
-                                     cache=CacheConfig(num_blocks=max(64, batch * 4)),
-                                     scheduler=SchedulerConfig(max_num_seqs=max(batch, 1),
-                                                               max_num_batched_tokens=max(512, batch * 16))))
-        rng = random.Random(batch)
-        prompts = [[1] + [rng.randrange(4, 260) for _ in range(15)] for _ in range(batch)]
-        free = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
-                for i in range(batch)]
-        constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, structured=spec)
-                       for i in range(batch)]
-        engine.generate(prompts, constrained)          # warm: compile, first steps
-        times: dict[str, list[float]] = {"free": [], "json": []}
-        rounds: list[float] = []      # each round's json / free median step
+        pool = [Engine(EngineConfig(model=args.model, device=args.device, detokenize=False,
+                                    cache=CacheConfig(num_blocks=max(64, batch * 4)),
+                                    scheduler=SchedulerConfig(max_num_seqs=max(batch, 1),
+                                                              max_num_batched_tokens=max(512, batch * 16))))
+                for _ in arms]
+        for engine in pool:
+            engine.structured.compile_future(spec).result()
+        tpots: dict[str, list[float]] = {arm: [] for arm in arms}
         valid = True
-        for _ in range(args.repeats):
-            medians = {}
-            for name, params in (("free", free), ("json", constrained)):
-                engine.reset_step_stats()
-                outputs = engine.generate(prompts, params)
-                steps = [s.seconds for s in engine.step_samples if s.num_prefill_tokens == 0 and s.num_seqs == batch]
-                times[name] += steps
-                medians[name] = statistics.median(steps)
-                if name == "json":
-                    matcher = engine.structured.compile_future(spec).result()
-                    for out in outputs:
-                        m = matcher.matcher()
-                        valid &= len(out.output_token_ids) == args.max_tokens and all(
-                            m.accept(t) for t in out.output_token_ids)
-            rounds.append(medians["json"] / medians["free"])
-        free_ms, json_ms = (statistics.median(times[k]) * 1e3 for k in ("free", "json"))
-        spread = f"{min(rounds):.3f}-{max(rounds):.3f}x"
-        print(f"{batch:>6} {free_ms:10.2f} {json_ms:10.2f} {json_ms / free_ms:6.3f}x {spread:>20} {str(valid):>20}")
-        engine.close()
+        for r in range(-1, args.repeats):          # round -1: warm-up (first steps, allocator)
+            # Two engines of the same code can differ by a few % (where their weights landed):
+            # each round the arms move to the next engine, so each plays every arm in turn.
+            engines = {arm: pool[(i + r) % len(pool)] for i, arm in enumerate(arms)}
+            rng = random.Random(batch * 1000 + r)
+            prompts = [[1] + [rng.randrange(4, 260) for _ in range(15)] for _ in range(batch)]
+            params = [SamplingParams(temperature=1.0, seed=r * 1000 + i, max_tokens=args.max_tokens,
+                                     ignore_eos=True) for i in range(batch)]
+            per_arm = {arm: params if arm.startswith("free") else
+                       [dataclasses.replace(p, ignore_eos=False, structured=spec) for p in params] for arm in arms}
+            runs = run_interleaved(engines, prompts, per_arm)
+            if r < 0:
+                continue
+            for arm, run in runs.items():
+                tpots[arm].append(run.tpot)
+            if "json" in runs:
+                compiled = engines["json"].structured.compile_future(spec).result()
+                for tokens in runs["json"].tokens.values():
+                    matcher = compiled.matcher()
+                    valid &= len(tokens) == args.max_tokens and all(matcher.accept(t) for t in tokens)
+        cols = []
+        for arm in others:
+            ratios = [a / f for a, f in zip(tpots[arm], tpots["free"])]
+            cols.append(f"{statistics.median(ratios):7.3f}x {','.join(f'{x:.2f}' for x in ratios):>{6 * args.repeats}}")
+        print(f"{batch:>6} {statistics.median(tpots['free']) * 1e3:8.2f} " + " ".join(cols)
+              + f" {str(valid) if 'json' in arms else '-':>10}", flush=True)
+        for engine in pool:
+            engine.close()
 
 
 def section_kernel(args) -> None:
@@ -351,7 +369,9 @@ def main() -> None:
     parser.add_argument("--kernel-iters", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=6, help="tpot rounds (after a warm-up round)")
+    parser.add_argument("--arms", nargs="+", default=["free", "json", "free2"], help="tpot arms: free (the "
+                        "reference, first), json (100%% constrained), free2 (free again: the A/A noise floor)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mask-steps", type=int, default=120, help="walk positions per spec")
     parser.add_argument("--compile-repeats", type=int, default=5)

@@ -46,7 +46,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
                    help='speculative decoding (vLLM\'s keys): \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
-                        '"model": PATH, "num_speculative_tokens": 4}\'; decode steps verify the drafts, and the '
+                        '"model": PATH, "num_speculative_tokens": 4}\' (or "method": "eagle" with an EAGLE-1 head\'s '
+                        'directory as model); decode steps verify the drafts, and the '
                         'engine speculates only where its measured step times say it pays. A prefill pod accepts '
                         'and ignores it')
     p.add_argument("--no-async-scheduling", action="store_true",

@@ -186,8 +186,10 @@ class DecodeCore(EngineCore):
         rt = self.rt
         try:
             group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
+            # Every layer windowed: the blocks before `start` were never reserved (null entries).
+            start = rt.engine.scheduler.kv_manager.first_block_in_window(num_prompt_tokens)
             sink = KVSink(rt.engine.kv_cache, block_ids, req_id, num_prompt_tokens, group=group,
-                          recv_timeout_s=max(1.0, job.remaining()), **rt.kv_sink_args())
+                          recv_timeout_s=max(1.0, job.remaining()), start_block_index=start, **rt.kv_sink_args())
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,
                                                 nccl_group=group.group_name if group else "",

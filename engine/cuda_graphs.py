@@ -97,9 +97,11 @@ class DecodeBuckets:
     writes logits `[bs, vocab]` into `out` (the runner supplies it)."""
 
     def __init__(self, forward, vocab_size: int, dtype: torch.dtype, block_size: int, device: torch.device,
-                 max_num_seqs: int, max_model_len: int, lora: bool = False) -> None:
+                 max_num_seqs: int, max_model_len: int, lora: bool = False, logits_rows: int = 0) -> None:
         """`lora`: every step stages its tokens' LoRA slots (engine/lora/), so graphs include the
-        LoRA kernels (rows without an adapter skip them on the device)."""
+        LoRA kernels (rows without an adapter skip them on the device). `logits_rows`: rows the
+        shared logits buffer needs beyond the largest bucket (speculative verification graphs,
+        `engine.spec_decode.verify_graphs`, write theirs into it too)."""
         if device.type == "cuda":
             check_graph_backend(device)
         self.forward = forward
@@ -109,7 +111,7 @@ class DecodeBuckets:
         self.width = graph_width(max_model_len, block_size)
         self.inputs = StepInputs(max_layout_bytes(self.batch_sizes[-1], self.batch_sizes[-1], self.width),
                                  block_size, device, growable=False)
-        self.logits = torch.empty(self.batch_sizes[-1], vocab_size, dtype=dtype, device=device)
+        self.logits = torch.empty(max(self.batch_sizes[-1], logits_rows), vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def bucket(self, scheduled) -> int | None:
@@ -138,35 +140,50 @@ class DecodeBuckets:
             self.forward(t.input_ids, t.positions, t.meta, self.logits[:bucket])
         return self.logits[:t.num_seqs]
 
-    @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every bucket (CUDA only); returns the seconds it took."""
+    def capture(self, pool=None) -> float:
+        """Capture every bucket (CUDA only) into `pool` (default: a new one); returns the seconds it took."""
         if self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
-        with torch.cuda.device(self.device):   # the pool, the streams and the capture: this engine's device
-            pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream(self.device)   # warm-ups run on a side stream, as torch requires
-            current = torch.cuda.current_stream(self.device)
-            bar = progress(desc="capturing decode CUDA graphs", total=len(self.batch_sizes), unit="graph")
-            for bs in sorted(self.batch_sizes, reverse=True):
-                t = self.inputs.prepare([], pad_to=bs, width=self.width, lora_slots=self._no_lora)   # all padding
-                stream.wait_stream(current)
-                with torch.cuda.stream(stream):
-                    for _ in range(2):   # compile and specialise every kernel for this shape
-                        self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
-                current.wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
-                self.graphs[bs] = graph
-                bar.update(1)
-            bar.close()
-            torch.cuda.synchronize(self.device)
+
+        def padded(bs: int):   # all padding, staged before the graph, not in it
+            t = self.inputs.prepare([], pad_to=bs, width=self.width, lora_slots=self._no_lora)
+            return lambda: self.forward(t.input_ids, t.positions, t.meta, self.logits[:bs])
+
+        self.graphs.update(capture_graphs(self.device, sorted(self.batch_sizes, reverse=True), padded, pool,
+                                          "capturing decode CUDA graphs"))
         seconds = time.perf_counter() - start
         log.info("captured %d decode CUDA graphs (batch sizes up to %d, contexts up to %d blocks) in %.1f s",
                  len(self.graphs), self.batch_sizes[-1], self.width, seconds)
         return seconds
+
+
+@torch.inference_mode()
+def capture_graphs(device: torch.device, keys: list, padded, pool=None, desc: str = "capturing CUDA graphs") -> dict:
+    """One CUDA graph per key, in the order given (largest first, so later ones reuse the pool's
+    memory), into `pool` (default: a new one). `padded(key)` stages the key's inputs and returns
+    the forward to capture; it runs twice eagerly on a side stream first (compiles, specialises)."""
+    graphs = {}
+    with torch.cuda.device(device):   # the pool, the streams and the capture: this engine's device
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        stream = torch.cuda.Stream(device)   # warm-ups run on a side stream, as torch requires
+        current = torch.cuda.current_stream(device)
+        bar = progress(desc=desc, total=len(keys), unit="graph")
+        for key in keys:
+            forward = padded(key)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for _ in range(2):   # compile and specialise every kernel for this shape
+                    forward()
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                forward()
+            graphs[key] = graph
+            bar.update(1)
+        bar.close()
+        torch.cuda.synchronize(device)
+    return graphs
 
 
 def graph_memory_estimate(hidden_size: int, intermediate_size: int, vocab_size: int, max_num_seqs: int,

@@ -49,6 +49,7 @@ from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 from engine.step_outputs import StepOutputs, other_rows, split
 from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
@@ -103,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative is not None:
+            self.speculative.check_tensor_parallel(self.tensor_parallel_size)
 
 
 class Engine:
@@ -181,7 +184,9 @@ class Engine:
                                   max_num_seqs=sched_cfg.max_num_seqs,
                                   max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
                                   max_model_len=max_len, enforce_eager=None if self.decode_graphs else True,
-                                  tp=self.tp, lora_slot_of=None if self.lora is None else self.lora.slots.slot_of_request)
+                                  tp=self.tp, lora_slot_of=None if self.lora is None else self.lora.slots.slot_of_request,
+                                  hidden_sink=None if self.spec is None else self.spec.hidden_sink,
+                                  verify=self._verify_shape(sched_cfg))
         self.runner.warm_up()               # every kernel variant compiled now, not while serving
         self.runner.capture_cuda_graphs()
         # The prefill role ends a request at its first token: there is no next step to overlap.
@@ -196,6 +201,8 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
                                    lora_slots=None if self.lora is None else self.lora.slots)
         self.scheduler.decode_columns = self.async_scheduling   # steady decodes as columns (engine.decode_columns)
+        if self.spec is not None:   # an EAGLE head reads the target's embedding, head and batch order
+            self.spec.attach(self.model, self.scheduler)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()
@@ -210,10 +217,16 @@ class Engine:
         """What the decode CUDA graphs will take after the KV cache is sized (0 without graphs)."""
         if not self.decode_graphs:
             return 0
-        cfg = self.model_config
+        cfg, verify = self.model_config, self._verify_shape(sched_cfg)
+        rows = min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
         return graph_memory_estimate(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
-                                     min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
-                                     self.dtype.itemsize)
+                                     max(rows, VerifyBuckets.logits_rows(*verify) if verify else 0), self.dtype.itemsize)
+
+    def _verify_shape(self, sched_cfg: SchedulerConfig) -> tuple[int, int] | None:
+        """Speculative verification graphs' (draft width, largest batch): `engine.spec_decode.verify_graphs`."""
+        if self.spec is None:
+            return None
+        return verify_shape(self.spec.config, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
 
     def _launch_tensor_parallel(self, config: EngineConfig, dtype_name: str, max_len: int,
                                 sched_cfg: SchedulerConfig) -> TPDriver | None:

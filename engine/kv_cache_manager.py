@@ -14,8 +14,12 @@ a decode frees one block per block it adds) and leaves the null block in their t
 positions keep their meaning and the kernels never read there. A freed block keeps its prefix-cache
 entry until the pool reuses it, and a prefix hit needs only the blocks the next query's window
 covers (null before them): never a block whose content was replaced, since reusing a block evicts
-its entry first. The prefill role runs without a window (it keeps every prompt block for the KV
-pull; a block that moved under a streaming pull is a `LayoutError`), and so sends only real KV.
+its entry first. Every role frees: a prefill pod's chunked prefill of a long prompt holds about a
+window of KV, and a P/D pull moves (and the decode pod `reserve`s) only the blocks from
+`first_block_in_window(num_prompt_tokens)` on, those its first decode query reads, with null
+entries before them (both pods derive that index from the same window and block size, which the
+KV layout handshake compares). Nothing behind that index is freed before the pull ends, since a
+prefill pod frees only behind its own earlier positions.
 """
 
 from __future__ import annotations
@@ -68,6 +72,17 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
+
+    def first_block_in_window(self, num_computed_tokens: int) -> int:
+        """The first block that a query after `num_computed_tokens` tokens can read: those before
+        it are wholly behind every layer's window (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def num_blocks_to_reserve(self, num_tokens: int) -> int:
+        """Decode role: the blocks `reserve` takes for a prompt of `num_tokens` tokens."""
+        return self.num_blocks_for(num_tokens) - self.first_block_in_window(num_tokens)
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of `num_tokens` tokens holds at once, computed in chunks of at
@@ -187,7 +202,7 @@ class KVCacheManager:
     def _free_behind_window(self, request: Request) -> None:
         """Free the request's blocks that no query from `num_computed_tokens` on can see (wholly
         before `num_computed_tokens - window + 1`), oldest first; their entries become null."""
-        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        first_needed = self.first_block_in_window(request.num_computed_tokens)
         request_id = request.request_id
         done = self._num_freed.get(request_id, 0)
         if first_needed <= done:
@@ -201,12 +216,19 @@ class KVCacheManager:
     def reserve(self, request: Request, num_tokens: int) -> bool:
         """Decode role: allocate blocks for `num_tokens` tokens whose KV will arrive from a peer.
 
-        The request must hold no blocks. Returns False, changing nothing, when they do not fit.
+        With a window only the blocks from `first_block_in_window(num_tokens)` on (the null block
+        before them, already counted as freed and never cached): no query from `num_tokens` on
+        reads the others, so the peer does not send them. The request must hold no blocks.
+        Returns False, changing nothing, when they do not fit.
         """
         assert not request.block_ids, f"request {request.request_id} already holds blocks"
-        num_needed = self.num_blocks_for(num_tokens)
+        first = self.first_block_in_window(num_tokens)
+        num_needed = self.num_blocks_for(num_tokens) - first
         if num_needed > self.block_pool.num_free_blocks:
             return False
+        if first:
+            request.block_ids.extend([NULL_BLOCK_ID] * first)
+            self._num_freed[request.request_id] = self._num_cached_blocks[request.request_id] = first
         request.block_ids.extend(self.block_pool.get_new_blocks(num_needed))
         self.block_tables[request.request_id] = tuple(request.block_ids)
         return True

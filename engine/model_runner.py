@@ -27,6 +27,7 @@ from engine.runner.inference import inference_mode
 from engine.runner.warmup import warm_up
 from engine.models.causal_lm import CausalLM
 from engine.prompt_logprobs import StepRows, sliced_logits
+from engine.spec_decode.verify_graphs import VerifyBuckets
 from engine.step_inputs import PrevSample, StepInputs, StepTensors, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,17 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  device: torch.device, max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
                  max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None,
-                 lora_slot_of: dict[str, int] | None = None) -> None:
+                 lora_slot_of: dict[str, int] | None = None, hidden_sink=None,
+                 verify: tuple[int, int] | None = None) -> None:
         """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
         inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs).
         `lora_slot_of` (LoRA enabled): request id -> its adapter's slot, kept current by the
-        scheduler (`engine.lora.slots`); each step stages its tokens' slots from it."""
+        scheduler (`engine.lora.slots`); each step stages its tokens' slots from it.
+        `hidden_sink(scheduled, hidden)` (an EAGLE head, `engine.spec_decode.eagle`): called after
+        every forward with its final hidden states `[T, hidden]`, in the order of the step's tokens
+        (graphed decode steps copy them into a buffer the graphs write); None: none kept.
+        `verify` (speculative decoding): (num_speculative_tokens, largest batch): verification
+        steps run padded to that width too, and replay graphs (`engine.spec_decode.verify_graphs`)."""
         self.model = model
         self.tp = tp
         self.lora_slot_of = lora_slot_of
@@ -89,11 +96,25 @@ class ModelRunner:
         self.decode_buckets = DecodeBuckets(
             self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
             min(max_num_seqs, max_num_batched_tokens), max_model_len,
-            lora=lora_slot_of is not None) if use_buckets else None
+            lora=lora_slot_of is not None,
+            logits_rows=VerifyBuckets.logits_rows(*verify) if verify else 0) if use_buckets else None
+        self.verify_buckets = VerifyBuckets(self.decode_buckets, *verify, max_model_len) \
+            if verify and self.decode_buckets is not None else None
+        self.hidden_sink = hidden_sink
+        self._hidden: torch.Tensor | None = None
+        # As many rows as the graphs' logits (decode and verification steps write theirs here).
+        self._hidden_buf = None if hidden_sink is None or self.decode_buckets is None else torch.empty(
+            self.decode_buckets.logits.shape[0], model.cfg.hidden_size, dtype=next(model.parameters()).dtype,
+            device=device)
 
     def capture_cuda_graphs(self) -> float:
-        """Capture every decode bucket (CUDA; a no-op elsewhere). Call after the KV cache exists."""
-        return self.decode_buckets.capture() if self.decode_buckets is not None else 0.0
+        """Capture every decode (and verification) bucket (CUDA; a no-op elsewhere). Call after the KV
+        cache exists. Verification graphs first: the larger steps, whose pool the decode graphs reuse."""
+        if self.decode_buckets is None or self.device.type != "cuda":
+            return 0.0
+        pool = torch.cuda.graph_pool_handle()
+        seconds = self.verify_buckets.capture(pool) if self.verify_buckets is not None else 0.0
+        return seconds + self.decode_buckets.capture(pool)
 
     def warm_up(self) -> float:
         """Compile every kernel variant an eager step can need now, not while serving (CUDA; a no-op
@@ -128,14 +149,28 @@ class ModelRunner:
         if self.decode_buckets is not None and extra is None:
             bucket = self.decode_buckets.bucket(scheduled)
             if bucket is not None:
-                return self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
+                logits = self.decode_buckets.run(scheduled, bucket, prev, self._lora_slots(scheduled, graphs=True))
+                if self.hidden_sink is not None:
+                    self.hidden_sink(scheduled, self._hidden_buf[:len(scheduled)])
+                return logits
+            bucket = None if self.verify_buckets is None or prev is not None else self.verify_buckets.bucket(scheduled)
+            if bucket is not None:   # a speculative step's drafts (synchronous: no tokens on the device)
+                logits = self.verify_buckets.run(scheduled, bucket, self._lora_slots(scheduled, graphs=True))
+                if self.hidden_sink is not None:   # the real tokens' rows, in the step's order
+                    self.hidden_sink(scheduled, self.verify_buckets.real_rows(self._hidden_buf))
+                return logits
         t = self.prepare(scheduled, prev, extra)
         if prev is not None:
             t.fill_from(prev.token_ids)
         if self.tp is None:
-            return self._forward(t, extra)
-        with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
-            return self._forward(t, extra)
+            logits = self._forward(t, extra)
+        else:
+            with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
+                logits = self._forward(t, extra)
+        if self.hidden_sink is not None:
+            self.hidden_sink(scheduled, self._hidden)
+            self._hidden = None
+        return logits
 
     @torch.inference_mode()
     def run_received(self, layout) -> torch.Tensor:
@@ -144,6 +179,8 @@ class ModelRunner:
 
     def _forward(self, t: StepTensors, extra: StepRows | None = None, receiving: bool = False) -> torch.Tensor:
         hidden = self.model(t.input_ids, t.positions, self.kv_cache, t.meta)      # [T, hidden]
+        if self.hidden_sink is not None:
+            self._hidden = hidden
         # Decode-only steps sample every row: no copy. (A step with prompt-logprob rows never takes
         # every row: `PromptLogprobsTracker.plan` keeps the counts apart, for every rank.)
         if t.layout.num_sampled != hidden.shape[0]:
@@ -155,4 +192,6 @@ class ModelRunner:
     def _forward_into(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out: torch.Tensor) -> None:
         """A padded decode batch (every row samples): model and head, logits written into `out`."""
         hidden = self.model(input_ids, positions, self.kv_cache, meta)      # [bs, hidden]
+        if self._hidden_buf is not None:
+            self._hidden_buf[:hidden.shape[0]].copy_(hidden)
         self.model.compute_logits(hidden, out=out)

@@ -58,9 +58,8 @@ class SchedulerState:
         if isinstance(kv, CacheConfig):
             if kv.num_blocks is None:
                 raise ValueError("CacheConfig.num_blocks must be set (dataclasses.replace it once sized)")
-            # The prefill role keeps every prompt block for the pull: no freeing behind a window.
             kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size,
-                                None if role == "prefill" else kv.sliding_window)
+                                kv.sliding_window)
         if not 0.0 <= reserve_watermark < 1.0:
             raise ValueError(f"reserve_watermark must be in [0, 1), got {reserve_watermark}")
         self.config = scheduler_config
@@ -115,12 +114,10 @@ class SchedulerState:
         if max_len > self.config.max_model_len:
             raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
                              f"max_tokens exceeds max_model_len ({self.config.max_model_len})")
-        kv = self.kv_manager
-        if self.role == "prefill":
-            max_blocks = kv.num_blocks_for(request.num_prompt_tokens)
-        else:   # a decode pod reserves the whole prompt before it frees what falls behind a window
-            max_blocks = max(kv.max_blocks_held(max_len, self.config.max_num_batched_tokens),
-                             kv.num_blocks_for(request.num_prompt_tokens) if self.role == "decode" else 0)
+        kv, chunk = self.kv_manager, self.config.max_num_batched_tokens
+        # A prefill pod holds the prompt (a window of it, with one) until the pull ends; a decode
+        # pod reserves the prompt's last window for its pull, then grows as it decodes.
+        max_blocks = kv.max_blocks_held(request.num_prompt_tokens if self.role == "prefill" else max_len, chunk)
         if max_blocks > self.kv_manager.block_pool.num_usable_blocks:
             raise ValueError(f"request {request.request_id!r} needs {max_blocks} KV blocks, the pool has "
                              f"{self.kv_manager.block_pool.num_usable_blocks}")
@@ -242,15 +239,16 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ decode role
     def _reserve_remote(self) -> list[str]:
-        """Reserve whole prompts for queued remote requests, FIFO, keeping a watermark of free
-        blocks for running decodes (none needed when nothing runs, so a big prompt cannot starve)."""
+        """Reserve prompts (with a window, their last window) for queued remote requests, FIFO,
+        keeping a watermark of free blocks for running decodes (none needed when nothing runs, so
+        a big prompt cannot starve)."""
         kv, queue = self.kv_manager, self.waiting_for_blocks
         reserved = []
         now = self.clock()
         while queue and len(self.running) + len(self.waiting_for_remote_kv) < self.config.max_num_seqs:
             request = queue[0]
             busy = self.running or self.waiting_for_remote_kv
-            spare = kv.num_free_blocks - kv.num_blocks_for(request.num_prompt_tokens)
+            spare = kv.num_free_blocks - kv.num_blocks_to_reserve(request.num_prompt_tokens)
             if spare < (self._watermark_blocks if busy else 0):
                 break
             if request.lora is not None and not self.lora_slots.can_acquire(request):

@@ -222,7 +222,7 @@ class StepInputs:
 
     def prepare(self, scheduled, pad_to: int | None = None, width: int | None = None,
                 prev_rows: dict[str, int] | None = None, extra_logits_rows: np.ndarray | None = None,
-                lora_slots: np.ndarray | None = None) -> StepTensors:
+                lora_slots: np.ndarray | None = None, kv_lens: np.ndarray | None = None) -> StepTensors:
         """scheduled: sequence of ScheduledSeq -> the step's device tensors.
 
         `pad_to` (decode-only batches): pad to this many sequences; `width`: block-table width
@@ -232,6 +232,9 @@ class StepInputs:
         `extra_logits_rows` (eager steps): more token rows for the head, after the sampled ones
         (prompt logprobs, `engine.prompt_logprobs`).
         `lora_slots` ([num seqs] int32): each seq's LoRA adapter slot (-1: none); None: no adapter.
+        `kv_lens` ([num seqs], steps with several tokens a seq): each seq's first tokens whose KV is
+        written; the rest are padding (a verification bucket, `engine.spec_decode.verify_graphs`)
+        and get slot -1, which the KV write skips.
 
         Host-side planning is numpy, fed by C-level iteration (`zip(*scheduled)`, `map(len, ...)`,
         `np.fromiter`): a Python-level pass over the batch costs ~50 ns a request, and a decode
@@ -335,6 +338,8 @@ class StepInputs:
                 h["logits_indices"][:num_sampled] = last if every_seq_samples else last[sample]
         positions[:num_real_tokens] = pos
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
+        if kv_lens is not None and not decode_only:
+            slots[:num_real_tokens][np.arange(num_real_tokens) - qsl[seq_index] >= kv_lens[seq_index]] = -1
         if num_extra:
             h["logits_indices"][num_sampled:] = extra_logits_rows
         if lora_slots is not None:   # each token takes its sequence's adapter slot (any step: rows move)

@@ -171,17 +171,24 @@ def quantize_fp8_rows(
 def apply_grammar_mask(
     logits: torch.Tensor,  # [num_seqs, vocab] float, written in place
     bitmask: torch.Tensor,  # [num_masks, words] int32, LSB first, bit 1 = allowed
-    rows: torch.Tensor,  # [num_masks] int64: the logits row of each mask (distinct)
+    rows: torch.Tensor | None,  # [num_masks] int64: the logits row of each mask (distinct); None: 0..num_masks-1
 ) -> None:
     """Structured outputs: ``logits[rows[j], t] = -inf`` wherever bit ``t`` of ``bitmask[j]`` is 0
     or ``t >= 32 * words`` (llguidance's / xgrammar's layout); other rows are untouched."""
     checks.check_grammar_mask(logits, bitmask, rows)
-    if _use_triton(logits):
-        _triton_fn("grammar_mask_triton", "apply_grammar_mask_triton")(logits, bitmask, rows)
-    elif logits.device.type == bitmask.device.type == rows.device.type == "cpu":
+    triton = _use_triton(logits)
+    on_host = logits.device.type == bitmask.device.type == "cpu" and (rows is None or rows.device.type == "cpu")
+    if not triton and on_host:
         apply_grammar_mask_host(logits, bitmask, rows)
+        return
+    if rows is None:
+        rows = torch.arange(bitmask.shape[0], device=logits.device)
+    if triton:
+        _triton_fn("grammar_mask_triton", "apply_grammar_mask_triton")(logits, bitmask, rows)
     else:
         apply_grammar_mask_ref(logits, bitmask, rows)
+
+
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: each expert's gate rows, then up rows

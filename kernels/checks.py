@@ -213,12 +213,14 @@ def check_quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None) 
     raise ValueError(f"static_scale must be one fp32 value, got {static_scale.dtype} {tuple(static_scale.shape)}")
 
 
-def check_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def check_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """Validate the inputs of ``apply_grammar_mask``: 2-D float logits with unit column stride, a
-    C-contiguous int32 ``[num_masks, words]`` bitmask and ``[num_masks]`` int64 row indices."""
+    C-contiguous int32 ``[num_masks, words]`` bitmask and ``[num_masks]`` int64 row indices (or
+    None, with no more masks than logits rows)."""
     if (len(logits.shape) == 2 and logits.dtype in _FLOATS and logits.stride(1) == 1
             and len(bitmask.shape) == 2 and bitmask.dtype is _I32 and bitmask.is_contiguous()
-            and rows.shape == (bitmask.shape[0],) and rows.dtype is _I64):
+            and (rows.shape == (bitmask.shape[0],) and rows.dtype is _I64 if rows is not None
+                 else bitmask.shape[0] <= logits.shape[0])):
         return
     if logits.dim() != 2 or logits.dtype not in _FLOATS or logits.stride(1) != 1:
         raise ValueError(f"logits must be [num_seqs, vocab] floating point with unit column stride, got "
@@ -226,6 +228,8 @@ def check_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.
     if bitmask.dim() != 2 or bitmask.dtype is not _I32 or not bitmask.is_contiguous():
         raise ValueError(f"bitmask must be contiguous int32 [num_masks, words], got {bitmask.dtype} "
                          f"{tuple(bitmask.shape)}")
+    if rows is None:
+        raise ValueError(f"rows None needs at most {logits.shape[0]} masks, got {bitmask.shape[0]}")
     raise ValueError(f"rows must be int64 [{bitmask.shape[0]}], got {rows.dtype} {tuple(rows.shape)}")
 
 

@@ -57,6 +57,8 @@ from kvtransfer.packing import (Run, checksum, plan_runs, resolve_max_chunk_byte
                                 run_tensor, scatter_blocks, write_run)
 from kvtransfer.progress import ComputedTokens, FirstToken, KVEvent
 
+NULL_BLOCK_ID = 0   # engine.block_pool's null block: what a table holds where a block was freed
+
 if TYPE_CHECKING:
     from kvtransfer.collective import PairGroup
 
@@ -70,9 +72,10 @@ class KVSource:
                  read_blocks: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         """`kv`: the engine's KV tensor; `max_chunk_bytes`: payload cap per message (0 = default,
         see `packing.resolve_max_chunk_bytes`); `group`: send the bytes over this process group
-        instead of in the messages; `start_block_index`: skip the first blocks (the puller has
-        them already). `read_blocks(ids)` with `layout`: where `kv` holds only part of each block
-        (a tensor-parallel rank), the whole blocks come from it (a CPU tensor in `layout`)."""
+        instead of in the messages; `start_block_index`: skip the first blocks (no query of the
+        puller reads them: they are behind every layer's window; the table may change there, as
+        they are freed). `read_blocks(ids)` with `layout`: where `kv` holds only part of each
+        block (a tensor-parallel rank), the whole blocks come from it (a CPU tensor in `layout`)."""
         if read_blocks is not None and group is not None:
             raise LayoutError("gathered KV blocks (tensor parallelism) travel over gRPC only")
         self.layout = layout or KVLayout.from_tensor(kv)
@@ -84,7 +87,7 @@ class KVSource:
         self.num_prompt_tokens = num_prompt_tokens
         self.max_chunk_bytes = resolve_max_chunk_bytes(max_chunk_bytes, self.layout)
         self.group = group
-        self.num_blocks_sent = start_block_index
+        self.start_block_index = self.num_blocks_sent = start_block_index
         self.num_bytes_sent = 0
         self._block_ids: tuple[int, ...] = ()
         self._pending_send: concurrent.futures.Future | None = None
@@ -140,8 +143,8 @@ class KVSource:
 
     def _accept_block_ids(self, block_ids: tuple[int, ...]) -> None:
         # Blocks already shipped must never move: the receiver holds copies of them.
-        sent = min(self.num_blocks_sent, len(self._block_ids))
-        if len(block_ids) < sent or block_ids[:sent] != self._block_ids[:sent]:
+        start, sent = self.start_block_index, min(self.num_blocks_sent, len(self._block_ids))
+        if len(block_ids) < sent or block_ids[start:sent] != self._block_ids[start:sent]:
             raise LayoutError(f"request {self.request_id}: block table changed under a streaming "
                               f"transfer ({sent} blocks already sent)")
         self._block_ids = tuple(block_ids)
@@ -150,6 +153,11 @@ class KVSource:
         if len(self._block_ids) < num_blocks:
             raise LayoutError(f"request {self.request_id}: {num_blocks} blocks are computed but the "
                               f"block table lists {len(self._block_ids)}")
+        # Block 0 is the engine's null block: an entry freed behind a window. Sending it would
+        # hand the puller junk as KV (which it would cache under the prompt's real hash).
+        if NULL_BLOCK_ID in self._block_ids[self.num_blocks_sent:num_blocks]:
+            raise LayoutError(f"request {self.request_id}: blocks from {self.num_blocks_sent} on were "
+                              "freed behind the sliding window here but the puller asks for them")
 
     def _message(self, run: Run, data: bytes, crc: int,
                  final: FirstToken | None) -> cbserve_pb2.KVChunk:
@@ -213,10 +221,12 @@ class KVSink:
     def __init__(self, kv: torch.Tensor, dst_block_ids: Sequence[int], request_id: str,
                  num_prompt_tokens: int, *, group: PairGroup | None = None,
                  recv_timeout_s: float = 30.0, layout: KVLayout | None = None,
-                 write_blocks: Callable[[Sequence[int], torch.Tensor], None] | None = None) -> None:
+                 write_blocks: Callable[[Sequence[int], torch.Tensor], None] | None = None,
+                 start_block_index: int = 0) -> None:
         """`dst_block_ids`: the blocks reserved for the prompt (at least
-        `ceil(num_prompt_tokens / block_size)`); `group`: receive the bytes from this process
-        group (transport "nccl"); `recv_timeout_s`: bound on waiting for a run's bytes there.
+        `ceil(num_prompt_tokens / block_size)` entries; those before `start_block_index`, the
+        blocks the source skips (`KVSource`), are not written); `group`: receive the bytes from
+        this process group (transport "nccl"); `recv_timeout_s`: bound on waiting for a run's bytes there.
         `write_blocks(ids, blocks)` with `layout`: where `kv` holds only part of each block (a
         tensor-parallel rank), whole blocks in `layout` go to it after the crc check."""
         if write_blocks is not None and group is not None:
@@ -227,13 +237,17 @@ class KVSink:
         if num_prompt_tokens <= 0 or len(dst_block_ids) < self.num_blocks_expected:
             raise LayoutError(f"request {request_id}: {len(dst_block_ids)} destination blocks "
                               f"cannot hold {num_prompt_tokens} prompt tokens")
+        if not 0 <= start_block_index < self.num_blocks_expected:
+            raise LayoutError(f"request {request_id}: start block {start_block_index} outside the "
+                              f"prompt's {self.num_blocks_expected} blocks")
+        self.start_block_index = start_block_index
         self.kv = kv
         self.dst_block_ids = list(dst_block_ids)
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.group = group
         self.recv_timeout_s = recv_timeout_s
-        self.num_blocks_received = 0
+        self.num_blocks_received = start_block_index   # the table index the next chunk starts at
         self.num_bytes_received = 0
         self.num_computed_tokens = 0  # prompt tokens whose KV has landed
         self._staging: torch.Tensor | None = None
@@ -319,7 +333,7 @@ class KVSink:
                                 f"{self.num_blocks_received}/{self.num_blocks_expected} blocks")
         logprobs = chunk.first_token_logprobs if chunk.HasField("first_token_logprobs") else None
         prompt = chunk.prompt_logprobs if chunk.HasField("prompt_logprobs") else None
-        return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received,
+        return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received - self.start_block_index,
                                 self.num_bytes_received, seconds, chunk.grammar_fingerprint, prompt)
 
 

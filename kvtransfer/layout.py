@@ -4,8 +4,9 @@ The engine keeps one KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_h
 block `b` is the contiguous byte range `kv[b]`. Two pods can exchange blocks only when every
 dimension after the first, the dtype and the model itself (its fingerprint) agree, and so do
 the layers' sliding windows (what each layer reads of the blocks, and so which blocks a decode
-pod may free). The wire carries these facts in `cbserve_pb2.ModelInfo`; `check_compatible` turns
-a disagreement into one message the pods return as `FAILED_PRECONDITION`.
+pod may free), and the window behind which a pull sends no block (`kv_transfer_window`). The
+wire carries these facts in `cbserve_pb2.ModelInfo`; `check_compatible` turns a disagreement
+into one message the pods return as `FAILED_PRECONDITION`.
 """
 
 from __future__ import annotations
@@ -96,9 +97,12 @@ class KVLayout:
                    dtype_from_name(info.kv_dtype))
 
     def to_model_info(self, model_name: str, model_fingerprint: str, *, max_model_len: int = 0,
-                      vocab_size: int = 0, layer_windows: tuple[int, ...] = ()) -> cbserve_pb2.ModelInfo:
+                      vocab_size: int = 0, layer_windows: tuple[int, ...] = (),
+                      kv_transfer_window: int = 0) -> cbserve_pb2.ModelInfo:
         """The `ModelInfo` a pod advertises (Handshake) and sends with `PullKV`; `layer_windows`:
-        each layer's sliding window (0: full), empty when every layer is full."""
+        each layer's sliding window (0: full), empty when every layer is full;
+        `kv_transfer_window`: the window every layer has, behind which a pull sends no block
+        (0: none, every block is sent)."""
         if layer_windows and len(layer_windows) != self.num_layers:
             raise LayoutError(f"layer_windows has {len(layer_windows)} entries for {self.num_layers} layers")
         return cbserve_pb2.ModelInfo(
@@ -106,6 +110,7 @@ class KVLayout:
             block_size=self.block_size, kv_dtype=self.dtype_name, num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             max_model_len=max_model_len, vocab_size=vocab_size, layer_windows=layer_windows,
+            kv_transfer_window=kv_transfer_window,
         )
 
     def mismatch(self, info: cbserve_pb2.ModelInfo) -> str | None:
@@ -142,7 +147,8 @@ def check_compatible(local: cbserve_pb2.ModelInfo, remote: cbserve_pb2.ModelInfo
             f"model_fingerprint: {local.model_fingerprint!r} ({local.model_name or '?'}) here vs "
             f"{remote.model_fingerprint!r} ({remote.model_name or '?'}) there"
         )
-    for name in ("block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim"):
+    # kv_transfer_window: which blocks a pull moves (a pod from before it sends all of them).
+    for name in ("block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "kv_transfer_window"):
         ours, theirs = getattr(local, name), getattr(remote, name)
         if ours != theirs:
             problems.append(f"{name}: {ours!r} here vs {theirs!r} there")

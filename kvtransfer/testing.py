@@ -44,10 +44,13 @@ class PullKVServicer(cbserve_pb2_grpc.PrefillServiceServicer):
         self.progress: dict[str, KVProgress] = {}
         self.closed: dict[str, asyncio.Event] = {}
         self.outcomes: dict[str, str] = {}
+        self.start_block_index: dict[str, int] = {}
 
-    def add_request(self, request_id: str, num_prompt_tokens: int) -> KVProgress:
+    def add_request(self, request_id: str, num_prompt_tokens: int, start_block_index: int = 0) -> KVProgress:
+        """`start_block_index`: the pull sends the blocks from there on (a window model's)."""
         self.progress[request_id] = progress = KVProgress(num_prompt_tokens)
         self.closed[request_id] = asyncio.Event()
+        self.start_block_index[request_id] = start_block_index
         return progress
 
     async def PullKV(self, request: cbserve_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
@@ -67,7 +70,8 @@ class PullKVServicer(cbserve_pb2_grpc.PrefillServiceServicer):
         context.add_done_callback(lambda ctx: self._on_done(request.request_id, ctx))
         try:
             source = KVSource(self.kv, request.request_id, progress.num_prompt_tokens,
-                              max_chunk_bytes=request.max_chunk_bytes, group=group)
+                              max_chunk_bytes=request.max_chunk_bytes, group=group,
+                              start_block_index=self.start_block_index[request.request_id])
             async for chunk in source.chunks(progress.events()):
                 yield self.chunk_filter(chunk) if self.chunk_filter else chunk
             self.outcomes[request.request_id] = "finished"

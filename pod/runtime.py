@@ -172,7 +172,8 @@ class PodRuntime:
             self.layout = dataclasses.replace(self.layout, num_kv_heads=self.engine.model_config.num_kv_heads)
         self.model_info = self.layout.to_model_info(
             engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows)
+            vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows,
+            kv_transfer_window=self.engine.cache_config.sliding_window or 0)
         self.block_size = self.engine.cache_config.block_size
         self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = self.engine.scheduler_config.max_num_batched_tokens

@@ -222,7 +222,10 @@ class PrefillCore(EngineCore):
         if mismatch:
             raise _PullEnded(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         self.held.take(req_id)  # the stream holds the lease from now on
-        source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens,
+        # Every layer windowed: only the blocks the decode pod's first query reads (the handshake's
+        # kv_transfer_window made both pods agree on the window, so on this index too).
+        start = rt.engine.scheduler.kv_manager.first_block_in_window(progress.num_prompt_tokens)
+        source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens, start_block_index=start,
                           max_chunk_bytes=request.max_chunk_bytes, group=group, **rt.kv_source_args())
         async for chunk in source.chunks(progress.events()):
             self.outbox.put(lambda events, c=chunk: events.pull_chunks.add(request_id=req_id).chunk.CopyFrom(c))

@@ -59,7 +59,7 @@ class StructuredSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., any_whitespace: _Optional[bool] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows")
+    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows", "kv_transfer_window")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class ModelInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     block_size: int
@@ -80,7 +81,8 @@ class ModelInfo(_message.Message):
     max_model_len: int
     vocab_size: int
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_transfer_window: int
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., kv_transfer_window: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -49,6 +49,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._backend: Future[GrammarBackend] = self._pool.submit(make_backend)
+        self._ready: GrammarBackend | None = None   # the backend once built (read every step)
         self._cache: collections.OrderedDict[str, Future[CompiledGrammar]] = collections.OrderedDict()
         self._fingerprints: dict[str, str] = {}   # spec key -> fingerprint, for the cached specs
         self._lock = threading.Lock()
@@ -85,7 +86,10 @@ class GrammarCompiler:
     @property
     def backend(self) -> GrammarBackend:
         """The backend (waits for its token table on first use)."""
-        return self._backend.result()
+        backend = self._ready
+        if backend is None:   # a Future's result() takes its lock: once is enough
+            backend = self._ready = self._backend.result()
+        return backend
 
     def fingerprint(self, spec: StructuredSpec) -> str:
         """sha256 of (backend, version, spec key, token table hash, logits width); a dict lookup

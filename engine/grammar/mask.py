@@ -21,12 +21,13 @@ from engine.random_sampling import to_device
 
 @dataclass(frozen=True)
 class GrammarMask:
-    """The masks of one sampling step. `rows[j]` (a sampler row) takes `bitmask[j]`;
-    `end_only_rows` are sampler rows whose grammar allows nothing but an end token, where
-    `min_tokens` must not ban it (the grammar wins: a row is never fully masked)."""
+    """The masks of one sampling step. `rows[j]` (a sampler row) takes `bitmask[j]`; `rows` None
+    (host memory only): sampler row `j` takes `bitmask[j]`, masked in place. `end_only_rows` are
+    sampler rows whose grammar allows nothing but an end token, where `min_tokens` must not ban it
+    (the grammar wins: a row is never fully masked)."""
 
     bitmask: torch.Tensor          # [num_masks, words] int32 on the logits' device
-    rows: torch.Tensor             # [num_masks] int64
+    rows: torch.Tensor | None      # [num_masks] int64, or None: 0..num_masks-1
     end_only_rows: frozenset[int] = frozenset()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -49,8 +50,9 @@ class BitmaskBuffers:
         self._host = torch.zeros(rows, self.words, dtype=torch.int32, pin_memory=cuda)
         self._host_array = self._host.numpy()
         self._device = torch.empty(rows, self.words, dtype=torch.int32, device=self.device) if cuda else None
-        # Sampler rows 0..n-1 (every row constrained, 100% structured traffic): no new index tensor.
-        self._first_rows = torch.arange(rows, device=self.device)
+        # Sampler rows 0..n-1 (every row constrained, 100% structured traffic): no new index tensor
+        # (on the host none at all: the mask is applied to the logits' first rows in place).
+        self._first_rows = torch.arange(rows, device=self.device) if cuda else None
 
     def host_rows(self, num_rows: int) -> np.ndarray:
         """`int32[num_rows, words]` for the backend to fill, once the last upload has left it."""
@@ -64,12 +66,14 @@ class BitmaskBuffers:
     def upload(self, num_rows: int, sampler_rows: list[int], end_only_rows: frozenset[int]) -> GrammarMask:
         """The filled rows as a `GrammarMask` on the device (queued, not waited for).
         `sampler_rows`: increasing, so the last one is `num_rows - 1` only when they are 0..n-1."""
-        if sampler_rows[-1] == num_rows - 1:
+        first_rows = sampler_rows[-1] == num_rows - 1
+        if self._device is None:
+            rows = None if first_rows else torch.tensor(sampler_rows, dtype=torch.int64)
+            return GrammarMask(self._host[:num_rows], rows, end_only_rows)
+        if first_rows:
             rows = self._first_rows[:num_rows]
         else:
             rows = to_device(torch.tensor(sampler_rows, dtype=torch.int64), self.device)
-        if self._device is None:
-            return GrammarMask(self._host[:num_rows], rows, end_only_rows)
         bitmask = self._device[:num_rows]
         bitmask.copy_(self._host[:num_rows], non_blocking=True)
         self._copied = torch.cuda.Event()

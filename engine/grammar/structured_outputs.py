@@ -127,22 +127,27 @@ class StructuredOutputs:
         states = self.states
         failed: list[tuple[Request, Exception]] = []
         constrained: list[tuple[int, RequestGrammar]] = []
+        short: list[int] = []       # indices into `constrained` of rows still under their min_tokens
         for row, request in enumerate(requests):
             state = states.get(request.request_id)
             if state is None or request.is_finished:   # finished: a row whose token is dropped
                 continue
-            error = self._sync(state, request)
-            if error is not None:
-                failed.append((request, error))
-            elif state.constrained:
+            output = request.output_token_ids
+            # Usually `advance` already synced the matcher to this output: nothing to do but fill.
+            if state.matcher is None or state.num_seen != len(output) or state.error:
+                error = self._sync(state, request)
+                if error is not None:
+                    failed.append((request, error))
+                    continue
+            if state.constrain_from is not None:
+                if len(output) < request.sampling_params.min_tokens:
+                    short.append(len(constrained))
                 constrained.append((row, state))
         if not constrained:
             return None, failed
         host = self._buffers.host_rows(len(constrained))
         self.compiler.backend.fill_bitmask([(state.matcher, j) for j, (_, state) in enumerate(constrained)], host)
-        end_only = frozenset(row for j, (row, state) in enumerate(constrained)
-                             if len(requests[row].output_token_ids) < requests[row].sampling_params.min_tokens
-                             and not (host[j] & self._not_end).any())
+        end_only = frozenset(constrained[j][0] for j in short if not (host[j] & self._not_end).any())
         return self._buffers.upload(len(constrained), [row for row, _ in constrained], end_only), failed
 
     def _sync(self, state: RequestGrammar, request: Request) -> Exception | None:

@@ -15,6 +15,13 @@ Two decisions, both from measurements, none from a constant threshold:
      Steps with a prefill chunk are not timed: they speculate only where the bucket decided to.
    - Hysteresis: speculation goes on only when its median cost is `SWITCH_MARGIN` below plain's,
      and off as soon as it is not below plain's. Where the two are close the bucket stays plain.
+   - Fruitless steps decide without timing: a speculative step that accepted no draft (none
+     proposed: no n-gram matched; or all rejected) emitted what a plain step emits, at more cost,
+     so it is evidence against speculation whatever the clock says. `MIN_SAMPLES` of them in a
+     row turn the bucket off (or keep it off: a fruitless probe agrees), and while the last
+     speculative step was fruitless the timing cannot turn it on. Without this, a proposer that
+     never matches costs a few percent: its steps cost a plain step plus the proposing (~3-5% at
+     batch 8 on CPU), within the noise of two medians of 8, which then turned it on now and then.
    - The mode not chosen is probed, one step at a time, to keep its window current: every
      `FIRST_PROBE_INTERVAL` steps after a decision, an interval that doubles (to
      `MAX_PROBE_INTERVAL`) each time a probe agrees with the choice. So probes are at most one
@@ -73,6 +80,7 @@ class _Bucket:
     countdown: int = FIRST_PROBE_INTERVAL   # steps until the mode not chosen is probed
     interval: int = FIRST_PROBE_INTERVAL
     probing: bool = False
+    fruitless: int = 0                   # speculative steps in a row that accepted no draft
 
     def token_cost(self) -> float:
         """Tokens of plain output one draft token's extra step time is worth."""
@@ -90,14 +98,23 @@ class _Bucket:
             return not self.on
         return self.on
 
-    def observe(self, speculative: bool, cost: float) -> None:
+    def observe(self, speculative: bool, cost: float, fruitless: bool = False) -> None:
         """A step of `cost` seconds per emitted token (already in its window): the mode, and
-        when to probe next."""
+        when to probe next. `fruitless`: a speculative step that accepted no draft."""
         probe, self.probing = self.probing and speculative != self.on, False
+        if speculative:
+            self.fruitless = self.fruitless + 1 if fruitless else 0
+        if self.fruitless >= MIN_SAMPLES:   # nothing accepted lately: plain emits the same for less
+            if not self.decided or self.on:
+                self.on, self.decided = False, True
+                self.interval = self.countdown = FIRST_PROBE_INTERVAL
+            elif probe:
+                self.interval = self.countdown = min(MAX_PROBE_INTERVAL, 2 * self.interval)
+            return
         if len(self.spec) < MIN_SAMPLES or len(self.plain) < MIN_SAMPLES:
             return
         plain, spec = _median(self.plain), _median(self.spec)
-        on = spec < plain if self.decided and self.on else spec < plain * (1 - SWITCH_MARGIN)
+        on = spec < plain if self.decided and self.on else spec < plain * (1 - SWITCH_MARGIN) and not self.fruitless
         if not self.decided or on != self.on:
             self.on, self.decided = on, True
             self.interval = self.countdown = FIRST_PROBE_INTERVAL
@@ -227,7 +244,7 @@ class SpecController:
         else:
             b.plain.append(cost)
             b.plain_steps.append(seconds)
-        b.observe(speculative, cost)
+        b.observe(speculative, cost, fruitless=speculative and num_emitted <= num_seqs)
 
 
 class FixedController(SpecController):

@@ -5,8 +5,10 @@ Torch-free (the CLI, `cbserve up` and the chart's tests read it). Methods:
   (vLLM's defaults: both 5 when both are omitted, one copies the other when only one is given);
 - `draft_model`: `model` (a preset name or a local HF directory on the target's tokenizer),
   `num_speculative_tokens`;
-- `eagle` / `eagle3` / `mtp` are refused by name: their draft heads read the target's hidden
-  states, which this engine does not hand out (see `docs/architecture.md`, speculative decoding).
+- `eagle` (EAGLE-1): `model` (a head's directory in the layout vLLM loads: a Llama `config.json`,
+  `fc` over [token embedding, target hidden state], Llama decoder layers; it shares the target's
+  embedding and lm_head, `engine.spec_decode.eagle_head`), `num_speculative_tokens`;
+- `eagle3` / `mtp` / `medusa` / `mlp_speculator` are refused by name (see `REFUSED_METHODS`).
 
 Optional keys: `disable_by_batch_size` (vLLM's: no speculation from this many running requests
 on; the measured off-switch in `engine.spec_decode.adaptive` applies below it too) and
@@ -18,13 +20,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
+MODEL_METHODS = ("draft_model", "eagle")   # the methods whose proposer is a checkpoint (`model`)
 REFUSED_METHODS = {
-    "eagle": "EAGLE heads read the target's hidden states",
-    "eagle3": "EAGLE-3 heads read three of the target's hidden-state layers",
-    "mtp": "MTP heads read the target's hidden states",
-    "medusa": "Medusa heads read the target's hidden states",
-    "mlp_speculator": "MLP speculators read the target's hidden states",
+    "eagle3": "EAGLE-3 heads read three of the target's layers' hidden states and map a draft vocabulary "
+              "(d2t), which this engine does not build (EAGLE-1 heads: method 'eagle')",
+    "mtp": "MTP heads read the target's hidden states through the target's own extra layers, which this "
+           "engine does not load",
+    "medusa": "Medusa heads are not built (EAGLE-1 heads, method 'eagle', read the target's hidden states)",
+    "mlp_speculator": "MLP speculators are not built (EAGLE-1 heads, method 'eagle', read the target's "
+                      "hidden states)",
     "suffix": "suffix decoding needs arctic-inference",
 }
 MAX_SPECULATIVE_TOKENS = 16       # verification rows per request; vLLM caps at 32
@@ -49,8 +54,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method in REFUSED_METHODS:
             raise SpeculativeConfigError(
-                f"speculative method {self.method!r} is not supported: {REFUSED_METHODS[self.method]}, which "
-                f"this engine does not expose to a proposer; use one of {METHODS}")
+                f"speculative method {self.method!r} is not supported: {REFUSED_METHODS[self.method]}; "
+                f"use one of {METHODS}")
         if self.method not in METHODS:
             raise SpeculativeConfigError(f"method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -62,11 +67,21 @@ class SpeculativeConfig:
                     f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                     f"{self.prompt_lookup_max}")
             if self.model is not None:
-                raise SpeculativeConfigError("model is for method 'draft_model', not 'ngram'")
+                raise SpeculativeConfigError(f"model is for methods {MODEL_METHODS}, not 'ngram'")
         elif not self.model:
-            raise SpeculativeConfigError("method 'draft_model' needs model (a preset name or a model directory)")
+            what = "an EAGLE head's directory" if self.method == "eagle" else "a preset name or a model directory"
+            raise SpeculativeConfigError(f"method {self.method!r} needs model ({what})")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise SpeculativeConfigError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """An EAGLE head reads the target's embedding and lm_head, which tensor parallelism splits
+        across ranks while the proposer runs on rank 0 alone: refused (a draft model has its own)."""
+        if self.method == "eagle" and size > 1:
+            raise SpeculativeConfigError(
+                f"--speculative-config method 'eagle' with --tensor-parallel-size {size} is not supported: the "
+                "head shares the target's vocab-parallel embedding and lm_head and runs on rank 0 only; use "
+                "--tensor-parallel-size 1 or method 'draft_model' / 'ngram'")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

@@ -32,8 +32,9 @@ from engine.model_config import ModelConfig
 from engine.request import RequestStatus
 from engine.sampler import Sampler
 from engine.spec_decode.adaptive import SpecController
-from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection_sampler import Verified, verify
@@ -65,17 +66,30 @@ class SpecDecoder:
             log.info("speculative decoding (%s) is for decode steps: the prefill role ignores it", config.method)
             return None
         draft = None
-        if config.method == "draft_model":
-            draft = DraftModelProposer(config.model, target_dir, target_cfg, dtype, device, max_model_len,
-                                       max_num_seqs, max_num_batched_tokens)
+        if config.method in MODEL_METHODS:
+            proposer = EagleProposer if config.method == "eagle" else DraftModelProposer
+            draft = proposer(config.model, target_dir, target_cfg, dtype, device, max_model_len, max_num_seqs,
+                             max_num_batched_tokens)
         log.info("speculative decoding: %s, up to %d tokens per step", config.to_json(), config.num_speculative_tokens)
         return cls(config, max_model_len, draft)
 
-    # ------------------------------------------------------------------ KV (draft model)
+    @property
+    def hidden_sink(self):
+        """For the target's `ModelRunner`: where its forwards' hidden states go (an EAGLE head's
+        ring, `engine.spec_decode.eagle`); None for the other proposers (the runner keeps none)."""
+        return self.draft.hidden_sink if isinstance(self.draft, EagleProposer) else None
+
+    def attach(self, target_model, scheduler) -> None:
+        """Once the engine is assembled: an EAGLE head reads the target's embedding, lm_head and
+        the scheduler's batch order."""
+        if isinstance(self.draft, EagleProposer):
+            self.draft.attach(target_model, scheduler)
+
+    # ------------------------------------------------------------------ KV (draft model, EAGLE head)
     def fit_cache(self, sized: CacheConfig, requested: CacheConfig, target_cfg: ModelConfig,
                   kv_dtype: torch.dtype) -> CacheConfig:
-        """A draft model's cache has a block for every target block: the memory sized for the target
-        is split between the two (an explicit `--num-blocks` gives both that many)."""
+        """A draft model's (or an EAGLE head's) cache has a block for every target block: the memory
+        sized for the target is split between the two (an explicit `--num-blocks` gives both that many)."""
         if self.draft is None or requested.num_blocks is not None:
             return sized
         target = bytes_per_block(target_cfg, sized.block_size, kv_dtype)

@@ -54,27 +54,36 @@ class DraftModelProposer:
     """Greedy drafts from a draft model (see the module docstring). `allocate` once the engine
     has sized the KV cache, before the first `propose`."""
 
+    # The proposer's position p holds token p + shift: 0 for a draft model, 1 for an EAGLE head
+    # (which reads the target's hidden state at p with the token after it: `engine.spec_decode.eagle`).
+    shift = 0
+
     def __init__(self, model: str, target_dir: Path, target_cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         try:
             self.model_dir = resolve_model_dir(model)
         except FileNotFoundError as e:
             raise SpeculativeConfigError(f"speculative model: {e}") from None
-        self.cfg = ModelConfig.from_dir(self.model_dir)
-        if self.cfg.vocab_size != target_cfg.vocab_size:
+        self.dtype, self.device = dtype, device
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model = self._load(model, target_dir, target_cfg, max_model_len + MAX_SPECULATIVE_TOKENS + 1)
+        self.cfg: ModelConfig = self.model.cfg
+        self.kv_cache: torch.Tensor | None = None
+        self.runner: ModelRunner | None = None
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _load(self, model: str, target_dir: Path, target_cfg: ModelConfig, max_position: int):
+        """The proposer's model, checked against the target's (same vocabulary and tokenizer)."""
+        cfg = ModelConfig.from_dir(self.model_dir)
+        if cfg.vocab_size != target_cfg.vocab_size:
             raise SpeculativeConfigError(
-                f"the draft model {model!r} has a vocabulary of {self.cfg.vocab_size} tokens, the target "
+                f"the draft model {model!r} has a vocabulary of {cfg.vocab_size} tokens, the target "
                 f"{target_cfg.vocab_size}: a draft must use the target's tokenizer")
         draft_tok, target_tok = _tokenizer_digest(self.model_dir), _tokenizer_digest(target_dir)
         if draft_tok is not None and target_tok is not None and draft_tok != target_tok:
             raise SpeculativeConfigError(f"the draft model {model!r} has another tokenizer.json than the target")
-        self.dtype, self.device = dtype, device
-        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.model = load_model(self.model_dir, self.cfg, dtype, device, max_model_len + MAX_SPECULATIVE_TOKENS + 1)
-        self.kv_cache: torch.Tensor | None = None
-        self.runner: ModelRunner | None = None
-        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        return load_model(self.model_dir, cfg, self.dtype, self.device, max_position)
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block in the draft's cache (its model dtype)."""
@@ -89,8 +98,10 @@ class DraftModelProposer:
     def _state(self, request) -> _DraftState:
         state = self._states.get(request)
         if state is None or state.preemptions != request.num_preemptions:   # recomputed: its KV is gone
-            state = self._states[request] = _DraftState(request.num_preemptions)
+            state = self._states[request] = self._new_state(request.num_preemptions)
         return state
+
+    _new_state = _DraftState
 
     def propose(self, pairs: list) -> dict[str, tuple[int, ...]]:
         """Drafts for `(request, seq)` pairs: `seq` is the request's scheduled verification, with
@@ -98,23 +109,34 @@ class DraftModelProposer:
         if not pairs:
             return {}
         drafts = {seq[0]: [token] for (_, seq), token in zip(pairs, self._first_drafts(pairs))}
-        longest = max(len(seq[1]) - 1 for _, seq in pairs)
-        for j in range(1, longest):            # input draft j at position n + j -> draft j + 1
-            step = [(seq[0], (drafts[seq[0]][-1],), seq[2] + j, seq[3], True)
+        longest, shift = max(len(seq[1]) - 1 for _, seq in pairs), self.shift
+        for j in range(1, longest):            # input draft j at position n - shift + j -> draft j + 1
+            step = [(seq[0], (drafts[seq[0]][-1],), seq[2] - shift + j, seq[3], True)
                     for _, seq in pairs if len(seq[1]) - 1 > j]
-            for (request_id, *_), token in zip(step, self._argmax(self.runner.run(step))):
+            for (request_id, *_), token in zip(step, self._argmax(self._run(step, None))):
                 drafts[request_id].append(token)
         for request, seq in pairs:
-            self._state(request).computed = seq[2] + len(seq[1]) - 1   # KV of positions < n + k
+            self._state(request).computed = self._kept(seq)
         return {request_id: tuple(tokens) for request_id, tokens in drafts.items()}
 
+    def _kept(self, seq) -> int:
+        """The positions whose KV stays valid once the drafts are accepted: < n + k (the drafts' KV
+        was computed from the very tokens it would have been)."""
+        return seq[2] + len(seq[1]) - 1
+
+    def _run(self, step: list, catch_up: dict | None) -> torch.Tensor:
+        """Logits of `step`'s sampled rows; `catch_up` (request id -> request): a catch-up
+        forward, None: one of the draft passes."""
+        return self.runner.run(step)
+
     def _first_drafts(self, pairs: list) -> list[int]:
-        """Catch every request up to its newest token (position n = seq.start_position) and return
-        each one's first draft; chunked under the step budget, so a long catch-up (a whole prompt)
-        takes several forwards."""
-        pending = {}
+        """Catch every request up to its newest token (position n = seq.start_position; n - shift
+        in the proposer's positions) and return each one's first draft; chunked under the step
+        budget, so a long catch-up (a whole prompt) takes several forwards."""
+        pending, shift = {}, self.shift
+        by_id = {seq[0]: request for request, seq in pairs}
         for request, seq in pairs:
-            start = min(self._state(request).computed, seq[2])
+            start = min(self._state(request).computed, seq[2] - shift)
             pending[seq[0]] = [request, start, seq]
         first: dict[str, int] = {}
         while len(first) < len(pairs):
@@ -123,12 +145,14 @@ class DraftModelProposer:
                 request, start, seq = entry
                 if request_id in first or budget <= 0:
                     continue
-                end = min(seq[2] + 1, start + budget)
-                step.append((request_id, tuple(request.token_ids[start:end]), start, seq[3], end == seq[2] + 1))
+                stop = seq[2] - shift + 1
+                end = min(stop, start + budget)
+                step.append((request_id, tuple(request.token_ids[start + shift:end + shift]), start, seq[3],
+                             end == stop))
                 entry[1] = end
                 budget -= end - start
             sampled = [s[0] for s in step if s[4]]
-            logits = self.runner.run(step)
+            logits = self._run(step, by_id)
             if sampled:
                 first.update(zip(sampled, self._argmax(logits)))
         return [first[seq[0]] for _, seq in pairs]

@@ -8,9 +8,10 @@ TTFT depends only on P and TPOT only on D, so taking the best P and the best D m
 
 The TPOT compared with the SLO is the step model's prediction, with the decode pod's typical P→D
 hand-over spread over the request's tokens (`predict.client_tpot`), times the pod's calibration
-factor (a high quantile of observed / predicted TPOT there): the SLO is on the quantile clients
-see, not on the mean model step. Each decision carries the uncalibrated prediction so that the
-dispatcher can feed the calibration when the request finishes.
+factor (the median of observed / predicted TPOT there: what the model misses of what clients
+see, such as loop gaps and contention; `router.predict` says why not a high quantile). Each
+decision carries the uncalibrated prediction so that the dispatcher can feed the calibration when
+the request finishes.
 """
 
 from __future__ import annotations

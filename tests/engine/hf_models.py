@@ -87,3 +87,27 @@ def make_hf_model(name: str, out_dir: Path, seed: int = 0, configs: dict | None 
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out_dir, safe_serialization=True, **(save[0] if save else {}))
     return model
+
+
+def make_eagle_head(target_dir: Path, out_dir: Path, seed: int = 0, num_layers: int = 1,
+                    drop: tuple[str, ...] = (), **overrides) -> Path:
+    """A random-weight EAGLE-1 head for the Llama checkpoint at `target_dir`, in the layout vLLM
+    loads (`engine.spec_decode.eagle_head`): the target's config.json with `num_layers` layers,
+    `fc.weight` [H, 2H] and the decoder layers' tensors, without layer 0's input norm, the
+    embedding, the final norm or the lm_head. `drop`: tensor names left out; `overrides`: config keys."""
+    import json
+
+    from safetensors.torch import save_file
+
+    raw = json.loads((target_dir / "config.json").read_text())
+    raw.update(num_hidden_layers=num_layers, **overrides)
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    layers = transformers.LlamaModel(cfg).layers
+    tensors = {f"layers.{name}": t.detach().contiguous() for name, t in layers.state_dict().items()
+               if name != "0.input_layernorm.weight"}
+    tensors["fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size) / math.sqrt(2 * cfg.hidden_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v for k, v in tensors.items() if k not in drop}, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({**raw, "architectures": ["LlamaForCausalLM"]}))
+    return out_dir

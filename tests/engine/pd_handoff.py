@@ -1,6 +1,7 @@
 """P/D inside one process, for engine tests: a prefill-role engine prefills, its held blocks are
-copied into the decode-role engine's reserved blocks (as the transfer layer writes them), and the
-decode engine lands each request with the prefill engine's first token."""
+copied into the decode-role engine's reserved blocks (as the transfer layer writes them: from
+`first_block_in_window(prompt)` on, the blocks a pull moves), and the decode engine lands each
+request with the prefill engine's first token."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from engine.sampling_params import SamplingParams
 
 
 def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
-                      params: SamplingParams) -> list[list[int]]:
+                      params: SamplingParams, copied: dict[str, int] | None = None) -> list[list[int]]:
     """Every prompt through `prefill` then `decode`; returns each prompt's output token ids.
-    A request's KV lands once the decode engine has reserved its blocks, between its steps."""
+    A request's KV lands once the decode engine has reserved its blocks, between its steps;
+    `copied` gets each request's number of blocks moved."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         prefill.add_request(prompt, params, request_id=rid)
@@ -26,8 +28,13 @@ def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
         for rid in decode.last_schedule.reserved_request_ids if decode.last_schedule else ():
             if rid not in landed:   # KV arrives after a few decode steps of the others
                 req = decode.scheduler.get_request(rid)
-                for s, d in zip(prefill.scheduler.held[rid].block_ids, req.block_ids):
+                start = decode.scheduler.kv_manager.first_block_in_window(req.num_prompt_tokens)
+                pairs = list(zip(prefill.scheduler.held[rid].block_ids, req.block_ids))[start:]
+                assert all(s and d for s, d in pairs), f"{rid}: a block the pull moves was freed"
+                for s, d in pairs:
                     decode.kv_cache[d].copy_(prefill.kv_cache[s])
+                if copied is not None:
+                    copied[rid] = len(pairs)
                 results.setdefault(rid, []).extend(decode.land_remote_kv(rid, first[rid]).new_token_ids)
                 landed.add(rid)
         for o in decode.step():

@@ -1,4 +1,5 @@
-"""On a GPU: decode steps replayed from CUDA graphs, and async scheduling, give the eager,
+"""On a GPU: decode steps replayed from CUDA graphs, async scheduling, and speculative verification
+replayed from its graphs (fixed draft width, `engine.spec_decode.verify_graphs`) give the eager,
 synchronous engine's tokens (greedy and seeded). Skipped without CUDA."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.adaptive import FixedController
+from engine.spec_decode.config import SpeculativeConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -40,3 +43,15 @@ def test_graph_replay_and_async_scheduling_equal_eager_synchronous_steps():
     assert both.async_scheduling
     assert [o.output_token_ids for o in both.generate(prompts, params)] == want
     assert both.stats().kv_cache_usage == 0.0
+    # Speculation (n-gram, k 4, drafting every step it can): verification replays its graphs.
+    spec = _engine(async_scheduling=False, speculative=SpeculativeConfig("ngram", 4, prompt_lookup_min=1,
+                                                                         prompt_lookup_max=3))
+    spec.spec.controller = FixedController(4)
+    verify = spec.runner.verify_buckets
+    assert verify.graphs and verify.query_width == 5
+    replays = []
+    run = verify.run
+    verify.run = lambda seqs, bucket, *rest: (replays.append(bucket in verify.graphs), run(seqs, bucket, *rest))[1]
+    assert [o.output_token_ids for o in spec.generate(prompts, params)] == want
+    assert replays and all(replays) and spec.stats().spec_decode.num_drafts > 0
+    assert spec.stats().kv_cache_usage == 0.0

@@ -214,3 +214,26 @@ def test_window_caps_the_blocks_a_request_holds():
     assert manager.max_blocks_held(1000, 16) == (8 + 16 - 2) // 4 + 2
     assert manager.max_blocks_held(6, 16) == 2               # short requests: their own size
     assert make_manager().max_blocks_held(1000, 1) == 250    # no window: everything
+
+
+def test_window_reserve_takes_only_the_blocks_the_first_decode_reads():
+    """Decode role: a 40-token prompt under a 6-token window reserves the blocks from the one
+    holding position 40 - 6 + 1 = 35 on (null before them), caches only those once landed, and
+    frees nothing more at its first decode step."""
+    manager = make_window_manager(window=6)
+    pool = manager.block_pool
+    request = make_request("d", range(40))
+    assert manager.first_block_in_window(40) == 35 // 4 == 8
+    assert manager.num_blocks_to_reserve(40) == 2 <= manager.max_blocks_held(40, 1)
+    assert manager.reserve(request, 40)
+    assert request.block_ids[:8] == [0] * 8 and all(request.block_ids[8:]) and len(request.block_ids) == 10
+    assert manager.num_free_blocks == pool.num_usable_blocks - 2
+    request.num_computed_tokens = 40               # the pulled KV landed
+    manager.cache_blocks(request, 40)
+    assert pool.block_hash[0] is None and sum(h is not None for h in pool.block_hash) == 2
+    compute(manager, request, 1)                   # the first decode: a new block, nothing freed
+    assert manager.num_free_blocks == pool.num_usable_blocks - 3
+    manager.free(request)
+    assert manager.num_free_blocks == pool.num_usable_blocks
+    pool.check_invariants()
+    assert make_manager().num_blocks_to_reserve(40) == 10   # no window: the whole prompt

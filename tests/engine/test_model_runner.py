@@ -112,13 +112,17 @@ def test_prepare_marks_placeholder_tokens_for_the_device_fill(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
     """The CUDA-graph path's logic on CPU: a decode batch padded to its bucket (and its block
-    table to the bucket's width) gives the same logits and KV as the plain eager step."""
+    table to the bucket's width) gives the same logits and KV as the plain eager step, and hands
+    an EAGLE head's sink the same hidden states (the padded path through its graph buffer)."""
     path, cfg = tiny
     blocks = 40
+    sunk = {}
     eager = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
-                        BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=True)
+                        BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=True,
+                        hidden_sink=lambda seqs, hidden: sunk.__setitem__("eager", hidden.clone()))
     padded = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
-                         BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=False)
+                         BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=False,
+                         hidden_sink=lambda seqs, hidden: sunk.__setitem__("padded", hidden.clone()))
     assert eager.decode_buckets is None and padded.decode_buckets is not None
     g = torch.Generator().manual_seed(0)
     for runner in (eager, padded):   # the same random context in both caches
@@ -131,6 +135,39 @@ def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
     assert got.shape == want.shape == (5, cfg.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
     assert torch.equal(padded.kv_cache, eager.kv_cache)   # padding wrote nothing
+    assert sunk["eager"].shape == sunk["padded"].shape == (5, cfg.hidden_size)
+    torch.testing.assert_close(sunk["padded"], sunk["eager"], atol=1e-5 if dtype == torch.float32 else 2e-2,
+                               rtol=1e-5)
+
+
+def test_padded_verification_step_equals_the_eager_one(tiny):
+    """Speculative verification padded to (bucket, 1 + k) tokens a request (the verification graphs'
+    path, `engine.spec_decode.verify_graphs`, on CPU): the same logits rows as the eager step, and
+    the same KV: padding tokens write nothing."""
+    path, cfg = tiny
+    runners = [ModelRunner(load_model(path, cfg, torch.float32, CPU), allocate_kv_cache(cfg, 40, BLOCK, torch.float32, CPU),
+                           BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=eager, verify=(4, 8))
+               for eager in (True, False)]
+    eager, padded = runners
+    assert eager.verify_buckets is None and padded.verify_buckets.batch_sizes == [1, 2, 4, 8]
+    for runner in runners:
+        runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(1)))
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for i, (start, n) in enumerate([(0, 5), (5, 1), (9, 3), (2, 2), (11, 5)]):   # 1 + drafts: 0..4
+        tokens = tuple(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist())
+        batch.append(ScheduledSeq(f"r{i}", tokens, start, tuple(range(1 + 5 * i, 1 + 5 * i + (start + n - 1) // BLOCK + 1)), n))
+    assert padded.verify_buckets.bucket(batch) == 8 and padded.decode_buckets.bucket(batch) is None
+    got, want = padded.run(batch), eager.run(batch)
+    assert got.shape == want.shape == (16, cfg.vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(padded.kv_cache, eager.kv_cache)   # padding wrote nothing
+    full = [seq._replace(token_ids=(3,) * 5) for seq in (batch[0], batch[4])]      # every seq at the width: a view
+    torch.testing.assert_close(padded.run(full), eager.run(full), atol=1e-5, rtol=1e-5)
+    # A prefill chunk, a plain decode batch, or padding past the context: not a verification bucket.
+    assert padded.verify_buckets.bucket([*batch[:2], ScheduledSeq("p", (1, 2, 3), 0, (30,), 1)]) is None
+    assert padded.verify_buckets.bucket([seq._replace(token_ids=(1,), sample=1) for seq in batch]) is None
+    assert padded.verify_buckets.bucket([batch[0]._replace(start_position=60)]) is None
 
 
 def test_bucket_tables():

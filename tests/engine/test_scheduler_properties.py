@@ -53,12 +53,9 @@ def fits(scheduler: Scheduler, request: Request) -> bool:
     """Whether `add_request` must accept it (the scheduler validates exactly this)."""
     max_len = request.num_prompt_tokens + request.sampling_params.max_tokens
     kv, prompt = scheduler.kv_manager, request.num_prompt_tokens
-    if scheduler.role == "prefill":
-        num_blocks = kv.num_blocks_for(prompt)
-    else:   # a window caps what a request holds; a decode pod still reserves the whole prompt first
-        num_blocks = kv.max_blocks_held(max_len, scheduler.config.max_num_batched_tokens)
-        if scheduler.role == "decode":
-            num_blocks = max(num_blocks, kv.num_blocks_for(prompt))
+    # A window caps what a request holds: a prefill pod's prompt, a decoding request's whole length.
+    num_blocks = kv.max_blocks_held(prompt if scheduler.role == "prefill" else max_len,
+                                    scheduler.config.max_num_batched_tokens)
     return max_len <= MAX_MODEL_LEN and num_blocks <= kv.block_pool.num_usable_blocks
 
 

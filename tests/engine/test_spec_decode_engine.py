@@ -1,9 +1,10 @@
 """Speculative decoding in the engine: output equals the non-speculative engine, token for token.
 
 On a two-layer random Llama with the tiny preset's tokenizer (quick steps), greedy and seeded
-sampling with the n-gram proposer and with a draft model (the same checkpoint: a draft equal to
+sampling with the n-gram proposer, with a draft model (the same checkpoint: a draft equal to
 the target is accepted at every greedy position, so every step emits several tokens, which is
-what the edge cases need): logprobs, penalties,
+what the edge cases need) and with a random-weight EAGLE head (its drafts checked against a
+transformers reference, since the target rejects nearly all of them): logprobs, penalties,
 min_tokens, stop strings completed in the middle of a verified run, stop tokens, max_tokens,
 preemption under a small cache, async scheduling moving in and out of speculative steps, the
 decode role landing remote KV (the draft prefills itself from the prompt), prefix-cache hits,
@@ -26,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec_decode.adaptive import FixedController, SpecController
 from engine.presets import resolve_model_dir
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-from tests.engine.hf_models import make_hf_model
+from tests.engine.hf_models import make_eagle_head, make_hf_model
 from tests.engine.pd_handoff import run_disaggregated
 
 # Aborts in the leak test: 300 keeps it within its share of CI on two cores;
@@ -61,6 +62,19 @@ def draft_config() -> SpeculativeConfig:
     return SpeculativeConfig("draft_model", 4, model=_model["path"])
 
 
+def eagle_config() -> SpeculativeConfig:
+    """A random-weight EAGLE-1 head on the target, written once."""
+    root = Path(_model["path"])
+    head = root.parent / f"{root.name}-eagle"
+    if not head.exists():
+        make_eagle_head(root, head, seed=5)
+    return SpeculativeConfig("eagle", 4, model=str(head))
+
+
+def _config(method: str) -> SpeculativeConfig:
+    return NGRAM if method == "ngram" else draft_config() if method == "draft_model" else eagle_config()
+
+
 def make_engine(spec: SpeculativeConfig | None = None, forced: bool = True, num_blocks: int = 256,
                 async_scheduling: bool = False, role: str = "colocated", **sched) -> Engine:
     engine = Engine(EngineConfig(model=_model["path"], role=role, speculative=spec, async_scheduling=async_scheduling,
@@ -78,7 +92,7 @@ def plain(_micro) -> Engine:
 
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
 def spec(request, _micro) -> Engine:
-    return make_engine(NGRAM if request.param == "ngram" else draft_config())
+    return make_engine(_config(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +152,81 @@ def test_seeded_sampling_equals_the_plain_engine(plain, ngram):
     _same(plain, ngram, PROMPTS, params)
 
 
+@pytest.fixture(scope="module")
+def eagle(_micro) -> Engine:
+    return make_engine(eagle_config())
+
+
+def test_eagle_drafts_equal_a_transformers_reference(eagle):
+    """The head's drafts in its first two speculative steps (after the prefill, then after a
+    verification), against EAGLE's definition computed with transformers: the target's final
+    (normed) hidden states h_p and the embedding of token p + 1 through fc, the head's Llama layer
+    (no input norm at layer 0) and the target's lm_head; each further draft feeds the head's own
+    output back, one position on."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    seen = []
+    verify = eagle.spec.verify
+    eagle.spec.verify = lambda sampler, logits, seqs, *rest: seen.append(seqs[0]) or verify(sampler, logits, seqs,
+                                                                                             *rest)
+    try:
+        (out,) = eagle.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    finally:
+        del eagle.spec.verify
+    sequence = [*PROMPTS[1], *out.output_token_ids]
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(_model["path"], dtype=torch.float32).eval()
+    head_dir = Path(eagle_config().model)
+    head = transformers.LlamaModel(transformers.LlamaConfig.from_pretrained(head_dir)).eval()
+    weights = load_file(str(head_dir / "model.safetensors"))
+    fc = weights["fc.weight"]
+    head.layers.load_state_dict({k.removeprefix("layers."): v for k, v in weights.items() if k != "fc.weight"},
+                                strict=False)
+    head.layers[0].input_layernorm, head.norm = torch.nn.Identity(), torch.nn.Identity()
+    embed = target.model.embed_tokens
+    for _, (newest, *drafts), n, *_ in seen[:2]:
+        assert sequence[n] == newest and len(drafts) == 4
+        with torch.no_grad():
+            h = target(torch.tensor([sequence[:n]]), output_hidden_states=True).hidden_states[-1][0]   # [n, H]
+            rows = torch.cat((embed(torch.tensor(sequence[1:n + 1])), h), dim=-1) @ fc.t()               # [n, H]
+            want = []
+            for _ in drafts:
+                last = head(inputs_embeds=rows[None]).last_hidden_state[0, -1]
+                want.append(int(target.lm_head(last).argmax()))
+                rows = torch.cat((rows, (torch.cat((embed(torch.tensor(want[-1])), last)) @ fc.t())[None]))
+        assert drafts == want
+
+
+def test_eagle_greedy_seeded_and_the_decode_role_equal_the_plain_engine(plain, eagle):
+    """Greedy rows token for token and seeded rows draw for draw, whatever the head proposed
+    (prompt 3 is chunked: the head catches up on hidden states from two prefill steps); a decode
+    engine has no hidden states for a prompt prefilled elsewhere (the head reads zeros there) and
+    its tokens equal the colocated plain engine's."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=12, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    _same(plain, eagle, PROMPTS[:3], params)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = plain.generate(PROMPTS[:3], greedy)
+    decode = make_engine(eagle_config(), role="decode")
+    assert run_disaggregated(make_engine(role="prefill"), decode, PROMPTS[:3], greedy) == \
+        [w.output_token_ids for w in want]
+    assert decode.stats().spec_decode.num_drafts > 0 and decode.stats().kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("change, names", [
+    (dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1), "hidden_size is 32"),
+    (dict(drop=("fc.weight",)), "missing tensors for: fc.weight"),
+    (dict(drop=("layers.0.mlp.down_proj.weight",)), "layers.0.mlp.down_proj.weight"),
+])
+def test_a_malformed_eagle_head_is_refused_at_startup_naming_the_key(tmp_path, change, names):
+    make_eagle_head(Path(_model["path"]), tmp_path / "head", **change)
+    with pytest.raises(SpeculativeConfigError, match=names):
+        make_engine(SpeculativeConfig("eagle", 2, model=str(tmp_path / "head")))
+
+
 def test_logprobs_penalties_and_min_tokens_equal_the_plain_engine(plain, spec):
     params = [SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4,
@@ -177,11 +266,12 @@ def test_stop_strings_and_stop_tokens_inside_a_verified_run(plain, draft):
     assert checked >= 3
 
 
-def test_preemption_under_a_small_cache_equals_the_plain_engine():
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_preemption_under_a_small_cache_equals_the_plain_engine(method):
     prompts = [_prompt(s, 40 + 9 * s) for s in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = make_engine(num_blocks=14).generate(prompts, params)
-    spec = make_engine(draft_config(), num_blocks=14)
+    spec = make_engine(_config(method), num_blocks=14)
     got = spec.generate(prompts, params)
     assert spec.stats().num_preemptions > 0
     assert _summary(got) == _summary(want)
@@ -255,6 +345,30 @@ def test_the_adaptive_controller_as_shipped_gives_the_same_tokens(plain):
     assert _summary(got) == _summary(want)
 
 
+def test_verification_padded_to_the_graphs_width_equals_eager_and_the_plain_engine(plain, ngram):
+    """The verification CUDA graphs' path on CPU (`engine.spec_decode.verify_graphs`, eager: the
+    same padded forward a graph replays): every request padded to 1 + k tokens, the batch to a
+    bucket. Output equals the eager speculative engine's and the plain engine's; no block leaks."""
+    from engine.cuda_graphs import DecodeBuckets
+    from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
+
+    padded = make_engine(NGRAM)
+    runner, sched = padded.runner, padded.scheduler_config
+    k, largest = verify_shape(padded.spec.config, sched.max_num_seqs, sched.max_num_batched_tokens)
+    runner.decode_buckets = DecodeBuckets(runner._forward_into, padded.model_config.vocab_size, padded.dtype,
+                                          runner.block_size, runner.device, min(sched.max_num_seqs, 64),
+                                          runner.max_model_len, logits_rows=VerifyBuckets.logits_rows(k, largest))
+    runner.verify_buckets = VerifyBuckets(runner.decode_buckets, k, largest, runner.max_model_len)
+    runs = []
+    run = runner.verify_buckets.run
+    runner.verify_buckets.run = lambda *args: (runs.append(args[1]), run(*args))[1]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=31, max_tokens=32, ignore_eos=True)] * 2
+    want, _ = _same(plain, padded, PROMPTS, params)
+    assert _summary(ngram.generate(PROMPTS, params)) == _summary(want)
+    assert runs and set(runs) <= {1, 2, 4}          # verification steps went through the padded buckets
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     from tests.engine.hf_models import make_hf_model
 
@@ -315,14 +429,23 @@ def test_structured_requests_beside_drafted_ones_equal_the_plain_engine(plain, d
     check_complete(specs[1], got[2].text)
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "gemma3"])
-def test_sliding_window_models_equal_the_plain_engine(tmp_path, name):
+@pytest.mark.parametrize("name", ["mistral_window", "gemma3", "mixtral"])
+def test_sliding_window_and_moe_models_equal_the_plain_engine(tmp_path, name):
     """Verification rows attend through each layer's window (Gemma 3: local and global layers);
     with every layer windowed (Mistral) the blocks behind the window are freed while drafts are
-    in flight. The draft is the target's own checkpoint, so most steps emit several tokens."""
-    from tests.engine.hf_window_models import make_window_model
+    in flight. The draft is the target's own checkpoint, so most steps emit several tokens.
+    Mixtral (mixture of experts: verification rows routed to their experts like any token) with
+    n-gram drafts."""
+    if name == "mixtral":
+        make_hf_model(name, tmp_path, seed=4)
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(Path(_model["path"]) / file, tmp_path / file)
+        drafts = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        from tests.engine.hf_window_models import make_window_model
 
-    make_window_model(name, tmp_path)
+        make_window_model(name, tmp_path)
+        drafts = SpeculativeConfig("draft_model", 3, model=str(tmp_path))
 
     def engine(spec: SpeculativeConfig | None) -> Engine:
         e = Engine(EngineConfig(model=str(tmp_path), speculative=spec,
@@ -336,4 +459,4 @@ def test_sliding_window_models_equal_the_plain_engine(tmp_path, name):
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
-    _same(engine(None), engine(SpeculativeConfig("draft_model", 3, model=str(tmp_path))), prompts, params)
+    _same(engine(None), engine(drafts), prompts, params)

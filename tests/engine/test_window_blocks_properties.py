@@ -97,8 +97,11 @@ def step(scheduler: Scheduler, kv: KVModel, data) -> None:
 
 
 def land(scheduler: Scheduler, kv: KVModel, rid: str, token: int) -> None:
-    request = scheduler.get_request(rid)
-    kv.write(request.block_ids, request.token_ids, 0, request.num_prompt_tokens)   # the pulled KV
+    """The pull moved the prompt's blocks from `first_block_in_window` on: all it writes."""
+    request, manager = scheduler.get_request(rid), scheduler.kv_manager
+    start = manager.first_block_in_window(request.num_prompt_tokens)
+    assert request.block_ids[:start] == [NULL_BLOCK_ID] * start and NULL_BLOCK_ID not in request.block_ids[start:]
+    kv.write(request.block_ids, request.token_ids, start * kv.block_size, request.num_prompt_tokens)
     scheduler.remote_kv_landed(rid, token)
 
 
@@ -148,13 +151,25 @@ def test_window_freeing_never_leaks_and_never_serves_stale_kv(role, data):
     assert all(r.is_finished and not r.block_ids for r in requests)
 
 
-def test_prefill_role_keeps_every_block_for_the_pull():
+def test_prefill_role_frees_behind_the_window_and_keeps_what_the_pull_sends():
+    """A long prompt in chunks holds about a window (plus a chunk) of blocks on a prefill pod, and
+    every block a pull sends (from `first_block_in_window(prompt)` on) holds the prompt's KV."""
     cache = CacheConfig(block_size=2, num_blocks=40, sliding_window=3)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=4, max_model_len=40), cache, role="prefill")
-    assert scheduler.kv_manager.sliding_window is None
+    manager, kv = scheduler.kv_manager, KVModel(scheduler)
     request = Request("p", list(range(20)), SamplingParams(max_tokens=1))
     scheduler.add_request(request)
     while request.status is not RequestStatus.FINISHED_PREFILLED:
         out = scheduler.schedule()
+        for seq in out.scheduled:
+            kv.check_visible(seq.block_ids, request.token_ids, seq.start_position)
+            kv.write(seq.block_ids, request.token_ids, seq.start_position, seq.start_position + len(seq.token_ids))
         scheduler.update(out, {seq.request_id: 1 for seq in out.scheduled if seq.sample})
-    assert NULL_BLOCK_ID not in request.block_ids and len(request.block_ids) == 10
+        held = sum(1 for b in request.block_ids if b != NULL_BLOCK_ID)
+        assert held <= manager.max_blocks_held(request.num_prompt_tokens, 4) == 4
+    start = manager.first_block_in_window(20)
+    assert start == 9 and NULL_BLOCK_ID not in request.block_ids[start:]
+    assert request.block_ids[:7] == [NULL_BLOCK_ID] * 7    # behind the last chunk's first query
+    kv.check_visible(request.block_ids, request.token_ids, 20)   # the decode pod's first query
+    scheduler.release_request("p")
+    assert scheduler.num_free_blocks == manager.block_pool.num_usable_blocks

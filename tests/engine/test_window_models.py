@@ -68,6 +68,37 @@ def test_greedy_tokens_are_not_degenerate(checkpoint):
     assert len(set(_hf_greedy(hf, prompt, 24))) >= 4
 
 
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_pd_handoff_moves_only_the_window_and_equals_colocated(checkpoint, mode):
+    """P/D in one process (tests/engine/pd_handoff.py) equals colocated for prompts several windows
+    long. Every layer windowed (Mistral): the pull moves, and the decode engine reserves, only the
+    blocks from `first_block_in_window(prompt)` on, and the prefill engine frees behind the window
+    as it goes; mixed local/global (Gemma 3, gpt-oss): every block, nothing freed early."""
+    from tests.engine.pd_handoff import run_disaggregated
+
+    name, path, _ = checkpoint
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 290) for _ in range(n)] for n in (61, 30, 7)]
+    params = (SamplingParams(temperature=0.0, max_tokens=12) if mode == "greedy"
+              else SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12))
+    want = [o.output_token_ids for o in _engine(path, num_blocks=64).generate(prompts, params)]
+    engines = [Engine(EngineConfig(model=str(path), role=role, cache=CacheConfig(block_size=4, num_blocks=64),
+                                   scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)))
+               for role in ("prefill", "decode")]
+    copied: dict[str, int] = {}
+    assert run_disaggregated(*engines, prompts, params, copied) == want
+    window = engines[1].model_config.kv_free_window
+    assert (window is not None) == (name == "mistral_window")
+    # Mistral (window 9): the 61-token prompt's query at 61 reads keys 53..61, blocks 13..15: 3 of 16.
+    expected = [3, 3, 2] if window else [16, 8, 2]
+    assert [copied[f"r{i}"] for i in range(3)] == expected
+    for i in range(3):   # the pulls are over: the prefill engine lets the held blocks go
+        assert engines[0].scheduler.release_request(f"r{i}")
+    for engine in engines:
+        assert engine.stats().kv_cache_usage == 0.0
+        engine.scheduler.check_invariants()
+
+
 def test_a_windowed_model_frees_the_blocks_behind_its_window(checkpoint):
     name, path, hf = checkpoint
     engine = _engine(path, num_blocks=64)

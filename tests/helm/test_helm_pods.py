@@ -298,7 +298,7 @@ def test_speculative_config_reaches_the_decode_pool_only_as_json():
     value = flags(container(pools["decode"])["args"])["speculative-config"]
     assert SpeculativeConfig.from_json(value) == SpeculativeConfig("ngram", 4, 5, 5)
     with pytest.raises(HelmError, match="speculativeConfig"):
-        render(sets=('decode.engine.speculativeConfig={"method":"eagle","num_speculative_tokens":4}',))
+        render(sets=('decode.engine.speculativeConfig={"method":"eagle3","num_speculative_tokens":4}',))
 
 
 def test_tensor_parallel_size_is_per_pool_with_one_gpu_per_rank():

@@ -89,16 +89,18 @@ def test_triton_strided_logits_and_no_masks(triton_backend):
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_host_path_equals_reference(dtype):
-    """The launcher's CPU path, with masks on every row in order (in place, no gather), in
-    another order, and on some rows (a gather and a scatter)."""
+    """The launcher's CPU path, with masks on the first rows in order (`rows` None: in place, no
+    gather; all rows or a prefix), in order and in another order as indices, and on some rows (a
+    gather and a scatter)."""
     logits, bitmask, _, _ = _cases(3, 3, 100, 2)          # 100 > 64: padded ids masked too
     logits = logits.to(dtype)
-    for rows in (torch.arange(3), torch.tensor([2, 0, 1])):
+    for masks, rows in ((bitmask, None), (bitmask[:2], None), (bitmask, torch.arange(3)),
+                        (bitmask, torch.tensor([2, 0, 1]))):
         want, got = logits.clone(), logits.clone()
-        apply_grammar_mask_ref(want, bitmask, rows)
-        kernels.apply_grammar_mask(got, bitmask, rows)
+        apply_grammar_mask_ref(want, masks, torch.arange(len(masks)) if rows is None else rows)
+        kernels.apply_grammar_mask(got, masks, rows)
         assert torch.equal(got, want)
     wide, some_masks, some_rows, _ = _cases(4, 6, 5000, 157)
     want, got = wide.clone(), wide.clone()
@@ -115,3 +117,5 @@ def test_launcher_refuses_bad_inputs():
         kernels.apply_grammar_mask(logits, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="logits"):
         kernels.apply_grammar_mask(logits.t(), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows None"):
+        kernels.apply_grammar_mask(logits, torch.zeros(3, 2, dtype=torch.int32), None)

@@ -79,3 +79,14 @@ def test_check_compatible_compares_the_layer_windows():
     assert problem is not None and "layer_windows: [4096, 4096" in problem and "vs none there" in problem
     with pytest.raises(LayoutError, match="layer_windows"):
         LLAMA8B.to_model_info("gemma", "abc", layer_windows=(1, 2))
+
+
+def test_check_compatible_compares_what_a_pull_sends():
+    # Every layer windowed: a pod that sends only the last window's blocks cannot pair with one
+    # from before kv_transfer_window (it sends, or expects, every block).
+    windows = (4096,) * LLAMA8B.num_layers
+    new = LLAMA8B.to_model_info("mistral", "abc", layer_windows=windows, kv_transfer_window=4096)
+    assert check_compatible(new, LLAMA8B.to_model_info("mistral", "abc", layer_windows=windows,
+                                                       kv_transfer_window=4096)) is None
+    problem = check_compatible(new, LLAMA8B.to_model_info("mistral", "abc", layer_windows=windows))
+    assert problem is not None and "kv_transfer_window: 4096 here vs 0 there" in problem

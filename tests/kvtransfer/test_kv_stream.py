@@ -146,3 +146,29 @@ def _edit(chunk, **fields):
     for name, value in fields.items():
         setattr(copy, name, value)
     return copy
+
+
+def test_window_start_skips_the_blocks_behind_it_on_both_sides():
+    """Every layer windowed: the source sends, and the sink writes, only the blocks from
+    `start_block_index` on; entries before it may change (freed: null) under the stream, entries
+    from it on may not, and a freed block the puller asks for is refused rather than sent."""
+    src, ids = make_kv(), (1, 2, 3, 4, 5, 6)
+    freed = (0, 0, 0, 4, 5, 6)        # the prefill pod freed blocks 0..2 as its prefill went on
+    chunks = source_chunks([ComputedTokens(8, ids), ComputedTokens(16, freed), FirstToken(9, freed)],
+                           start_block_index=3)
+    assert [(c.first_block_index, c.num_blocks, c.last) for c in chunks] == [(3, 1, False), (4, 2, True)]
+    dst = torch.zeros((16, *TINY.block_shape))
+    sink = KVSink(dst, [0, 0, 0, 9, 10, 11], "r", 22, start_block_index=3)
+    result = asyncio.run(sink.consume(aiter_of(chunks)))
+    assert result.num_blocks == 3 and result.num_bytes == 3 * TINY.bytes_per_block
+    assert all(same_bytes(src[s], dst[d]) for s, d in zip((4, 5, 6), (9, 10, 11)))
+    assert not dst[0].any()                                  # the null block is never written
+    with pytest.raises(LayoutError, match="block table changed"):
+        source_chunks([ComputedTokens(16, (0, 0, 0, 4, 5)), ComputedTokens(20, (0, 0, 0, 7, 5, 6))],
+                      start_block_index=3)
+    with pytest.raises(LayoutError, match="freed behind the sliding window"):
+        source_chunks([ComputedTokens(22, (0, 0, 0, 4, 5, 6)), FirstToken(9, (0, 0, 0, 4, 5, 6))],
+                      start_block_index=2)
+    with pytest.raises(ProtocolError, match="duplicate"):   # a source that sends from 0 to a windowed sink
+        asyncio.run(KVSink(dst, [0, 0, 0, 9, 10, 11], "r", 22, start_block_index=3).consume(
+            aiter_of(good_chunks()[1])))

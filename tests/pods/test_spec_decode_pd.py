@@ -1,5 +1,6 @@
-"""Speculative decoding on real pods: a decode pod that verifies drafts (n-gram, or a draft model
-that prefills itself from the prompt it receives) gives the tokens of the colocated engine without
+"""Speculative decoding on real pods: a decode pod that verifies drafts (n-gram, a draft model
+that prefills itself from the prompt it receives, or an EAGLE head, which has no hidden states for
+a prompt prefilled elsewhere) gives the tokens of the colocated engine without
 speculation, disaggregated (KV pulled from a prefill pod, which takes the flag and ignores it) and
 prefilled locally; its /metrics count the drafts with vLLM's names."""
 
@@ -24,10 +25,16 @@ DRAFT = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def pods():
+def pods(tmp_path_factory):
+    from engine.presets import resolve_model_dir
+    from tests.engine.hf_models import make_eagle_head
+
+    head = make_eagle_head(resolve_model_dir("tiny"), tmp_path_factory.mktemp("eagle"), seed=1)
+    eagle = f'{{"method": "eagle", "model": "{head}", "num_speculative_tokens": 3}}'
     prefill = Pod("prefill", "--speculative-config", NGRAM)
     decoders = {"ngram": Pod("decode", "--speculative-config", NGRAM),
-                "draft_model": Pod("decode", "--speculative-config", DRAFT)}
+                "draft_model": Pod("decode", "--speculative-config", DRAFT),
+                "eagle": Pod("decode", "--speculative-config", eagle)}
     try:
         prefill.wait_ready()
         for pod in decoders.values():
@@ -55,7 +62,7 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 def test_disaggregated_with_speculation_equals_colocated_without(pods, reference, method, mode):
     prefill, decoders = pods

@@ -29,7 +29,11 @@ def test_engine_commands_take_the_speculative_config(command):
 def test_a_bad_speculative_config_is_refused_naming_the_key(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])
-    assert "eagle" in capsys.readouterr().err
+    assert "method 'eagle' needs model" in capsys.readouterr().err
+    eagle = '{"method": "eagle", "model": "/heads/h", "num_speculative_tokens": 2}'
+    args = build_parser().parse_args(["decode", "--tensor-parallel-size", "2", "--speculative-config", eagle])
+    with pytest.raises(ValueError, match="'eagle' with --tensor-parallel-size 2"):   # before any model loads
+        engine_config_from_args(args, "decode")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram"}'])
     assert "num_speculative_tokens" in capsys.readouterr().err
