@@ -7,7 +7,8 @@ whose model is instant: its forward returns a prepared hidden state and its head
 GPU step has to hide: the figure to hold below the GPU's step time (about 1 ms for a 1B model at
 batch 1, 1.5-2 ms at batch 256 on an H200). Reported per batch size: the median and p90 wall
 time of one `Engine.step()` (and its p10: on a shared machine the closest to the step's own
-cost), and its thread CPU time.
+cost), and its thread CPU time. `--churn N` measures a batch whose membership changes: a request
+ends and a new one arrives (its prefill chunk in the same step) every N steps.
 
 `--tree NAME=PATH` measures another checkout side by side (PYTHONPATH=PATH; each measurement is
 a subprocess running this file from this checkout against that tree's engine), alternating,
@@ -66,38 +67,49 @@ def measure(args, batch: int) -> dict:
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    prompt_len, block = 32, 16
+    prompt_len, block, churn = 32, 16, args.churn
     max_tokens = args.warmup + args.steps + 16
-    num_blocks = batch * -(-(prompt_len + max_tokens) // block) + 64
+    # --churn N: request i ends after its (i+1)-th N steps of the timed run, and a new one arrives
+    # every N steps (its prefill chunk rides in that step), so about `batch` requests run.
+    first_end = args.warmup + 8
+    num_blocks = batch * -(-(prompt_len + max_tokens + churn * batch) // block) + 64
     max_tokens_per_step = max(2048, batch)
+    max_num_seqs = batch + (8 if churn else 0)
     engine = Engine(EngineConfig(model=args.model, async_scheduling=True, detokenize=args.detokenize,
                                  cache=CacheConfig(block_size=block, num_blocks=num_blocks),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=max_tokens_per_step,
-                                                           max_num_seqs=batch)))
+                                                           max_num_seqs=max_num_seqs)))
     # The GPU's runner: decode steps padded to a bucket, as the CUDA graphs run them (not captured here).
-    runner = ModelRunner(engine.model, engine.kv_cache, block, engine.device, max_num_seqs=batch,
+    runner = ModelRunner(engine.model, engine.kv_cache, block, engine.device, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_tokens_per_step, max_model_len=engine.max_model_len,
                          enforce_eager=False)
     instant = InstantModel(engine.model, max_tokens_per_step)
     runner.model = instant
     runner.decode_buckets.logits.copy_(instant.logits[: runner.decode_buckets.logits.shape[0]])
     engine.runner = runner
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=max_tokens, ignore_eos=True,
-                            seed=0 if args.temperature else None)
-    for i in range(batch):
+    def add(i: int, num_tokens: int) -> None:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=num_tokens,
+                                ignore_eos=True, seed=0 if args.temperature else None)
         engine.add_request([1] + [(7 * i + j) % 200 + 3 for j in range(prompt_len - 1)], params)
+
+    for i in range(batch):
+        add(i, first_end + (i + 1) * churn if churn else max_tokens)
     while engine.scheduler.num_waiting or any(len(s.token_ids) > 1 for s in engine.last_schedule.scheduled
                                               if engine.last_schedule) or engine.num_steps < 2:
         engine.step()                       # prefill until every request decodes
     for _ in range(args.warmup):
         engine.step()
     wall, cpu = [], []
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if churn and step % churn == 0:
+            add(batch + step, batch * churn)
         w0, c0 = time.perf_counter(), time.thread_time()
         engine.step()
         cpu.append(time.thread_time() - c0)
         wall.append(time.perf_counter() - w0)
-    assert engine.scheduler.num_running == batch and all(len(s.token_ids) == 1 for s in engine.last_schedule.scheduled)
+    if not churn:
+        assert engine.scheduler.num_running == batch and all(len(s.token_ids) == 1
+                                                             for s in engine.last_schedule.scheduled)
     wall.sort()
     return {"batch": batch, "median_us": 1e6 * statistics.median(wall), "p10_us": 1e6 * wall[len(wall) // 10],
             "p90_us": 1e6 * wall[int(0.9 * len(wall))], "cpu_us": 1e6 * statistics.median(cpu), "steps": args.steps}
@@ -140,6 +152,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded random sampling")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--detokenize", action="store_true", help="run the detokenizer too (offline use)")
+    p.add_argument("--churn", type=int, default=0, metavar="N",
+                   help="a request ends and one arrives every N timed steps (0: the same batch throughout)")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)   # the subprocess side
     args = p.parse_args()
     if args.worker is not None:

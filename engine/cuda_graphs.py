@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine.progress import progress
+from engine.scheduler_output import DecodeSeqs
 from engine.step_inputs import StepInputs, max_layout_bytes
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class DecodeBuckets:
         bs = smallest_at_least(self.batch_sizes, len(scheduled))
         if bs is None:
             return None
+        if isinstance(scheduled, DecodeSeqs):     # decodes by construction (engine.decode_columns)
+            return bs if scheduled.width <= self.width else None
         # C-level passes: every seq has one new token, and no table is wider than the graphs'.
         if sum(map(len, map(_TOKENS, scheduled))) != len(scheduled) or \
                 max(map(len, map(_BLOCKS, scheduled)), default=0) > self.width:

@@ -59,11 +59,8 @@ from engine.tp_shard import TensorParallelError, TPShard, check_divisible
 from engine.tp_worker import WorkerSpec
 
 log = logging.getLogger(__name__)
-_PARAMS = operator.attrgetter("sampling_params")
 _OUTPUTS, _REQUEST_ID, _LAST = operator.attrgetter("output_token_ids"), operator.attrgetter("request_id"), \
     operator.itemgetter(-1)
-# Its next step needs the previous token's value on the host: penalties, or a grammar.
-_READS_HOST_TOKENS = operator.attrgetter("reads_host_tokens")
 
 
 @dataclass(frozen=True)
@@ -203,6 +200,7 @@ class Engine:
         self.failed: dict[str, Exception] = {}   # requests ended by an error since `take_failures`
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
                                    lora_slots=None if self.lora is None else self.lora.slots)
+        self.scheduler.decode_columns = self.async_scheduling   # steady decodes as columns (engine.decode_columns)
         if self.spec is not None:   # an EAGLE head reads the target's embedding, head and batch order
             self.spec.attach(self.model, self.scheduler)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -373,7 +371,7 @@ class Engine:
             extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
             logits = self.runner.run(out.scheduled, None if prev is None else prev.device, extra)
             requests, sampled_ids = sampled_requests(out.scheduled, scheduled)
-            if prev is not None and any(map(_READS_HOST_TOKENS, map(_PARAMS, requests))):
+            if prev is not None and self.scheduler.reads_host_tokens(requests):
                 outputs, prev = self._resolve(prev), None
             sample = self._sample(logits, requests) if requests else None
             if extra is not None:   # read back now (a sync, in this step only): emitted from _resolve

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from engine.decode_columns import (COLUMNS_MIN_BATCH, DecodeColumns, reads_host_tokens, resolve_columns,
+                                   schedule_columns, update_columns)
 from engine.request import Request, RequestStatus
 from engine.request_queue import priority_key
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput, new_scheduled_seq
+from engine.scheduler_output import (PLACEHOLDER_TOKEN_ID, DecodeSeqs, ScheduledSeq, SchedulerOutput,
+                                     new_scheduled_seq)
 from engine.scheduler_state import ROLES, SchedulerState
 
 __all__ = ["ROLES", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -31,7 +34,13 @@ _RUNNING = RequestStatus.RUNNING
 
 class Scheduler(SchedulerState):
     """Continuous-batching scheduler for one engine (see the module docstring); constructed as
-    `SchedulerState`: `Scheduler(scheduler_config, kv, role, eos_token_ids, reserve_watermark)`."""
+    `SchedulerState`: `Scheduler(scheduler_config, kv, role, eos_token_ids, reserve_watermark)`.
+    `decode_columns = True` (the engine, under async scheduling): steady decode steps are planned
+    as columns (`engine.decode_columns`)."""
+
+    decode_columns = False
+    _columns: DecodeColumns | None = None   # the running batch's columns (engine.decode_columns)
+    _resolving: DecodeColumns | None = None  # the columns whose requests the last update returned
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
@@ -50,9 +59,19 @@ class Scheduler(SchedulerState):
         short. The decode pass is the hot path (one visit to every running request each step):
         when the budget and the free blocks cover one token and one block per running request,
         nothing can preempt, and `_schedule_decodes_fast` skips every check that guards against it.
+        With `decode_columns` such a step that admits nothing is planned as columns instead
+        (`engine.decode_columns`: no pass over the batch).
         """
         max_tokens = self.config.max_num_batched_tokens
         reserved = self._reserve_remote() if self.waiting_for_blocks else ()
+        if self.decode_columns and drafts is None and len(self.running) >= COLUMNS_MIN_BATCH \
+                and self.lora_slots is None and self._decodes_cannot_run_short(max_tokens) and not self._can_admit():
+            out = schedule_columns(self, tuple(reserved), tuple(self._finished_ids))
+            if out is not None:
+                self._finished_ids = []
+                return out
+        if self._columns is not None:
+            self._columns.ready = False     # this step is planned without it (its rows stay)
         seqs: list[ScheduledSeq] = []           # batch order
         scheduled: list[Request] = []           # seqs[i] belongs to scheduled[i]
         preempted: list[str] = []
@@ -87,6 +106,10 @@ class Scheduler(SchedulerState):
         out = SchedulerOutput(tuple(seqs), max_tokens - budget, tuple(preempted), tuple(reserved), tuple(finished))
         self._pending_output, self._pending_requests = out, scheduled
         return out
+
+    def _can_admit(self) -> bool:
+        """A waiting request may join the batch this step (`_admit_waiting`'s loop condition)."""
+        return bool(self.waiting) and len(self.running) + len(self.waiting_for_remote_kv) < self.config.max_num_seqs
 
     def _decodes_cannot_run_short(self, budget: int) -> bool:
         """Every running request can have a token and a new block: a decode needs at most one of
@@ -268,6 +291,30 @@ class Scheduler(SchedulerState):
             self._finished_ids.append(request.request_id)
         return finished
 
+    def resolve_placeholders(self, requests: list[Request], token_ids: list[int]) -> list[Request]:
+        if self._columns is not None:
+            self._columns.ready = False   # its plan assumed placeholders (a step that resolves first)
+        if self._resolving is not None:
+            resolved = resolve_columns(self, requests, token_ids)
+            if resolved is not None:
+                return resolved
+        return super().resolve_placeholders(requests, token_ids)
+
+    resolve_placeholders.__doc__ = SchedulerState.resolve_placeholders.__doc__
+
+    def reads_host_tokens(self, requests: list[Request]) -> bool:
+        """Some request's next step needs its newest token's value on the host (penalties, a
+        grammar): an async step resolves the one in flight first."""
+        return reads_host_tokens(self._columns, requests)
+
+    def finished_in_update(self, request: Request, now: float) -> None:
+        """`update` found a token-level stop (`_check_stop` set the status): free and forget it."""
+        request.finished_time = now
+        self._release_lora(request)
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
     @property
     def scheduled_requests(self) -> list[Request]:
         """The requests of the latest `schedule()`'s seqs, in batch order (until `update`)."""
@@ -292,6 +339,14 @@ class Scheduler(SchedulerState):
         if output is not self._pending_output:
             raise ValueError("update() takes the output of the latest schedule(), once")
         scheduled, self._pending_output, self._pending_requests = self._pending_requests, None, []
+        now = self.clock()
+        if sampled_token_ids is None and isinstance(output.scheduled, DecodeSeqs):
+            done = update_columns(self, output.scheduled, now)
+            if done is not None:
+                return done
+        self._resolving = None
+        if self._columns is not None:
+            self._columns.ready = False
         kv, block_size = self.kv_manager, self.block_size
         prefill_role = self.role == "prefill"
         if prefill_role and sampled_token_ids is None:
@@ -301,7 +356,6 @@ class Scheduler(SchedulerState):
         # the loop only notes the exceptions.
         skipped: list[Request] = []
         unsampled: list[Request] = []
-        now = self.clock()
         any_finished = False
         running_status = _RUNNING
         for (request_id, new_tokens, start, _, sample), request in zip(output.scheduled, scheduled):
@@ -346,11 +400,7 @@ class Scheduler(SchedulerState):
                     and token_id not in eos_ids and token_id not in params.stop_token_ids):
                 continue
             if self._check_stop(request, token_id):
-                request.finished_time = now
-                self._release_lora(request)
-                kv.free(request)
-                del self.requests[request_id]
-                self._finished_ids.append(request_id)
+                self.finished_in_update(request, now)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]

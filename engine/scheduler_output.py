@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # With async scheduling, a request's newest token is still on the device when the next step is
 # planned: its place in `Request.token_ids` holds this id until the engine resolves the sample.
@@ -31,11 +35,56 @@ class ScheduledSeq(NamedTuple):
         return len(self.token_ids)
 
 
+class DecodeSeqs(Sequence[ScheduledSeq]):
+    """A steady decode step's `SchedulerOutput.scheduled` (`engine.decode_columns`): read as
+    `ScheduledSeq`s (built once, on the first read), or by its columns (`ids`, `token_ids`,
+    `starts`, `tables`, `width`) where a reader knows them (`StepInputs.prepare`,
+    `DecodeBuckets.bucket`, `sampled_requests`, the step stats). Every seq is a decode of one
+    token that samples."""
+
+    __slots__ = ("ids", "token_ids", "starts", "tables", "width", "all_placeholders", "_seqs")
+
+    def __init__(self, ids: list[str], token_ids: list[int], starts: np.ndarray, tables: list[tuple[int, ...]],
+                 width: int, all_placeholders: bool) -> None:
+        self.ids = ids                  # request ids, batch order (read-only: shared with the columns)
+        self.token_ids = token_ids      # each seq's one token
+        self.starts = starts            # [S] int64: each seq's start position (= num_computed_tokens)
+        self.tables = tables            # each seq's block table (the KV manager's tuples)
+        self.width = width              # the longest table's length
+        self.all_placeholders = all_placeholders   # every token is PLACEHOLDER_TOKEN_ID (on the device)
+        self._seqs: tuple[ScheduledSeq, ...] | None = None
+
+    def seqs(self) -> tuple[ScheduledSeq, ...]:
+        if self._seqs is None:
+            new, seq_type = new_scheduled_seq, ScheduledSeq
+            self._seqs = tuple(new(seq_type, (request_id, (token,), start, table, True)) for request_id, token, start,
+                               table in zip(self.ids, self.token_ids, self.starts.tolist(), self.tables))
+        return self._seqs
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.seqs()[i]
+
+    def __iter__(self):
+        return iter(self.seqs())
+
+    def __eq__(self, other) -> bool:
+        return self.seqs() == (other.seqs() if isinstance(other, DecodeSeqs) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.seqs())
+
+    def __repr__(self) -> str:
+        return f"DecodeSeqs({len(self.ids)} decodes)"
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """What one step computes; a plain value (no tensors). `scheduled` is in batch order."""
 
-    scheduled: tuple[ScheduledSeq, ...]
+    scheduled: tuple[ScheduledSeq, ...] | DecodeSeqs    # DecodeSeqs: a steady decode step as columns
     num_batched_tokens: int
     preempted_request_ids: tuple[str, ...] = ()
     reserved_request_ids: tuple[str, ...] = ()   # decode role: blocks reserved, start the KV pull
@@ -53,10 +102,12 @@ class SchedulerOutput:
 _SAMPLES, _REQUEST_ID = itemgetter(4), itemgetter(0)
 
 
-def sampled_requests(seqs: tuple[ScheduledSeq, ...], requests: list) -> tuple[list, list[str]]:
+def sampled_requests(seqs: tuple[ScheduledSeq, ...] | DecodeSeqs, requests: list) -> tuple[list, list[str]]:
     """(the requests that sample this step, their ids), in batch order; `requests[i]` owns
     `seqs[i]` (returned as is when every seq samples: read it, do not change it). The usual step
     samples every seq, and then this is two C-level passes, not a Python loop over the batch."""
+    if isinstance(seqs, DecodeSeqs):
+        return requests, seqs.ids
     if all(map(_SAMPLES, seqs)):
         return requests, list(map(_REQUEST_ID, seqs))
     rows = [i for i, seq in enumerate(seqs) if seq[4]]

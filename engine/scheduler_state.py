@@ -161,21 +161,25 @@ class SchedulerState:
         resolved = []
         eos_ids = self.eos_token_ids
         for request, token_id in zip(requests, token_ids):
-            status = request.status
-            if status is RequestStatus.FINISHED_ABORTED:
+            if request.status is RequestStatus.FINISHED_ABORTED:
                 continue
             request.output_token_ids[-1] = token_id
             request.token_ids[-1] = token_id
             resolved.append(request)
-            if token_id not in eos_ids and token_id not in request.sampling_params.stop_token_ids:
-                continue
-            if not self._is_stop_token(request, token_id):
-                continue
-            if status is RequestStatus.FINISHED_LENGTH:
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif not status.is_finished:
-                self._remove(request, RequestStatus.FINISHED_STOPPED)
+            if token_id in eos_ids or token_id in request.sampling_params.stop_token_ids:
+                self.stop_on_resolved(request, token_id)
         return resolved
+
+    def stop_on_resolved(self, request: Request, token_id: int) -> None:
+        """`resolve_placeholders` wrote `token_id`, an eos or stop token of the request: it ends
+        there if it counts (`_is_stop_token`); one that ended on its length meanwhile says "stop"."""
+        status = request.status
+        if not self._is_stop_token(request, token_id):
+            return
+        if status is RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif not status.is_finished:
+            self._remove(request, RequestStatus.FINISHED_STOPPED)
 
     # ------------------------------------------------------------------ endings
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID
+from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, DecodeSeqs
 
 ALIGN = 16    # bytes: Triton's pointer-alignment specialisation (module docstring)
 _VIEW_CACHE = 512    # layouts whose views a buffer keeps (decode buckets need a few dozen)
@@ -183,6 +183,7 @@ class StepInputs:
         self._table_key: tuple | None = None
         self._table_rows: list = []
         self._signature: tuple | None = None
+        self._filled_in_order = False       # fill_src holds 0..P-1 (read only while steady)
         self._host_cache: dict[Layout, dict[str, np.ndarray]] = {}
         self._device_cache: dict[Layout, tuple[dict[str, torch.Tensor], AttentionMetadata]] = {}
 
@@ -239,18 +240,25 @@ class StepInputs:
         `np.fromiter`): a Python-level pass over the batch costs ~50 ns a request, and a decode
         step of 256 requests would otherwise spend more time here than the GPU spends on it."""
         num_real = len(scheduled)
-        if num_real:
+        if isinstance(scheduled, DecodeSeqs):     # a steady decode batch as columns: no pass over it
+            request_ids, starts, block_lists, samples = scheduled.ids, scheduled.starts, scheduled.tables, (True,)
+            num_real_tokens = num_real
+            ids = _placeholders(num_real) if scheduled.all_placeholders else np.array(scheduled.token_ids, np.int64)
+            fill_dst = _arange(num_real) if scheduled.all_placeholders else np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
+        elif num_real:
             request_ids, token_lists, starts, block_lists, samples = zip(*scheduled)
+            num_real_tokens = sum(map(len, token_lists))
+            ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, num_real_tokens)  # [T]
+            fill_dst = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         else:
             request_ids = token_lists = starts = block_lists = samples = ()
-        num_real_tokens = sum(map(len, token_lists))
+            num_real_tokens, ids = 0, np.zeros(0, np.int64)
+            fill_dst = ids
         decode_only = num_real_tokens == num_real                   # one token per sequence
         if width is None:
             width = max(max(map(len, block_lists), default=0), 1)
         num_seqs = num_real if pad_to is None else pad_to
         num_tokens = num_real_tokens + (num_seqs - num_real)        # padding rows are decodes
-        ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, num_real_tokens)  # [T]
-        fill_dst = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         num_fill = len(fill_dst)
         every_seq_samples = pad_to is not None or all(samples)
         if every_seq_samples:
@@ -289,25 +297,27 @@ class StepInputs:
         if num_fill:
             every_fill = decode_only and num_fill == num_real    # async decode: every token is on the device
             if every_fill and isinstance(prev_rows, PrevSample) and prev_rows.ids is not None \
-                    and list(request_ids) == prev_rows.ids:      # the sample's own order
-                h["fill_src"][:] = np.arange(num_fill)
+                    and (request_ids is prev_rows.ids or list(request_ids) == prev_rows.ids):  # the sample's order
+                if not (steady and self._filled_in_order):      # else it holds 0..P-1 already
+                    h["fill_src"][:] = _arange(num_fill)
                 fill_in_order = True
             else:
                 if every_fill:
                     waiting = request_ids
                 else:
-                    q_lens = np.fromiter(map(len, token_lists), np.int64, num_real)
-                    seq_of = fill_dst if decode_only else np.searchsorted(np.cumsum(q_lens), fill_dst, side="right")
+                    seq_of = fill_dst if decode_only else np.searchsorted(
+                        np.cumsum(np.fromiter(map(len, token_lists), np.int64, num_real)), fill_dst, side="right")
                     waiting = [request_ids[i] for i in seq_of.tolist()]
-                fill_src = list(map(prev_rows.__getitem__, waiting))
+                rows_of = prev_rows.rows if isinstance(prev_rows, PrevSample) else prev_rows   # (C-level lookups)
+                fill_src = list(map(rows_of.__getitem__, waiting))
                 h["fill_src"][:] = fill_src
                 fill_in_order = every_fill and fill_src == list(range(num_fill))
 
         self._fill_block_table(table, block_lists, num_seqs, (num_tokens, num_seqs, width))
-        start_pos = np.array(starts, dtype=np.int64)                                             # [S]
+        start_pos = np.asarray(starts, dtype=np.int64)                                           # [S]
         if decode_only:
             pos = start_pos
-            block_of_token = table[np.arange(num_real), pos // self.block_size].astype(np.int64)
+            block_of_token = table[_arange(num_real), pos // self.block_size].astype(np.int64)
             seq_lens[:num_real] = pos + 1
             if not steady:
                 qsl[:] = np.arange(num_seqs + 1)           # padding rows included: one token each
@@ -346,7 +356,7 @@ class StepInputs:
             self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
             self._copied.record(torch.cuda.current_stream(self.device))
         t = self.tensors(layout, num_real)
-        t.fill_in_order = fill_in_order
+        t.fill_in_order = self._filled_in_order = fill_in_order
         return t
 
     def _fill_block_table(self, table: np.ndarray, block_lists: tuple, num_seqs: int, key: tuple) -> None:
@@ -398,3 +408,19 @@ class StepInputs:
 
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    """`np.arange(n)` (int64, read-only: shared), made once per size."""
+    rows = np.arange(n)
+    rows.flags.writeable = False
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _placeholders(n: int) -> np.ndarray:
+    """[n] int64 of PLACEHOLDER_TOKEN_ID (read-only: shared): a columns batch's ids."""
+    ids = np.full(n, PLACEHOLDER_TOKEN_ID, np.int64)
+    ids.flags.writeable = False
+    return ids

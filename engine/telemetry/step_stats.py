@@ -12,7 +12,7 @@ import operator
 from collections import deque
 
 from engine.outputs import EngineStats, StepSample
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import DecodeSeqs, SchedulerOutput
 from engine.scheduler_state import SchedulerState
 
 EWMA_ALPHA = 0.1
@@ -34,7 +34,8 @@ class StepStats:
         seqs = out.scheduled
         num_prefill = 0 if out.num_batched_tokens == len(seqs) else sum(
             len(s.token_ids) for s in seqs if len(s.token_ids) > 1 and not s.sample > 1)   # (drafts: not prefill)
-        context = sum(map(_START, seqs)) + out.num_batched_tokens
+        starts = seqs.starts if isinstance(seqs, DecodeSeqs) else None    # columns (engine.decode_columns)
+        context = (sum(map(_START, seqs)) if starts is None else int(starts.sum())) + out.num_batched_tokens
         self.samples.append(StepSample(len(seqs), context, num_prefill, seconds))
         alpha = EWMA_ALPHA
         self.step_seconds_ewma = seconds if self.num_steps == 0 else (

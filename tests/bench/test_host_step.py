@@ -1,15 +1,20 @@
-"""bench/host_step.py's measurement runs: a steady decode batch through the engine with an instant
-model, on the padded bucket path (no timings asserted)."""
+"""bench/host_step.py's measurement runs: a decode batch through the engine with an instant model,
+on the padded bucket path (no timings asserted)."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from bench import host_step
 
 
-def test_one_measurement_runs_a_steady_decode_batch():
-    args = argparse.Namespace(warmup=2, steps=5, model="tiny", temperature=0.0, top_p=1.0, detokenize=False)
+@pytest.mark.parametrize("churn", [0, 2])
+def test_one_measurement_runs_a_decode_batch(churn):
+    """0: the same batch throughout; 2: a request ends and one arrives every 2 steps."""
+    args = argparse.Namespace(warmup=2, steps=5, model="tiny", temperature=0.0, top_p=1.0, detokenize=False,
+                              churn=churn)
     result = host_step.measure(args, 3)
     assert result["batch"] == 3 and result["steps"] == 5
     assert 0 < result["p10_us"] <= result["median_us"] <= result["p90_us"] and result["cpu_us"] > 0

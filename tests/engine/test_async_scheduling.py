@@ -16,6 +16,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 import engine.engine as engine_module
+import engine.scheduler as scheduler_module
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.step_outputs import StepOutputs, split
@@ -26,6 +27,15 @@ def make_engine(async_scheduling: bool, role: str = "colocated", num_blocks: int
     return Engine(EngineConfig(model="tiny", role=role, async_scheduling=async_scheduling,
                                cache=CacheConfig(block_size=16, num_blocks=num_blocks),
                                scheduler=SchedulerConfig(**{"max_num_batched_tokens": 64, **sched})))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def columns_at_every_batch():
+    """The async engine plans steady decode steps as columns (`engine.decode_columns`) at these
+    tests' small batches too: every test here checks that path against the synchronous engine."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(scheduler_module, "COLUMNS_MIN_BATCH", 1)
+        yield
 
 
 @pytest.fixture(scope="module")
