@@ -346,17 +346,18 @@ def test_the_adaptive_controller_as_shipped_gives_the_same_tokens(plain):
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
-def test_verification_padded_to_the_graphs_width_equals_eager_and_the_plain_engine(plain, method, request):
+def test_verification_padded_to_the_graphs_width_equals_eager_and_the_plain_engine(plain, method):
     """The verification CUDA graphs' path on CPU (`engine.spec_decode.verify_graphs`, eager: the
     same padded forward a graph replays): every request padded to 1 + k tokens, the batch to a
     bucket. Output equals the eager speculative engine's and the plain engine's; no block leaks.
     With EAGLE the head reads the target's hidden states from the padded steps' buffer (only the
-    real tokens' rows), so its drafts, too, are the eager engine's."""
+    real tokens' rows), so its drafts, too, are the eager engine's. Both engines are new: a shared
+    one's prefix cache (earlier tests) would schedule other steps, so other drafts."""
     from engine.cuda_graphs import DecodeBuckets
     from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 
-    eager = request.getfixturevalue(method)
-    padded = make_engine(NGRAM if method == "ngram" else eagle_config())
+    config = NGRAM if method == "ngram" else eagle_config()
+    eager, padded = make_engine(config), make_engine(config)
     runner, sched = padded.runner, padded.scheduler_config
     k, largest = verify_shape(padded.spec.config, sched.max_num_seqs, sched.max_num_batched_tokens)
     runner.decode_buckets = DecodeBuckets(runner._forward_into, padded.model_config.vocab_size, padded.dtype,
