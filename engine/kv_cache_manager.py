@@ -223,7 +223,7 @@ class KVCacheManager:
         """
         assert not request.block_ids, f"request {request.request_id} already holds blocks"
         first = self.first_block_in_window(num_tokens)
-        num_needed = self.num_blocks_for(num_tokens) - first
+        num_needed = self.num_blocks_to_reserve(num_tokens)
         if num_needed > self.block_pool.num_free_blocks:
             return False
         if first:

@@ -209,7 +209,7 @@ class Scheduler(SchedulerState):
         """Admit waiting requests in policy order (chunked into `budget`); returns the budget left."""
         kv, waiting, config = self.kv_manager, self.waiting, self.config
         now = self.clock()
-        while waiting and budget and len(self.running) + len(self.waiting_for_remote_kv) < config.max_num_seqs:
+        while budget and self._can_admit():
             request = waiting.peek()
             if request.lora is not None and not self.lora_slots.can_acquire(request):
                 break          # every slot serves other adapters' running requests: wait for one
@@ -345,8 +345,6 @@ class Scheduler(SchedulerState):
             if done is not None:
                 return done
         self._resolving = None
-        if self._columns is not None:
-            self._columns.ready = False
         kv, block_size = self.kv_manager, self.block_size
         prefill_role = self.role == "prefill"
         if prefill_role and sampled_token_ids is None:

@@ -50,7 +50,7 @@ class RouterMetrics:
                                registry=r).labels(ROLE)
         self._calibration = Gauge("cbserve_router_latency_calibration",
                                   "Factor the goodput policy multiplies a pod's predicted TTFT or TPOT by "
-                                  "(p95 of observed / predicted; 1 until enough requests)", ["role", "pod", "slo"],
+                                  "(median of observed / predicted; 1 until enough requests)", ["role", "pod", "slo"],
                                   registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:

@@ -171,6 +171,8 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
     """The cores the in-situ processes shared and the serving path's CPU per streamed token, from
     both load runs' process CPU seconds (profiles made before they were recorded: no sharing)."""
     device = profile.data.get("device", {})
+    if device.get("type") != "cpu":     # the host's cores are not what a device's steps wait for
+        return serving
     runs = [(raw["load_rate"], raw.get("load", []), raw.get("cpu_seconds"), PD)]
     colocated = raw.get("colocated") or {}
     runs.append((colocated.get("load_rate"), colocated.get("load", []), colocated.get("cpu_seconds"), COLOCATED))
@@ -181,7 +183,7 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
         requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
         c, n = _serving_cpu(profile, requests, [RequestResult(**r) for r in results], cpu_seconds, fields)
         serving_cpu, tokens = serving_cpu + c, tokens + n
-    if device.get("type") != "cpu" or not tokens:
+    if not tokens:
         return serving
     return replace(serving, cores=float(device.get("cpu_count") or 1), cpu_per_token_s=serving_cpu / tokens)
 

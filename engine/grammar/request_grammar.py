@@ -80,7 +80,7 @@ class RequestGrammar:
 
     def is_terminated(self) -> bool:
         matcher = self.matcher
-        return matcher is not None and self.constrain_from is not None and matcher.is_terminated()
+        return matcher is not None and self.constrained and matcher.is_terminated()
 
     def reset(self) -> None:
         """Forget the output (a decode pod that prefills locally after refusing the first token)."""

@@ -139,7 +139,7 @@ class StructuredOutputs:
                 if error is not None:
                     failed.append((request, error))
                     continue
-            if state.constrain_from is not None:
+            if state.constrained:
                 if len(output) < request.sampling_params.min_tokens:
                     short.append(len(constrained))
                 constrained.append((row, state))

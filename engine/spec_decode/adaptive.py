@@ -46,6 +46,7 @@ import math
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 WINDOW = 8                      # recent steps per mode whose median cost decides
 MIN_SAMPLES = 3                 # steps of each mode before a bucket's first decision
@@ -57,12 +58,6 @@ PRIOR_ACCEPTANCE = 0.6          # before a request's first verification
 PRIOR_TRIALS = 2.0
 PRIOR_TOKEN_COST = 0.05         # tokens a draft token costs before the bucket has both rates
 MAX_RETRY_BACKOFF = 64
-
-
-def _median(values) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def _window() -> deque:
@@ -81,12 +76,15 @@ class _Bucket:
     interval: int = FIRST_PROBE_INTERVAL
     probing: bool = False
     fruitless: int = 0                   # speculative steps in a row that accepted no draft
+    cost: float | None = None            # `token_cost` until the next step is observed
 
     def token_cost(self) -> float:
-        """Tokens of plain output one draft token's extra step time is worth."""
-        if self.fit is None or not self.plain:
-            return PRIOR_TOKEN_COST
-        return self.fit.slope() / _median(self.plain)
+        """Tokens of plain output one draft token's extra step time is worth (asked once per request
+        and step, so kept until a step changes what it is computed from)."""
+        if self.cost is None:
+            self.cost = PRIOR_TOKEN_COST if self.fit is None or not self.plain else \
+                self.fit.slope() / median(self.plain)
+        return self.cost
 
     def choose(self) -> bool:
         """Whether the next step speculates (counting it towards the next probe)."""
@@ -113,7 +111,7 @@ class _Bucket:
             return
         if len(self.spec) < MIN_SAMPLES or len(self.plain) < MIN_SAMPLES:
             return
-        plain, spec = _median(self.plain), _median(self.spec)
+        plain, spec = median(self.plain), median(self.spec)
         on = spec < plain if self.decided and self.on else spec < plain * (1 - SWITCH_MARGIN) and not self.fruitless
         if not self.decided or on != self.on:
             self.on, self.decided = on, True
@@ -234,13 +232,14 @@ class SpecController:
         if num_seqs < 1 or seconds <= 0 or num_emitted < 1:
             return
         b = self.bucket(num_seqs)
+        b.cost = None
         cost = seconds / num_emitted
         if speculative:
             b.spec.append(cost)
             if b.plain_steps:
                 if b.fit is None:
                     b.fit = _LineFit()
-                b.fit.add(num_draft_tokens, seconds - _median(b.plain_steps))
+                b.fit.add(num_draft_tokens, seconds - median(b.plain_steps))
         else:
             b.plain.append(cost)
             b.plain_steps.append(seconds)

@@ -42,8 +42,8 @@ _ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLM
 class _NoInputNorm(nn.Module):
     """Layer 0's `input_layernorm` in an EAGLE head: none (the residual stream starts at fc's output)."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return (x, x) if residual is None else (x + residual, x + residual)
+    def forward(self, x: torch.Tensor, residual: None = None):
+        return x, x             # layer 0 starts the residual stream (`EagleHead.forward` passes none)
 
 
 class EagleHead(nn.Module):

@@ -37,12 +37,13 @@ import time
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeBuckets, MAX_GRAPH_CONTEXT, batch_size_buckets, capture_graphs, smallest_at_least
+from engine.cuda_graphs import (_BLOCKS, _TOKENS, DecodeBuckets, MAX_GRAPH_CONTEXT, batch_size_buckets, capture_graphs,
+                                smallest_at_least)
 from engine.scheduler_output import ScheduledSeq
 from engine.step_inputs import StepInputs, max_layout_bytes
 
 log = logging.getLogger(__name__)
-_TOKENS, _START, _BLOCKS, _SAMPLE = (operator.itemgetter(i) for i in (1, 2, 3, 4))   # ScheduledSeq fields
+_START, _SAMPLE = operator.itemgetter(2), operator.itemgetter(4)     # ScheduledSeq fields
 
 
 def verify_shape(config, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int] | None:
