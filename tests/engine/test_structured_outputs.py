@@ -173,6 +173,38 @@ def test_batch_invariance_with_free_requests(engine):
         assert [outs[id(x)] for x in constrained + free] == alone
 
 
+def _abort_one_midway(engine: Engine, prompts, params, victim: int, at_step: int = 3) -> list[list[int]]:
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    tokens = {rid: [] for rid in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        if steps == at_step:
+            engine.abort(ids[victim])
+    return [tokens[rid] for rid in ids]
+
+
+def test_masks_filled_ahead_equal_masks_filled_in_prepare(engine):
+    """A CPU engine fills the next step's masks in `advance` (`engine.grammar.fill_ahead`, on a
+    thread from `THREAD_MIN_ROWS` rows); rows that moved (here: a request aborted mid-batch) are
+    filled again in `prepare`: the outputs equal those of masks all filled in `prepare` (a GPU
+    engine's)."""
+    specs = list(SMALL_SPECS.values())
+    prompts = [_prompt(100 + i, 3 + i % 4) for i in range(12)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + i % 5, structured=specs[i % 3] if i % 6 else None)
+              for i in range(12)]
+    ahead = _abort_one_midway(engine, prompts, params, victim=3)
+    assert engine.structured._ahead._thread is not None            # the thread filled some steps
+    saved, engine.structured._ahead = engine.structured._ahead, None
+    try:
+        assert _abort_one_midway(engine, prompts, params, victim=3) == ahead
+    finally:
+        engine.structured._ahead = saved
+    assert engine.stats().kv_cache_usage == 0.0 and not engine.structured.states
+
+
 def test_async_scheduling_equals_sync(engine):
     async_engine = make_engine(async_scheduling=True)
     assert async_engine.async_scheduling
