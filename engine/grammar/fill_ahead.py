@@ -7,7 +7,9 @@ against 30 µs right after its matcher consumed a token). Instead `advance`, whe
 have just consumed the step's tokens, fills the next step's rows at once: a small batch right
 there, its matchers still in the cache; a batch of `THREAD_MIN_ROWS` or more on one worker
 thread, while the engine thread schedules the next step and runs its forward pass (llguidance
-fills every row in one call that drops the GIL; torch drops it inside its ops).
+fills every row in one call that drops the GIL; torch drops it inside its ops). The thread only
+helps on a core torch leaves idle: with as many torch threads as cores the fill stays inline
+(an earlier fill thread, a call per row, measured slower on a box with no idle core).
 `prepare` waits for that fill and keeps the rows that still match: the same request in the same
 mask row at the same output position. Rows that moved (a request left or joined the batch) are
 filled again there.
@@ -18,18 +20,27 @@ No matcher may be touched while a fill runs (llguidance borrows it mutably): eve
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from engine.grammar.backend import GrammarBackend, GrammarMatcher
 from engine.grammar.request_grammar import RequestGrammar
 
-# From this many rows the fill goes to the thread: below, handing it over (waking the thread,
-# passing the GIL twice) costs about what filling the rows on the engine thread does.
+# From this many rows the fill goes to the thread: at batch 1 handing it over (waking the thread,
+# passing the GIL twice) measured slower than filling the row on the engine thread.
 THREAD_MIN_ROWS = 8
+
+
+def _num_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:      # not on Linux
+        return os.cpu_count() or 1
 
 
 class FillAhead:
@@ -40,10 +51,11 @@ class FillAhead:
         self._pending = False
         self._error: BaseException | None = None
         self._number = 0        # numbers the starts: only the last one's rows are fresh, for one prepare
+        self._num_cores = _num_cores()
 
     def start(self, backend: GrammarBackend, states: Sequence[RequestGrammar], host: np.ndarray) -> None:
         """Fill `host[j]` for `states[j]` (matchers at their newest token), on the thread for
-        `THREAD_MIN_ROWS` or more."""
+        `THREAD_MIN_ROWS` or more while torch leaves a core idle."""
         self.wait()
         self._number += 1       # the rows of an earlier start are overwritten: stale
         number = self._number
@@ -51,7 +63,7 @@ class FillAhead:
         for j, state in enumerate(states):
             state.ahead = (number, j, state.num_seen)
             matchers.append((state.matcher, j))
-        if len(matchers) < THREAD_MIN_ROWS:
+        if len(matchers) < THREAD_MIN_ROWS or torch.get_num_threads() >= self._num_cores:
             self._run(backend.fill_bitmask, matchers, host)
             return
         if self._thread is None:

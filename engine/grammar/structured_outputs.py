@@ -9,11 +9,13 @@ A request with a `StructuredSpec`:
    request's *first constrained* token can wait for its compile, and only if the compile outlasted
    the prefill (cold cache and a short prompt; llguidance compiles typical schemas in about a
    millisecond): waiting there keeps the prefill overlapped and needs no scheduler state. A compile
-   that fails or times out fails the request; it never runs unconstrained.
+   that fails or times out fails the request; it never runs unconstrained. A CPU engine's forward
+   blocks the host, so there the rows were filled ahead by `advance` (`engine.grammar.fill_ahead`)
+   and `prepare` fills only those that moved.
 3. `advance(requests)`, once the step's tokens are known on the host: each matcher consumes its
    new token; a grammar with nothing left but an end token finishes its request as `stop` (over
    `min_tokens` and `ignore_eos`: the grammar wins), a rejected token fails it (a bug the mask
-   should make impossible).
+   should make impossible). A CPU engine then starts filling the next step's rows.
 4. Decode role: `accept_first_token` takes over from the prefill pod, which sampled token 0 under
    the same grammar: the fingerprints must match and the token must be accepted, or the pod
    prefills locally (`FirstTokenRejected`). The matcher syncs to output positions, so token 0 is

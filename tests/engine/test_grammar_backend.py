@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from engine.grammar.backend import GrammarCompileError
 from engine.grammar.compiler import GrammarCompiler
@@ -91,7 +92,8 @@ def test_rows_filled_ahead_count_only_where_they_still_match(backend, tokenizer)
         states.append(state)
     want = np.zeros((len(states), backend.words_per_row), dtype=np.int32)
     backend.fill_bitmask([(s.matcher, j) for j, s in enumerate(states)], want)
-    ahead = FillAhead()
+    ahead, threads = FillAhead(), torch.get_num_threads()
+    torch.set_num_threads(1)            # a core left idle: 8+ rows are filled on the thread
     try:
         for group in (states[:3], states):                      # inline, then on the thread
             host = np.zeros((len(group), backend.words_per_row), dtype=np.int32)
@@ -111,7 +113,9 @@ def test_rows_filled_ahead_count_only_where_they_still_match(backend, tokenizer)
         ahead.start(backend, states, np.zeros((len(states), 3), dtype=np.int32))
         with pytest.raises(ValueError, match="bitmask"):       # a failed fill raises at the wait
             ahead.wait()
+        assert ahead._thread is not None
     finally:
+        torch.set_num_threads(threads)
         ahead.close()
 
 
