@@ -4,12 +4,12 @@ On CUDA the forward pass is queued and `StructuredOutputs.prepare` fills the mas
 device runs it. On a CPU the forward pass blocks the host, so a mask filled in `prepare` adds its
 whole time to the step, cache-cold after the forward pass (about 110 µs for the first row
 against 30 µs right after its matcher consumed a token). Instead `advance`, where the matchers
-have just consumed the step's tokens, fills the next step's rows at once: a small batch right
-there, its matchers still in the cache; a batch of `THREAD_MIN_ROWS` or more on one worker
-thread, while the engine thread schedules the next step and runs its forward pass (llguidance
-fills every row in one call that drops the GIL; torch drops it inside its ops). The thread only
-helps on a core torch leaves idle: with as many torch threads as cores the fill stays inline
-(an earlier fill thread, a call per row, measured slower on a box with no idle core).
+have just consumed the step's tokens, starts the next step's fill at once, on one worker thread,
+while the engine thread schedules the next step and runs its forward pass (llguidance fills every
+row in one call that drops the GIL; torch drops it inside its ops). The thread only helps on a
+core torch leaves idle (an earlier fill thread, a call per row, measured slower on a box with no
+idle core): with as many torch threads as cores the rows are filled right there in `advance`,
+their matchers still in the cache.
 `prepare` waits for that fill and keeps the rows that still match: the same request in the same
 mask row at the same output position. Rows that moved (a request left or joined the batch) are
 filled again there.
@@ -31,10 +31,6 @@ import torch
 from engine.grammar.backend import GrammarBackend, GrammarMatcher
 from engine.grammar.request_grammar import RequestGrammar
 
-# From this many rows the fill goes to the thread: at batch 1 handing it over (waking the thread,
-# passing the GIL twice) measured slower than filling the row on the engine thread.
-THREAD_MIN_ROWS = 8
-
 
 def _num_cores() -> int:
     try:
@@ -54,8 +50,8 @@ class FillAhead:
         self._num_cores = _num_cores()
 
     def start(self, backend: GrammarBackend, states: Sequence[RequestGrammar], host: np.ndarray) -> None:
-        """Fill `host[j]` for `states[j]` (matchers at their newest token), on the thread for
-        `THREAD_MIN_ROWS` or more while torch leaves a core idle."""
+        """Fill `host[j]` for `states[j]` (matchers at their newest token), on the thread while
+        torch leaves a core idle."""
         self.wait()
         self._number += 1       # the rows of an earlier start are overwritten: stale
         number = self._number
@@ -63,7 +59,7 @@ class FillAhead:
         for j, state in enumerate(states):
             state.ahead = (number, j, state.num_seen)
             matchers.append((state.matcher, j))
-        if len(matchers) < THREAD_MIN_ROWS or torch.get_num_threads() >= self._num_cores:
+        if torch.get_num_threads() >= self._num_cores:
             self._run(backend.fill_bitmask, matchers, host)
             return
         if self._thread is None:

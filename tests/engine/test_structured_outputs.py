@@ -189,7 +189,7 @@ def _abort_one_midway(engine: Engine, prompts, params, victim: int, at_step: int
 
 def test_masks_filled_ahead_equal_masks_filled_in_prepare(engine):
     """A CPU engine fills the next step's masks in `advance` (`engine.grammar.fill_ahead`, on a
-    thread from `THREAD_MIN_ROWS` rows); rows that moved (here: a request aborted mid-batch) are
+    thread while torch leaves a core idle); rows that moved (here: a request aborted mid-batch) are
     filled again in `prepare`: the outputs equal those of masks all filled in `prepare` (a GPU
     engine's)."""
     specs = list(SMALL_SPECS.values())
@@ -197,12 +197,12 @@ def test_masks_filled_ahead_equal_masks_filled_in_prepare(engine):
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + i % 5, structured=specs[i % 3] if i % 6 else None)
               for i in range(12)]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)            # a core left idle: the fill of 8+ rows goes to the thread
+    torch.set_num_threads(1)            # a core left idle: the fill goes to the thread
     try:
         ahead = _abort_one_midway(engine, prompts, params, victim=3)
     finally:
         torch.set_num_threads(threads)
-    assert engine.structured._ahead._thread is not None            # the thread filled some steps
+    assert engine.structured._ahead._thread is not None or engine.structured._ahead._num_cores == 1
     saved, engine.structured._ahead = engine.structured._ahead, None
     try:
         assert _abort_one_midway(engine, prompts, params, victim=3) == ahead
