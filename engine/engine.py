@@ -49,6 +49,7 @@ from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.draft_prefill import DraftPrefill
 from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 from engine.step_outputs import StepOutputs, other_rows, split
 from engine.telemetry.step_stats import StepStats
@@ -154,6 +155,10 @@ class Engine:
         # Before sizing: a draft model's weights take memory the KV cache must leave it.
         self.spec = SpecDecoder.create(config.speculative, self.role, self.model_dir, self.model_config, self.dtype,
                                        self.device, max_len, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
+        # A prefill engine given a draft model computes the draft's KV of every prompt, for the decode pod.
+        self.draft_prefill = DraftPrefill.create(config.speculative, self.role, self.model_dir, self.model_config,
+                                                 self.dtype, self.device, max_len, sched_cfg.max_num_seqs,
+                                                 sched_cfg.max_num_batched_tokens)
         # Adapter slots before the KV cache is sized: their memory is the model's, fixed at start.
         self.lora = None
         if config.lora is not None:
@@ -166,8 +171,10 @@ class Engine:
                                                              if self.spec else 0)), max_len),
                                Sampler(self.eos_token_ids), startup_memory,
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
-        if self.spec is not None:   # a draft model's KV has the same blocks: both caches share the memory
-            cache_cfg = self.spec.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
+        # A draft model's KV has the same blocks: both caches share the memory.
+        for draft in (self.spec, self.draft_prefill):
+            if draft is not None:
+                cache_cfg = draft.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
         # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
@@ -176,8 +183,9 @@ class Engine:
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
                                           self.kv_dtype, self.device)
-        if self.spec is not None:
-            self.spec.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
+        for draft in (self.spec, self.draft_prefill):
+            if draft is not None:
+                draft.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
         # Tensor parallel: whole-model KV blocks for P/D transfers, gathered from / scattered to the ranks.
         self.tp_kv = None if self.tp is None else TPKVBlocks(self.tp, self.kv_cache, self.model_config)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
@@ -457,6 +465,8 @@ class Engine:
         if out.scheduled:
             extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
             logits = self.runner.run(out.scheduled, extra=extra)
+            if self.draft_prefill is not None:   # the draft's KV of the same chunks, beside the target's
+                self.draft_prefill.run(out.scheduled)
             to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
                 scheduled = self.scheduler.scheduled_requests
