@@ -465,8 +465,6 @@ class Engine:
         if out.scheduled:
             extra = self.prompt_logprobs.plan(out.scheduled) if self.prompt_logprobs.pending else None
             logits = self.runner.run(out.scheduled, extra=extra)
-            if self.draft_prefill is not None:   # the draft's KV of the same chunks, beside the target's
-                self.draft_prefill.run(out.scheduled)
             to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
             if to_sample:
                 scheduled = self.scheduler.scheduled_requests
@@ -474,6 +472,10 @@ class Engine:
                 for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
                     sampled[out.scheduled[i].request_id] = token
                     logprobs[out.scheduled[i].request_id] = lp
+            # The draft's KV of the same chunks (a prefill engine with a draft model), after the first
+            # tokens are read: on a GPU its forward runs while they go out; the pull reads it after the step.
+            if self.draft_prefill is not None:
+                self.draft_prefill.run(out.scheduled)
             if extra is not None:   # after the sample: the grammar masks were filled beside the forward
                 self.prompt_logprobs.finish(extra)
         updated = self._settle_grammars(self.scheduler.update(out, sampled))

@@ -73,7 +73,9 @@ def test_draft_kv_the_puller_cannot_use_is_refused():
     with pytest.raises(ProtocolError, match="without a draft"):
         _transfer(True, False)
 
-    def drop_after_first(chunk, seen=[]):
+    seen = []
+
+    def drop_after_first(chunk):
         seen.append(chunk)
         if len(seen) > 1:
             chunk.draft_kv, chunk.draft_data = False, b""
@@ -92,8 +94,8 @@ def test_draft_kv_the_puller_cannot_use_is_refused():
 def test_the_drafts_runs_follow_the_targets_on_a_gloo_pair():
     async def pair():
         store = host_store("127.0.0.1", 0)
-        return await asyncio.gather(*(PairGroup.create(store, "draft-pair", rank=r, backend="gloo", timeout_s=10)
-                                      for r in (0, 1)))
+        return await asyncio.gather(*(PairGroup.create(store, "draft-pair", rank=r, backend="gloo", timeout_s=10,
+                                                       setup_timeout_s=20, bind_host="127.0.0.1") for r in (0, 1)))
     sender, receiver = asyncio.run(pair())
     try:
         result, _, (src, src_draft, dst, dst_draft) = _transfer(True, True, (sender, receiver))
