@@ -34,7 +34,10 @@ Sink (decode pod, after reserving `dst_block_ids`)::
 Message rules (both sides): chunks arrive in block order with no gap or repeat; each carries
 whole blocks; the partial last block goes out only with the message marked `last`, which carries
 the first token (it may carry no blocks). For transport "nccl" `data` is empty and `crc32` is 0:
-the run's bytes follow on the pair's process group (`kvtransfer.collective`).
+the run's bytes follow on the pair's process group (`kvtransfer.collective`). A source given a
+draft model's cache (`draft_kv=`) sends the same run of the draft's blocks with every run, in
+`draft_data` (or after the target's bytes on the group), and marks every message `draft_kv`; a
+sink given one writes them into the same destination blocks of it (`kvtransfer.draft_kv`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ The draft catches up lazily: each request remembers how many of its tokens have 
 request's newest token (its whole prompt on the first proposal: how a decode pod that received
 the target's KV from a prefill pod fills the draft's, from the prompt it already has, so P/D and
 colocated propose the same drafts; unless the prefill pod shipped the draft's KV with the
-target's, `received`: then only the first token). Then it runs `k - 1` one-token passes over its own greedy
-drafts. Prefix-cache hits are caught up from position 0 too: a shared block's draft KV may never
+target's, `received`: then only the first token). Then it runs `k - 1` one-token passes over its
+own greedy drafts. Prefix-cache hits are caught up from position 0 too: a shared block's draft KV may never
 have been written (the request that filled it may have ended without proposing), and rewriting a
 shared block writes the same values (same tokens at the same positions).
 

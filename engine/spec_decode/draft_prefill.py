@@ -1,9 +1,10 @@
 """The draft model on a prefill pod: its KV of every prompt, shipped to the decode pod (issue 25).
 
 With `--speculative-config` method `draft_model`, a prefill engine loads the draft too and runs
-it over each step's prefill chunks right after the target's forward, into its own paged cache
+it over each step's prefill chunks in the same step, after the target's forward and sample (on a
+GPU the first tokens are on the host before the draft's kernels run), into its own paged cache
 under the target's block tables (the layout the decode side uses: `engine.spec_decode.draft_model`).
-So the draft's KV of a prompt is complete when the target's is: the pull that ships the target's
+So the draft's KV of a prompt is complete when the step that completes the target's ends: the pull that ships the target's
 blocks ships the draft's same blocks beside them (`kvtransfer.draft_kv`), and the decode pod lands
 them and skips the draft's catch-up over the prompt (`DraftModelProposer.received`).
 

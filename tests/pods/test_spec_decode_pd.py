@@ -113,16 +113,11 @@ def test_a_generate_cancelled_after_the_drafts_kv_landed_frees_both_pods_blocks(
     decode = decoders["draft_model"]
 
     async def cancelled():
-        from tests.pods.podproc import pod_channel, vouched
-        from wire import cbserve_pb2_grpc as pb_grpc
+        from tests.pods.podproc import dispatch, pod_channel
 
-        prompt, params = _prompts()[0], sampling(**{**PARAMS["greedy"], "max_tokens": 400})
+        params = sampling(**{**PARAMS["greedy"], "max_tokens": 400})
         async with pod_channel(ships.address) as pc, pod_channel(decode.address) as dc:
-            pre = pb_grpc.PrefillServiceStub(pc).Prefill(
-                pb.PrefillRequest(request_id="ships-cancel", prompt_token_ids=prompt, sampling=params), timeout=60)
-            gen = pb_grpc.DecodeServiceStub(dc).Generate(vouched(pb.GenerateRequest(
-                request_id="ships-cancel", prompt_token_ids=prompt, sampling=params, prefill_from=ships.address)),
-                timeout=60)
+            pre, gen = dispatch(pc, dc, ships.address, "ships-cancel", _prompts()[0], params)
             first = await gen.read()
             gen.cancel()
             await pre
