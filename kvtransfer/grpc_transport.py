@@ -101,7 +101,8 @@ class KVSource:
         self._pending_send: list[concurrent.futures.Future] = []
         self._staging = (torch.empty(self.max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
                          if kv.is_cuda and group is None else None)
-        self._draft_staging = (torch.empty(self.max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self._draft_staging = (torch.empty(max(self.max_chunk_bytes, self.draft_layout.bytes_per_block),
+                                           dtype=torch.uint8, pin_memory=True)
                                if draft_kv is not None and draft_kv.is_cuda and group is None else None)
 
     async def chunks(self, events: AsyncIterable[KVEvent]) -> AsyncIterator[cbserve_pb2.KVChunk]:

@@ -9,6 +9,8 @@ states of the decode pod's own forwards, so it catches up there.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from wire import cbserve_pb2
@@ -16,6 +18,9 @@ from engine.engine import Engine
 from engine.loader import model_fingerprint
 from engine.spec_decode.draft_model import DraftModelProposer
 from kvtransfer.draft_kv import draft_kv_info, draft_mismatch
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def advertise_draft_kv(engine: Engine, model_info: cbserve_pb2.ModelInfo) -> torch.Tensor | None:
@@ -35,6 +40,12 @@ def shipped_draft_kv(draft_kv: torch.Tensor | None, ours: cbserve_pb2.ModelInfo,
     """Prefill pod: the draft cache a pull ships beside the target's blocks, or None (the decode pod
     then prefills its draft itself): the puller's draft must be this pod's, and the pull must start
     at block 0 (a windowed pull skips blocks that the draft, reading every token, still needs)."""
-    if draft_kv is None or start_block_index or draft_mismatch(ours, theirs) is not None:
+    if draft_kv is None or start_block_index or not theirs.HasField("draft_kv"):
+        return None
+    problem = draft_mismatch(ours, theirs)
+    if problem is not None:
+        if problem not in _warned:   # a misconfigured pool: said once, not on every pull
+            _warned.add(problem)
+            log.warning("a decode pod's draft model is not this pod's (%s): it prefills its own draft", problem)
         return None
     return draft_kv

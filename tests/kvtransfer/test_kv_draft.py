@@ -1,7 +1,8 @@
 """A draft model's KV in the target's stream (`kvtransfer.draft_kv`): every run's draft blocks land
-byte-exact in the draft's cache beside the target's, in the messages (gRPC) or on a Gloo pair; a
-source without the draft leaves the puller to prefill its own; a stream that ships it to a pod
-without a draft, in some chunks only, or corrupted, is refused; the pods' drafts must agree."""
+byte-exact in the draft's cache beside the target's, in the same messages; a source without the
+draft leaves the puller to prefill its own; a stream that ships it to a pod without a draft, in
+some chunks only, or corrupted, is refused; the pods' drafts must agree. (The Gloo pair's path
+runs between real pods: tests/pods/test_spec_decode_pd.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from wire import cbserve_pb2
-from kvtransfer.collective import PairGroup, host_store
 from kvtransfer.draft_kv import draft_kv_info, draft_mismatch
 from kvtransfer.errors import ChecksumError, ProtocolError
 from kvtransfer.grpc_transport import KVSink, KVSource
@@ -27,17 +27,16 @@ SRC_IDS = [3, 4, 5, 9, 10, 11]     # 22 tokens at block size 4: 6 blocks, the la
 DST_IDS = [15, 1, 2, 7, 8, 6]
 
 
-def _transfer(draft_src: bool, draft_dst: bool, group_pair=None, chunk_filter=None):
+def _transfer(draft_src: bool, draft_dst: bool, chunk_filter=None):
     """Prefill progress -> KVSource -> (each chunk through `chunk_filter`) -> KVSink."""
     src, src_draft = make_kv(TINY, seed=1), make_kv(DRAFT, seed=2)
     dst, dst_draft = torch.zeros_like(src), torch.zeros_like(src_draft)
 
     async def go():
-        sender, receiver = group_pair if group_pair else (None, None)
         progress = KVProgress(22)
         source = KVSource(src, "r", 22, max_chunk_bytes=2 * (TINY.bytes_per_block + DRAFT.bytes_per_block),
-                          group=sender, draft_kv=src_draft if draft_src else None)
-        sink = KVSink(dst, DST_IDS, "r", 22, group=receiver, draft_kv=dst_draft if draft_dst else None)
+                          draft_kv=src_draft if draft_src else None)
+        sink = KVSink(dst, DST_IDS, "r", 22, draft_kv=dst_draft if draft_dst else None)
         progress.advance(13, SRC_IDS[:4])
         progress.finish(7, SRC_IDS, None, "", None)
 
@@ -89,20 +88,6 @@ def test_draft_kv_the_puller_cannot_use_is_refused():
         return chunk
     with pytest.raises(ChecksumError):
         _transfer(True, True, chunk_filter=corrupt)
-
-
-def test_the_drafts_runs_follow_the_targets_on_a_gloo_pair():
-    async def pair():
-        store = host_store("127.0.0.1", 0)
-        return await asyncio.gather(*(PairGroup.create(store, "draft-pair", rank=r, backend="gloo", timeout_s=10,
-                                                       setup_timeout_s=20, bind_host="127.0.0.1") for r in (0, 1)))
-    sender, receiver = asyncio.run(pair())
-    try:
-        result, _, (src, src_draft, dst, dst_draft) = _transfer(True, True, (sender, receiver))
-        assert result.draft_kv and _landed(src, dst) and _landed(src_draft, dst_draft)
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_the_pods_drafts_must_have_the_same_weights_and_layout():
