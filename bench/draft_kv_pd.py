@@ -1,6 +1,6 @@
 """P/D with a draft model, end to end: the prefill pod ships the draft's KV, or the decode pod prefills it.
 
-    python bench/draft_kv_pd.py                              # tiny target and draft, 512/1024/2048-token prompts
+    python bench/draft_kv_pd.py            # tiny target and draft (a 2,048-token context): 512/1024/1536-token prompts
     python bench/draft_kv_pd.py --prompt-tokens 1024 --rounds 5 --max-tokens 16
 
 Real pods on loopback, as the tests start them (`tests.pods.podproc`): one decode pod with
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--draft", default="tiny")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--prompt-tokens", default="512,1024,2048")
+    parser.add_argument("--prompt-tokens", default="512,1024,1536")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--background-tokens", type=int, default=0, help="0: no background request")
     parser.add_argument("--rounds", type=int, default=3)
