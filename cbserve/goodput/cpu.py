@@ -6,7 +6,7 @@ CPU seconds per run, and `cbserve profile` the same for its in-situ runs: the ro
 client's CPU per output token is what the planner's CPU-sharing model (`planner/cpu_share.py`)
 charges the cores besides the steps. A process's figure includes its descendants': a pod's engine
 runs in an engine-core child process (`pod.core_client`), and without it a busy pod's CPU read as
-a tenth of what its steps took. Linux only (`/proc/<pid>/stat`); elsewhere the pods' figures are
+a small part of what its steps took. Linux only (`/proc/<pid>/stat`); elsewhere the pods' figures are
 absent and the model falls back on the measured contention alone.
 """
 
