@@ -177,7 +177,6 @@ class StepInputs:
         self.num_groups = num_groups
         self.group_tables = group_tables if group_tables is not None else {}
         self._no_group_tables = ((),) * (num_groups - 1)
-
         self.device = device
         self.on_cpu = device.type == "cpu"
         self.growable = growable

@@ -22,7 +22,7 @@ from engine.kv_groups.spec import KVGroups, cache_groups, serving_groups
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from test_scheduler_properties import EOS, MAX_MODEL_LEN, SAMPLED_VOCAB, check_output, draw_request, fits, pick
+from test_scheduler_properties import MAX_MODEL_LEN, SAMPLED_VOCAB, check_output, draw_request, fits, pick, schedulers
 
 
 def test_groups_follow_the_window_classes():
@@ -136,20 +136,10 @@ class GroupKV:
 
 
 @st.composite
-def group_schedulers(draw) -> Scheduler:
-    block_size = draw(st.sampled_from([1, 2, 4]))
+def group_windows(draw) -> tuple[int, ...]:
+    """One or two full groups, then one to three local ones."""
     local = draw(st.lists(st.sampled_from([1, 2, 3, 5, 8]), min_size=1, max_size=3))
-    windows = (0,) * draw(st.integers(1, 2)) + tuple(sorted(local))
-    # Room for 16..48 tokens of every group: one request fits, a few at once often do not.
-    num_blocks = draw(st.integers(16, 48)) // block_size * len(windows) + 1
-    chunked = draw(st.sampled_from([True, True, True, False]))
-    budget = draw(st.integers(1, 48)) if chunked else draw(st.integers(MAX_MODEL_LEN, 64))
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, 6)),
-                             max_model_len=MAX_MODEL_LEN, policy=draw(st.sampled_from(["fcfs", "priority"])),
-                             enable_chunked_prefill=chunked)
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()),
-                        kv_group_windows=windows)
-    return Scheduler(config, cache, eos_token_ids=(EOS,))
+    return (0,) * draw(st.integers(1, 2)) + tuple(sorted(local))
 
 
 def _step(scheduler: Scheduler, kv: GroupKV, data) -> None:
@@ -170,7 +160,7 @@ def _step(scheduler: Scheduler, kv: GroupKV, data) -> None:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_groups_never_leak_and_never_serve_stale_kv(data):
-    scheduler = data.draw(group_schedulers())
+    scheduler = data.draw(schedulers("colocated", group_windows=group_windows(), block_sizes=(1, 2, 4)))
     kv = GroupKV(scheduler)
     requests: list[Request] = []
     for i in range(data.draw(st.integers(5, 60))):
