@@ -40,7 +40,7 @@ class GroupTables:
         self.windows = tuple(windows)
         self._ids: dict[str, list[list[int]]] = {}        # request id -> a table per group
         self._freed: dict[str, list[int]] = {}            # request id -> leading entries freed, per group
-        self._pending: dict[str, list[list[int]]] = {}    # request id -> hits `hit` found, for `grow`
+        self._pending: dict[str, list[list[int]]] = {}    # request id -> hits `hit` found, for `adopt`
         # request id -> a tuple per group, rebuilt when a table changes (the runner reads them).
         self.tables: dict[str, tuple[tuple[int, ...], ...]] = {}
 
@@ -57,7 +57,7 @@ class GroupTables:
     def hit(self, request_id: str, hashes: Sequence[int], found: Sequence[int]) -> int:
         """The longest usable prefix, in blocks, given group 0's cached run `found` (blocks
         0..len(found)-1): every group must hold what the query after it reads. Keeps each group's
-        hits for `grow` (null before its window)."""
+        hits for `adopt` (null before its window)."""
         lookup, bs = self.block_pool.cached_blocks.get, self.block_size
         k = len(found)
         per_group = [[lookup(salted(h, g)) for h in hashes[:k]] for g in range(1, len(self.windows) + 1)]

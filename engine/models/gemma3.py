@@ -92,7 +92,8 @@ class Gemma3ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, KVH, D]
-        (with KV groups `[num_blocks, slots, ...]`, `CausalLM.use_kv_groups`). Returns the final hidden states `[T, hidden]` (normed)."""
+        (with KV groups `[num_blocks, slots, ...]`, `CausalLM.use_kv_groups`).
+        Returns the final hidden states `[T, hidden]` (normed)."""
         x = self.embed_tokens(input_ids) * self.embed_scale        # [T, hidden]
         cfg, metas = self.cfg, (meta, *meta.group_metas)
         for i, (layer, (group, slot)) in enumerate(zip(self.layers, self.kv_place)):
