@@ -157,7 +157,7 @@ def _step(scheduler: Scheduler, kv: GroupKV, data) -> None:
     kv.check_bound()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_groups_never_leak_and_never_serve_stale_kv(data):
     scheduler = data.draw(schedulers("colocated", group_windows=group_windows(), block_sizes=(1, 2, 4)))
