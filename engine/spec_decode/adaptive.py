@@ -23,7 +23,8 @@ Two decisions, both from measurements, none from a constant threshold:
    - Fruitless steps decide without timing: a speculative step that accepted no draft (none
      proposed: no n-gram matched; or all rejected) emitted what a plain step emits, at more cost,
      so it is evidence against speculation whatever the clock says. `MIN_SAMPLES` of them in a
-     row turn the bucket off (or keep it off: a fruitless probe agrees), and while the last
+     row turn a new bucket off (or keep an off one off: a fruitless probe agrees), `WINDOW` of
+     them an on one (at an acceptance of one half, 3 in a row are common), and while the last
      speculative step was fruitless the timing cannot turn it on.
    - The mode not chosen is probed, one step at a time, to keep the ratios current: every
      `FIRST_PROBE_INTERVAL` steps after a decision, an interval that doubles (to
@@ -32,7 +33,8 @@ Two decisions, both from measurements, none from a constant threshold:
    - **Probes are paid from a budget**: a probe's cost is its extra seconds over what the chosen
      mode's steps before it would have taken for its tokens, and a probe that is due waits until
      all probes' cost so far, plus what the last one cost, fits in `PROBE_BUDGET` of the decode
-     seconds observed (one budget for all buckets). A cheap probe (an n-gram lookup) runs on
+     seconds observed (one budget for all buckets; a probe that beat the chosen mode pays back
+     what it saved). A cheap probe (an n-gram lookup) runs on
      schedule; a dear one (a draft model's or EAGLE head's catch-up over every token since its last
      proposal, 3-6x a plain step on `tiny`) runs rarely, so probing stays under ~1% of the time.
      Learning steps are not charged: they run once per bucket in the engine's life.
@@ -151,15 +153,18 @@ class _Bucket:
         ratio = None if paired is None or not (probe or speculative and not self.decided) else paired[0]
         if ratio is not None:
             self.ratios.append(ratio)
-        if probe and paired is not None:
+        if probe and paired is not None:   # a probe that beat the chosen mode pays back what it saved
             self.probe_cost = max(0.0, paired[1])
-            self.budget.spent += self.probe_cost
+            self.budget.spent = max(0.0, self.budget.spent + paired[1])
         if speculative:
             self.num_spec += 1
             self.fruitless = self.fruitless + 1 if fruitless else 0
         else:
             self.num_plain += 1
-        if self.fruitless >= MIN_SAMPLES:   # nothing accepted lately: plain emits the same for less
+        # Nothing accepted lately: plain emits the same for less. A bucket that chose speculation
+        # needs a window of them (a request's run of rejections is no trend; 3 in a row are common
+        # at an acceptance of one half), a new or plain one MIN_SAMPLES.
+        if self.fruitless >= (WINDOW if self.decided and self.on else MIN_SAMPLES):
             if not self.decided or self.on:
                 self.on, self.decided = False, True
                 self.interval = self.countdown = FIRST_PROBE_INTERVAL
