@@ -29,6 +29,7 @@ from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quant
 from engine.grammar.mask import GrammarMask
 from engine.grammar.structured_outputs import StructuredOutputs
 from engine.kv_cache import allocate_kv_cache
+from engine.kv_groups.spec import serving_groups
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
@@ -124,6 +125,12 @@ class Engine:
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        # A mixed local/global model served colocated: a block table per KV group (engine/kv_groups/).
+        kv_groups = serving_groups(self.model_config.layer_windows, self.model_config.num_layers, self.role,
+                                   config.speculative is not None)
+        if kv_groups.is_hybrid:
+            cache = dataclasses.replace(config.cache, kv_group_windows=kv_groups.windows)
+            self.config = config = dataclasses.replace(config, cache=cache)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         # KV sized from device memory (CUDA): free memory now, before the weights take theirs.
         startup_memory = measure_startup_memory(config.cache, self.device)
@@ -144,6 +151,7 @@ class Engine:
             shard = TPShard(self.model_config, 0, config.tensor_parallel_size)
             self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1,
                                     shard=shard, comm=None if self.tp is None else self.tp.comm)
+        self.model.use_kv_groups(kv_groups)
         self.fingerprint = model_fingerprint(self.model_dir)
         if self.quantization:
             if fp8_checkpoint is None:
@@ -182,7 +190,7 @@ class Engine:
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
-                                          self.kv_dtype, self.device)
+                                          self.kv_dtype, self.device, kv_groups.slots)
         for draft in (self.spec, self.draft_prefill):
             if draft is not None:
                 draft.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
@@ -209,6 +217,9 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
                                    lora_slots=None if self.lora is None else self.lora.slots)
         self.scheduler.decode_columns = self.async_scheduling   # steady decodes as columns (engine.decode_columns)
+        if self.scheduler.kv_manager.groups is not None:
+            self.runner.read_group_tables(self.scheduler.kv_manager.groups.tables)
+            log.info("KV cache: %s", kv_groups.describe())
         if self.spec is not None:   # an EAGLE head reads the target's embedding, head and batch order
             self.spec.attach(self.model, self.scheduler)
         self._detok: dict[str, IncrementalDetokenizer] = {}
