@@ -108,6 +108,7 @@ def test_rows_filled_ahead_count_only_where_they_still_match(backend, tokenizer)
         ahead.start(backend, states[2:4], host)                 # overwrites rows 0-1: the first is stale
         assert len(ahead.stale(states[:2])) == 2
         ahead.start(backend, states[:2], host)
+        ahead.wait()                                            # before a matcher is touched
         assert states[0].sync(_ids(tokenizer, "7"))             # consumed a token since: stale
         assert [j for _, j in ahead.stale(states[:2])] == [0]
         ahead.start(backend, states, np.zeros((len(states), 3), dtype=np.int32))
