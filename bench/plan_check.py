@@ -16,12 +16,20 @@ with the goodput error. Two predictions:
 
 `--refit` fits the profile's serving section again from the in-situ measurements it stores, with
 this tree's `planner.in_situ` (a profile made before a change to that fit).
+
+Several `--measured` files of the same rows (repeats, e.g. one `--seed` each) also give the median
+table: per (mix, configuration, rate) the median measured goodput against the median predicted
+one over the same runs. At the knee one run of a cluster moves by about 20% (admission decides on
+the latest load reports); the median of repeats is what a 15% comparison can be held to.
+
+    python -m bench.plan_check --profile profiles/tiny.json --measured run_seed0.json run_seed1.json run_seed2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -102,6 +110,39 @@ def _figures(row: dict) -> dict:
                                     "mean_step_s")}
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """Per (mix, config, rate) over the runs that measured it: the median measured and predicted
+    goodput (each run's prediction replays that run's requests) and the error of the medians."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["mix"], r["config"], r["rate"]), []).append(r)
+    out = []
+    for (mix, config, rate), runs in groups.items():
+        measured = statistics.median(r["measured"]["goodput_rps"] for r in runs)
+        predicted = statistics.median(r["predicted"]["goodput_rps"] for r in runs)
+        oracle = statistics.median(r["predicted_measured_contention"]["goodput_rps"] for r in runs)
+        out.append({"mix": mix, "config": config, "rate": rate, "runs": len(runs),
+                    "measured": [r["measured"]["goodput_rps"] for r in runs],
+                    "predicted": [r["predicted"]["goodput_rps"] for r in runs],
+                    "measured_median": measured, "predicted_median": predicted,
+                    "predicted_measured_contention_median": oracle,
+                    "goodput_error": _error(predicted, measured),
+                    "goodput_error_measured_contention": _error(oracle, measured)})
+    return out
+
+
+def print_medians(rows: list[dict]) -> None:
+    print(f"\n{'mix':14} {'config':12} {'rate':>5} {'runs':>4} | {'measured':>20} {'median':>6} | "
+          f"{'predicted':>20} {'median':>6} {'err':>6} | {'pred@meas.c':>11} {'err':>6}")
+    err = lambda e: "-" if e is None else f"{e:+.0%}"  # noqa: E731
+    runs = lambda vs: " ".join(f"{v:.2f}" for v in vs)  # noqa: E731
+    for r in rows:
+        print(f"{r['mix']:14} {r['config']:12} {r['rate']:5g} {r['runs']:4} | {runs(r['measured']):>20} "
+              f"{r['measured_median']:6.2f} | {runs(r['predicted']):>20} {r['predicted_median']:6.2f} "
+              f"{err(r['goodput_error']):>6} | {r['predicted_measured_contention_median']:11.2f} "
+              f"{err(r['goodput_error_measured_contention']):>6}")
+
+
 def _fmt(v, scale=1.0, digits=2) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
@@ -134,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             r["measured_file"] = path
         rows += mine
     print_table(rows)
+    summary = medians(rows) if len(args.measured) > 1 else []
+    if summary:
+        print_medians(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({"profile": args.profile, "refit": args.refit, "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"profile": args.profile, "refit": args.refit, "rows": rows,
+                                               "medians": summary}, indent=1) + "\n")
     return 0
 
 

@@ -48,8 +48,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
                         '"model": PATH, "num_speculative_tokens": 4}\' (or "method": "eagle" with an EAGLE-1 head\'s '
                         'directory as model); decode steps verify the drafts, and the '
-                        'engine speculates only where its measured step times say it pays. A prefill pod accepts '
-                        'and ignores it')
+                        'engine speculates only where its measured step times say it pays. A prefill pod given '
+                        'a draft model prefills the draft too and ships its KV with the target\'s (a decode pod '
+                        'with the same draft skips its own draft prefill); it ignores the other methods')
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the previous one's tokens are read back (on CUDA the "
                         "default overlaps them; CPU engines never overlap)")

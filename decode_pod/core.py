@@ -91,6 +91,7 @@ class DecodeCore(EngineCore):
                 o.kv_transfer_seconds = job.kv_transfer_seconds
                 o.kv_pulled_at = job.kv_pulled_at or 0.0
                 o.kv_bytes = job.kv_bytes
+                o.draft_kv_shipped = job.draft_kv_shipped
             if out.finished:
                 self.rt.loop.loop.call_soon_threadsafe(self.forget, out.request_id)
         if ids:
@@ -189,7 +190,8 @@ class DecodeCore(EngineCore):
             # Every layer windowed: the blocks before `start` were never reserved (null entries).
             start = rt.engine.scheduler.kv_manager.first_block_in_window(num_prompt_tokens)
             sink = KVSink(rt.engine.kv_cache, block_ids, req_id, num_prompt_tokens, group=group,
-                          recv_timeout_s=max(1.0, job.remaining()), start_block_index=start, **rt.kv_sink_args())
+                          recv_timeout_s=max(1.0, job.remaining()), start_block_index=start, draft_kv=rt.draft_kv,
+                          **rt.kv_sink_args())
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,
                                                 nccl_group=group.group_name if group else "",
@@ -198,6 +200,7 @@ class DecodeCore(EngineCore):
             job.kv_pulled_at = time.monotonic()
             job.kv_transfer_seconds = result.seconds
             job.kv_bytes = result.num_bytes
+            job.draft_kv_shipped = result.draft_kv
             first_lp = logprobs_from_pb(result.first_token_logprobs)
             prompt_lp = None if result.prompt_logprobs is None else PromptLogprobs.from_proto(result.prompt_logprobs)
             if job.structured is not None:   # compiled while P prefilled; landing must not wait for it
@@ -205,7 +208,7 @@ class DecodeCore(EngineCore):
                 if not compiled.done():   # else no await: it would cost a loop iteration (a wake-up)
                     await asyncio.wrap_future(compiled)
             await rt.loop.run(lambda e: self._land(e, req_id, result.first_token_id, first_lp,
-                                                   result.grammar_fingerprint, prompt_lp))
+                                                   result.grammar_fingerprint, prompt_lp, result.draft_kv))
         except asyncio.CancelledError:
             raise
         except FirstTokenRejected as e:
@@ -224,12 +227,16 @@ class DecodeCore(EngineCore):
             self._fail(req_id, RequestFailed(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}"))
 
     def _land(self, engine: Engine, req_id: str, first_token_id: int, first_lp, grammar_fingerprint: str,
-              prompt_lp: PromptLogprobs | None) -> None:
+              prompt_lp: PromptLogprobs | None, draft_kv: bool = False) -> None:
         """Engine thread: the request joins the batch; its first token (and the prompt's scores,
         which the prefill pod computed) is published from here, so it goes out before anything the
         next step produces for it. A structured request's token must come from the same grammar
-        and be accepted by this pod's (else `FirstTokenRejected`)."""
+        and be accepted by this pod's (else `FirstTokenRejected`). `draft_kv`: the draft model's KV
+        of the prompt came too: its proposer skips the catch-up over the prompt."""
+        request = engine.scheduler.get_request(req_id)
         out = engine.land_remote_kv(req_id, first_token_id, first_lp, grammar_fingerprint, prompt_lp)
+        if draft_kv and request is not None:   # after the landing: a refused first token changes nothing
+            engine.spec.draft.received(request)
         if out is not None:
             self.rt.loop.publish([out])
 

@@ -38,6 +38,7 @@ class Job:
     task: asyncio.Task | None = None
     kv_handle: cbserve_pb2.KVHandle | None = None   # the router's voucher, forwarded to the prefill pod
     kv_bytes: int = 0
+    draft_kv_shipped: bool = False      # the draft model's KV came with the target's (kvtransfer.draft_kv)
     reported: bool = False              # engine core: how the KV got here went out with the first output
     structured: StructuredSpec | None = None   # engine core: its grammar (checked at the KV's landing)
 
@@ -120,6 +121,7 @@ class OpenRequest:
             response.local_prefill = job.local_prefill
             response.kv_transfer_seconds = job.kv_transfer_seconds
             response.num_cached_tokens = first.num_cached_tokens
+            response.draft_kv_shipped = first.draft_kv_shipped
             if first.HasField("prompt_logprobs"):
                 response.prompt_logprobs.CopyFrom(first.prompt_logprobs)
         if job.kv_pulled_at is not None and self.index <= 1 < self.index + len(token_ids):

@@ -31,6 +31,9 @@ class CacheConfig:
     # Set from the model (not a flag): its window when every layer has one, so the blocks behind it
     # are freed (engine/kv_cache_manager.py); None keeps a request's blocks until it ends.
     sliding_window: int | None = None
+    # Set from the model and role (not a flag): each KV group's window (0: full), when a mixed
+    # local/global model runs one block table per group (engine/kv_groups/); () for one group.
+    kv_group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

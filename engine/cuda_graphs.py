@@ -97,11 +97,13 @@ class DecodeBuckets:
     writes logits `[bs, vocab]` into `out` (the runner supplies it)."""
 
     def __init__(self, forward, vocab_size: int, dtype: torch.dtype, block_size: int, device: torch.device,
-                 max_num_seqs: int, max_model_len: int, lora: bool = False, logits_rows: int = 0) -> None:
+                 max_num_seqs: int, max_model_len: int, lora: bool = False, logits_rows: int = 0,
+                 num_groups: int = 1) -> None:
         """`lora`: every step stages its tokens' LoRA slots (engine/lora/), so graphs include the
         LoRA kernels (rows without an adapter skip them on the device). `logits_rows`: rows the
         shared logits buffer needs beyond the largest bucket (speculative verification graphs,
-        `engine.spec_decode.verify_graphs`, write theirs into it too)."""
+        `engine.spec_decode.verify_graphs`, write theirs into it too). `num_groups`: KV groups
+        (`engine.kv_groups`), each with its tables and slots among the graphs' inputs."""
         if device.type == "cuda":
             check_graph_backend(device)
         self.forward = forward
@@ -109,8 +111,8 @@ class DecodeBuckets:
         self.device = device
         self.batch_sizes = batch_size_buckets(max_num_seqs)
         self.width = graph_width(max_model_len, block_size)
-        self.inputs = StepInputs(max_layout_bytes(self.batch_sizes[-1], self.batch_sizes[-1], self.width),
-                                 block_size, device, growable=False)
+        self.inputs = StepInputs(max_layout_bytes(self.batch_sizes[-1], self.batch_sizes[-1], self.width, num_groups),
+                                 block_size, device, growable=False, num_groups=num_groups)
         self.logits = torch.empty(max(self.batch_sizes[-1], logits_rows), vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._rows: dict[int, torch.Tensor] = {}     # `_logits_rows`

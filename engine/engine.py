@@ -29,6 +29,7 @@ from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quant
 from engine.grammar.mask import GrammarMask
 from engine.grammar.structured_outputs import StructuredOutputs
 from engine.kv_cache import allocate_kv_cache
+from engine.kv_groups.spec import serving_groups
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
@@ -49,6 +50,7 @@ from engine.scheduler import ROLES, Scheduler
 from engine.scheduler_output import sampled_requests
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.draft_prefill import DraftPrefill
 from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 from engine.step_outputs import StepOutputs, other_rows, split
 from engine.telemetry.step_stats import StepStats
@@ -122,6 +124,12 @@ class Engine:
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        # A mixed local/global model served colocated: a block table per KV group (engine/kv_groups/).
+        kv_groups = serving_groups(self.model_config.layer_windows, self.model_config.num_layers, self.role,
+                                   config.speculative is not None)
+        if kv_groups.is_hybrid:
+            cache = dataclasses.replace(config.cache, kv_group_windows=kv_groups.windows)
+            self.config = config = dataclasses.replace(config, cache=cache)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         # KV sized from device memory (CUDA): free memory now, before the weights take theirs.
         startup_memory = measure_startup_memory(config.cache, self.device)
@@ -142,6 +150,7 @@ class Engine:
             shard = TPShard(self.model_config, 0, config.tensor_parallel_size)
             self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, max_len + 1,
                                     shard=shard, comm=None if self.tp is None else self.tp.comm)
+        self.model.use_kv_groups(kv_groups)
         self.fingerprint = model_fingerprint(self.model_dir)
         if self.quantization:
             if fp8_checkpoint is None:
@@ -153,6 +162,10 @@ class Engine:
         # Before sizing: a draft model's weights take memory the KV cache must leave it.
         self.spec = SpecDecoder.create(config.speculative, self.role, self.model_dir, self.model_config, self.dtype,
                                        self.device, max_len, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens)
+        # A prefill engine given a draft model computes the draft's KV of every prompt, for the decode pod.
+        self.draft_prefill = DraftPrefill.create(config.speculative, self.role, self.model_dir, self.model_config,
+                                                 self.dtype, self.device, max_len, sched_cfg.max_num_seqs,
+                                                 sched_cfg.max_num_batched_tokens)
         # Adapter slots before the KV cache is sized: their memory is the model's, fixed at start.
         self.lora = None
         if config.lora is not None:
@@ -165,8 +178,10 @@ class Engine:
                                                              if self.spec else 0)), max_len),
                                Sampler(self.eos_token_ids), startup_memory,
                                headroom_bytes(self._graph_memory_estimate(config, sched_cfg)))
-        if self.spec is not None:   # a draft model's KV has the same blocks: both caches share the memory
-            cache_cfg = self.spec.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
+        # A draft model's KV has the same blocks: both caches share the memory.
+        for draft in (self.spec, self.draft_prefill):
+            if draft is not None:
+                cache_cfg = draft.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
         # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
@@ -174,9 +189,10 @@ class Engine:
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,
-                                          self.kv_dtype, self.device)
-        if self.spec is not None:
-            self.spec.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
+                                          self.kv_dtype, self.device, kv_groups.slots)
+        for draft in (self.spec, self.draft_prefill):
+            if draft is not None:
+                draft.allocate(cache_cfg.num_blocks, cache_cfg.block_size)
         # Tensor parallel: whole-model KV blocks for P/D transfers, gathered from / scattered to the ranks.
         self.tp_kv = None if self.tp is None else TPKVBlocks(self.tp, self.kv_cache, self.model_config)
         self.runner = ModelRunner(self.model, self.kv_cache, cache_cfg.block_size, self.device,
@@ -200,6 +216,9 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, cache_cfg, role=self.role, eos_token_ids=self.eos_token_ids,
                                    lora_slots=None if self.lora is None else self.lora.slots)
         self.scheduler.decode_columns = self.async_scheduling   # steady decodes as columns (engine.decode_columns)
+        if self.scheduler.kv_manager.groups is not None:
+            self.runner.read_group_tables(self.scheduler.kv_manager.groups.tables)
+            log.info("KV cache: %s", kv_groups.describe())
         if self.spec is not None:   # an EAGLE head reads the target's embedding, head and batch order
             self.spec.attach(self.model, self.scheduler)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -463,6 +482,10 @@ class Engine:
                 for i, token, lp in zip(to_sample, result.token_ids, result.logprobs):
                     sampled[out.scheduled[i].request_id] = token
                     logprobs[out.scheduled[i].request_id] = lp
+            # The draft's KV of the same chunks (a prefill engine with a draft model), after the first
+            # tokens are read: on a GPU its forward runs while they go out; the pull reads it after the step.
+            if self.draft_prefill is not None:
+                self.draft_prefill.run(out.scheduled)
             if extra is not None:   # after the sample: the grammar masks were filled beside the forward
                 self.prompt_logprobs.finish(extra)
         updated = self._settle_grammars(self.scheduler.update(out, sampled))

@@ -20,6 +20,12 @@ window of KV, and a P/D pull moves (and the decode pod `reserve`s) only the bloc
 entries before them (both pods derive that index from the same window and block size, which the
 KV layout handshake compares). Nothing behind that index is freed before the pull ends, since a
 prefill pod frees only behind its own earlier positions.
+
+KV cache groups (`group_windows`, a mixed local/global model served colocated:
+`engine.kv_groups`): `request.block_ids` is group 0's table (the full layers: nothing freed
+early) and `groups` keeps the other groups' tables, which grow with it and free behind their
+windows; every capacity test counts every group's pages, and a prefix hit is what every group
+still holds (`GroupTables.hit`).
 """
 
 from __future__ import annotations
@@ -27,19 +33,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.block_pool import NULL_BLOCK_ID, ROOT_BLOCK_HASH, BlockPool, hash_block_tokens
+from engine.kv_groups.tables import GroupTables
 from engine.request import Request
 
 
 class KVCacheManager:
     """vLLM-style KV cache manager over one `BlockPool`."""
 
-    def __init__(self, block_pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, sliding_window: int | None = None,
+                 group_windows: Sequence[int] = ()) -> None:
         """`sliding_window`: every layer's window (the widest one), when all layers have one: the
-        blocks behind it are freed; None keeps every block until the request ends."""
+        blocks behind it are freed; None keeps every block until the request ends.
+        `group_windows`: the windows of KV groups 1.. (0: full) beside group 0, whose table is
+        `request.block_ids` and reads every block; () for a single-group cache."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if group_windows and sliding_window is not None:
+            raise ValueError("KV groups beside a full group 0 exclude a sliding_window for every layer")
+        self.groups = GroupTables(block_pool, block_size, group_windows) if group_windows else None
+        # Pages one more block of a request costs: one per group (capacity tests multiply by it).
+        self.num_groups = 1 + len(group_windows)
         self.block_pool = block_pool
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -89,6 +104,8 @@ class KVCacheManager:
         most `max_chunk` tokens: all of them, or with a window the blocks that the window behind a
         chunk and the chunk itself can span (`window - 1 + chunk` positions)."""
         num_blocks = self.num_blocks_for(num_tokens)
+        if self.groups is not None:
+            return num_blocks + self.groups.max_blocks_held(num_blocks, max_chunk)
         if self.sliding_window is None:
             return num_blocks
         return min(num_blocks, (self.sliding_window + max_chunk - 2) // self.block_size + 2)
@@ -131,6 +148,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             blocks.append(block_id)
+        if self.groups is not None and blocks:
+            del blocks[self.groups.hit(request.request_id, hashes, blocks):]
         return blocks, len(blocks) * self.block_size
 
     def _window_hit(self, hashes: list[int], max_blocks: int) -> tuple[list[int], int]:
@@ -174,7 +193,7 @@ class KVCacheManager:
         num_needed = -(-total_tokens // self.block_size) - len(block_ids) - len(new_computed_blocks)
         if num_needed <= 0 and not new_computed_blocks:
             return True
-        pool = self.block_pool
+        pool, groups, request_id = self.block_pool, self.groups, request.request_id
         fresh_admission = not block_ids
         if self.sliding_window is not None and block_ids:
             self._free_behind_window(request)
@@ -185,14 +204,25 @@ class KVCacheManager:
             num_evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0 and b)
         else:
             num_evictable_hits = 0
-        if max(num_needed, 0) + num_evictable_hits > pool.num_free_blocks:
+        num_pages = max(num_needed, 0) + num_evictable_hits
+        if groups is not None:
+            length = len(block_ids) + len(new_computed_blocks) + max(num_needed, 0)
+            groups.free_behind(request_id, request.num_computed_tokens)
+            num_pages += groups.num_needed(request_id, length, bool(new_computed_blocks))
+            if new_computed_blocks:
+                num_pages += groups.num_evictable_hits(request_id)
+        if num_pages > pool.num_free_blocks:
             return False
         if new_computed_blocks:
             pool.touch(b for b in new_computed_blocks if b)
             block_ids.extend(new_computed_blocks)
-            self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            self._num_cached_blocks[request_id] = len(new_computed_blocks)
+        if groups is not None:     # every hit referenced before any page leaves the free queue
+            groups.adopt(request_id, bool(new_computed_blocks))
         if num_needed > 0:
             block_ids.extend(pool.get_new_blocks(num_needed))
+        if groups is not None:
+            groups.extend(request_id, length)
         self.block_tables[request.request_id] = tuple(block_ids)
         if fresh_admission:
             self.num_queried_tokens += request.num_tokens
@@ -222,6 +252,7 @@ class KVCacheManager:
         Returns False, changing nothing, when they do not fit.
         """
         assert not request.block_ids, f"request {request.request_id} already holds blocks"
+        assert self.groups is None, "P/D roles run a single KV group"
         first = self.first_block_in_window(num_tokens)
         num_needed = self.num_blocks_to_reserve(num_tokens)
         if num_needed > self.block_pool.num_free_blocks:
@@ -242,7 +273,10 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
-        self.block_pool.cache_full_blocks(request.block_ids, self._hashes(request, num_full), start, num_full)
+        hashes = self._hashes(request, num_full)
+        self.block_pool.cache_full_blocks(request.block_ids, hashes, start, num_full)
+        if self.groups is not None:
+            self.groups.cache(request_id, hashes, start, num_full)
         self._num_cached_blocks[request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -251,6 +285,8 @@ class KVCacheManager:
         Also drops the manager's per-request caches; safe on a request that holds no blocks.
         """
         self.block_pool.free_blocks([b for b in reversed(request.block_ids) if b])
+        if self.groups is not None:
+            self.groups.free(request.request_id)
         request.block_ids.clear()
         self.block_tables.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)

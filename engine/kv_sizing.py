@@ -29,6 +29,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_memory
+from engine.kv_groups.spec import cache_groups
 from engine.models.causal_lm import CausalLM
 from engine.progress import stage
 from engine.sampler import Sampler, SamplerOutput
@@ -195,6 +196,7 @@ def run_profile_step(model: CausalLM, kv_cache: torch.Tensor, batch: ProfileBatc
     )
     vocab = model.cfg.vocab_size
     input_ids = (torch.arange(batch.num_tokens) % vocab).to(device)                    # [T]
+    meta = dataclasses.replace(meta, group_metas=(meta,) * (model.kv_groups.num_groups - 1))  # as harmless
     hidden = model(input_ids, positions.to(device), kv_cache, meta)                    # [T, hidden]
     logits = model.compute_logits(hidden[(query_start_loc[1:] - 1).to(device)])       # [S, vocab]
     requests = [_ProfileRequest(_WORST_CASE_PARAMS, tuple(range(n))) for n in batch.query_lens]
@@ -250,12 +252,14 @@ def size_cache(cache: CacheConfig, model: CausalLM, dtype: torch.dtype, device: 
     `dtype` is the KV cache's (1 byte per element for fp8, `--kv-cache-dtype`);
     `startup` is `measure_startup_memory(cache, device)`, taken before the weights loaded;
     `headroom` (default `headroom_bytes()`) is kept for what is allocated after sizing."""
-    block_bytes = bytes_per_block(model.cfg, cache.block_size, dtype)
+    slots = cache_groups(model.cfg.layer_windows, model.cfg.num_layers, cache.kv_group_windows).slots
+    block_bytes = bytes_per_block(model.cfg, cache.block_size, dtype, slots)
     if cache.num_blocks is not None:
-        num_blocks, source = cache.num_blocks, "--num-blocks"
+        # KV groups: a page holds `slots` layers; --num-blocks keeps meaning whole-model blocks' memory.
+        num_blocks, source = cache.num_blocks * model.cfg.num_layers // slots, "--num-blocks"
     elif not wants_profile(cache, device):
         memory = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
-        num_blocks = num_blocks_for_memory(model.cfg, cache.block_size, dtype, memory)
+        num_blocks = num_blocks_for_memory(model.cfg, cache.block_size, dtype, memory, slots)
         source = f"{memory / MiB:g} MiB" + ("" if cache.kv_cache_memory_bytes else " (the CPU default)")
     else:
         util = cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION

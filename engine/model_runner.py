@@ -88,8 +88,9 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         max_width = -(-max_model_len // block_size)
-        self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width),
-                                 block_size, device)
+        num_groups = model.kv_groups.num_groups    # KV groups (engine.kv_groups): tables per group
+        self.inputs = StepInputs(max_layout_bytes(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_width,
+                                                  num_groups), block_size, device, num_groups=num_groups)
         # Padded decode buckets: on CUDA (graphs) unless told to stay eager; on CPU only on request
         # (tests of the padding), since padding rows cost real work there.
         use_buckets = (device.type == "cuda" if enforce_eager is None else not enforce_eager) and tp is None
@@ -97,7 +98,7 @@ class ModelRunner:
             self._forward_into, model.cfg.vocab_size, next(model.parameters()).dtype, block_size, device,
             min(max_num_seqs, max_num_batched_tokens), max_model_len,
             lora=lora_slot_of is not None,
-            logits_rows=VerifyBuckets.logits_rows(*verify) if verify else 0) if use_buckets else None
+            logits_rows=VerifyBuckets.logits_rows(*verify) if verify else 0, num_groups=num_groups) if use_buckets else None
         self.verify_buckets = VerifyBuckets(self.decode_buckets, *verify, max_model_len) \
             if verify and self.decode_buckets is not None else None
         self.hidden_sink = hidden_sink
@@ -106,6 +107,13 @@ class ModelRunner:
         self._hidden_buf = None if hidden_sink is None or self.decode_buckets is None else torch.empty(
             self.decode_buckets.logits.shape[0], model.cfg.hidden_size, dtype=next(model.parameters()).dtype,
             device=device)
+
+    def read_group_tables(self, tables: dict[str, tuple[tuple[int, ...], ...]]) -> None:
+        """KV groups: stage each request's tables of groups 1.. from `tables` (the scheduler's
+        `GroupTables.tables`, kept current as requests grow)."""
+        for inputs in (self.inputs, self.decode_buckets and self.decode_buckets.inputs):
+            if inputs:
+                inputs.group_tables = tables
 
     def capture_cuda_graphs(self) -> float:
         """Capture every decode (and verification) bucket (CUDA; a no-op elsewhere). Call after the KV

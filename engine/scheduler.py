@@ -114,8 +114,8 @@ class Scheduler(SchedulerState):
     def _decodes_cannot_run_short(self, budget: int) -> bool:
         """Every running request can have a token and a new block: a decode needs at most one of
         each, and the partial prefills that might need more are scheduled after the decodes."""
-        num_running = len(self.running)
-        return num_running <= budget and num_running <= self.kv_manager.num_free_blocks
+        num_running, kv = len(self.running), self.kv_manager
+        return num_running <= budget and num_running * kv.num_groups <= kv.num_free_blocks
 
     def _schedule_decodes_fast(self, seqs: list[ScheduledSeq], scheduled: list[Request],
                                partial: list[Request]) -> int:
@@ -188,7 +188,7 @@ class Scheduler(SchedulerState):
                 continue
             token, start = seqs[i][1][0], request.num_computed_tokens
             num = min(len(proposed), budget)
-            num_new_blocks = kv.num_blocks_for(start + 1 + num) - len(request.block_ids)
+            num_new_blocks = (kv.num_blocks_for(start + 1 + num) - len(request.block_ids)) * kv.num_groups
             if num_new_blocks > 0 and kv.num_free_blocks - num_new_blocks < headroom:
                 num = len(request.block_ids) * block_size - start - 1
             if num <= 0 or not kv.allocate_slots(request, 1 + num):

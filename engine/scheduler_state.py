@@ -59,7 +59,7 @@ class SchedulerState:
             if kv.num_blocks is None:
                 raise ValueError("CacheConfig.num_blocks must be set (dataclasses.replace it once sized)")
             kv = KVCacheManager(BlockPool(kv.num_blocks, kv.enable_prefix_caching), kv.block_size,
-                                kv.sliding_window)
+                                kv.sliding_window, kv.kv_group_windows[1:])
         if not 0.0 <= reserve_watermark < 1.0:
             raise ValueError(f"reserve_watermark must be in [0, 1), got {reserve_watermark}")
         self.config = scheduler_config
@@ -389,8 +389,14 @@ class SchedulerState:
                     assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
                 for block_id in request.block_ids:
                     refs[block_id] += 1
+                if self.kv_manager.groups is not None:   # KV groups 1.. (engine.kv_groups)
+                    pages = self.kv_manager.groups.pages(request_id)
+                    assert not pages or len(pages) == len(request.block_ids) * (self.kv_manager.num_groups - 1)
+                    for block_id in pages:
+                        refs[block_id] += 1
         # The null block stands in a table only for blocks freed behind a sliding window.
-        assert refs[0] == 0 or self.kv_manager.sliding_window is not None, "a table holds the null block"
+        assert refs[0] == 0 or self.kv_manager.sliding_window is not None or self.kv_manager.groups is not None, (
+            "a table holds the null block")
         refs[0] = 0
         assert refs == pool.ref_cnt, "block refcounts differ from the block tables holding them"
         assert len(self.running) + len(self.waiting_for_remote_kv) <= self.config.max_num_seqs

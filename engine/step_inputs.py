@@ -62,14 +62,16 @@ class Layout(NamedTuple):
     num_sampled: int
     num_fill: int
     lora: int = 0      # 1: the step carries each token's LoRA adapter slot (engine/lora/)
+    groups: int = 1    # KV groups (engine/kv_groups/): groups 1.. have their own slots and tables
 
     @property
     def fields(self) -> tuple[tuple[str, np.dtype, tuple[int, ...]], ...]:
-        t, s, w = self.num_tokens, self.num_seqs, self.width
+        t, s, w, g = self.num_tokens, self.num_seqs, self.width, self.groups - 1
         return (("input_ids", np.int64, (t,)), ("positions", np.int64, (t,)),
                 ("slot_mapping", np.int64, (t,)), ("lora_slots", np.int32, (t if self.lora else 0,)),
                 ("query_start_loc", np.int32, (s + 1,)),
                 ("seq_lens", np.int32, (s,)), ("block_tables", np.int32, (s, w)),
+                ("group_slots", np.int64, (g, t)), ("group_tables", np.int32, (g, s, w)),
                 ("logits_indices", np.int64, (self.num_sampled,)),
                 ("fill_dst", np.int64, (self.num_fill,)), ("fill_src", np.int64, (self.num_fill,)))
 
@@ -99,8 +101,8 @@ def _offsets(layout: Layout) -> tuple[tuple[str, np.dtype, tuple[int, ...], int,
     return tuple(out)
 
 
-def max_layout_bytes(max_num_tokens: int, max_num_seqs: int, max_width: int) -> int:
-    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs, 1).nbytes + 64
+def max_layout_bytes(max_num_tokens: int, max_num_seqs: int, max_width: int, groups: int = 1) -> int:
+    return Layout(max_num_tokens, max_num_seqs, max_width, max_num_seqs, max_num_seqs, 1, groups).nbytes + 64
 
 
 @dataclass
@@ -166,10 +168,18 @@ class PrevSample(Mapping[str, int]):
 class StepInputs:
     """The staging buffers of one model runner (see the module docstring)."""
 
-    def __init__(self, capacity_bytes: int, block_size: int, device: torch.device, growable: bool = True) -> None:
+    def __init__(self, capacity_bytes: int, block_size: int, device: torch.device, growable: bool = True,
+                 num_groups: int = 1, group_tables: dict[str, tuple[tuple[int, ...], ...]] | None = None) -> None:
         """`growable`: a step larger than the buffers reallocates them (eager steps); CUDA graphs
-        read fixed addresses, so their staging is sized for the largest bucket and never grows."""
+        read fixed addresses, so their staging is sized for the largest bucket and never grows.
+        `num_groups` > 1 (KV groups, `engine.kv_groups`): `group_tables` maps a request id to its
+        tables of groups 1.. (`GroupTables.tables`, kept current by the scheduler); a seq missing
+        there (warm-up, a TP rank's receiving buffer) reads and writes only the null block in
+        those groups."""
         self.block_size = block_size
+        self.num_groups = num_groups
+        self.group_tables = group_tables if group_tables is not None else {}
+        self._no_group_tables = ((),) * (num_groups - 1)
         self.device = device
         self.on_cpu = device.type == "cpu"
         self.growable = growable
@@ -182,9 +192,9 @@ class StepInputs:
         self._capacity = capacity_bytes
         self.device_buf = self.host if self.on_cpu else torch.zeros(capacity_bytes, dtype=torch.uint8,
                                                                     device=self.device)
-        # Views over the buffers just made (the old ones' views die with them), and no table rows.
-        self._table_key: tuple | None = None
-        self._table_rows: list = []
+        # Views over the buffers just made (the old ones' views die with them), and no table rows
+        # (table index -> (key, rows): group 0's, then KV groups 1..).
+        self._table_state: dict[int, tuple[tuple, list]] = {}
         self._signature: tuple | None = None
         self._filled_in_order = False       # fill_src holds 0..P-1 (read only while steady)
         self._tensors: StepTensors | None = None   # what the last `prepare` returned
@@ -208,9 +218,13 @@ class StepInputs:
             buf = self.device_buf
             dev = {name: buf[off:off + size].view(_TORCH[dtype]).view(shape)
                    for name, dtype, shape, off, size in _offsets(layout)}
+            lora = dev["lora_slots"] if layout.lora else None
+            groups = tuple(AttentionMetadata(slot_mapping=dev["group_slots"][g], query_start_loc=dev["query_start_loc"],
+                                             seq_lens=dev["seq_lens"], block_tables=dev["group_tables"][g],
+                                             lora_slots=lora) for g in range(layout.groups - 1))
             meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
                                      seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
-                                     lora_slots=dev["lora_slots"] if layout.lora else None)
+                                     lora_slots=lora, group_metas=groups)
             cached = self._device_cache[layout] = (dev, meta)
         return cached
 
@@ -279,7 +293,8 @@ class StepInputs:
             rows = np.array(samples, dtype=np.int64)                                             # [S]
             num_sampled = int(rows.sum())
         num_extra = 0 if extra_logits_rows is None else len(extra_logits_rows)
-        layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, num_fill, int(lora_slots is not None))
+        layout = Layout(num_tokens, num_seqs, width, num_sampled + num_extra, num_fill, int(lora_slots is not None),
+                        self.num_groups)
         self._wait_for_last_copy()
         if layout.nbytes > self.capacity:
             if not self.growable:
@@ -325,7 +340,8 @@ class StepInputs:
         start_pos = np.asarray(starts, dtype=np.int64)                                           # [S]
         if decode_only:
             pos = start_pos
-            block_of_token = table[_arange(num_real), pos // self.block_size].astype(np.int64)
+            seq_index = _arange(num_real)
+            block_of_token = table[seq_index, pos // self.block_size].astype(np.int64)
             seq_lens[:num_real] = pos + 1
             if not steady:
                 qsl[:] = np.arange(num_seqs + 1)           # padding rows included: one token each
@@ -346,8 +362,12 @@ class StepInputs:
                 h["logits_indices"][:num_sampled] = last if every_seq_samples else last[sample]
         positions[:num_real_tokens] = pos
         slots[:num_real_tokens] = block_of_token * self.block_size + pos % self.block_size    # [T]
+        unwritten = None
         if kv_lens is not None and not decode_only:
-            slots[:num_real_tokens][np.arange(num_real_tokens) - qsl[seq_index] >= kv_lens[seq_index]] = -1
+            unwritten = np.arange(num_real_tokens) - qsl[seq_index] >= kv_lens[seq_index]
+            slots[:num_real_tokens][unwritten] = -1
+        if self.num_groups > 1:
+            self._fill_groups(h, request_ids, num_seqs, seq_index, pos, unwritten, (num_tokens, num_seqs, width))
         if num_extra:
             h["logits_indices"][num_sampled:] = extra_logits_rows
         if lora_slots is not None:   # each token takes its sequence's adapter slot (any step: rows move)
@@ -371,7 +391,7 @@ class StepInputs:
         """`prepare` for a small steady decode batch, or None when `scheduled` is not one: the same
         requests as this buffer's previous step, which was a decode step with every token on the
         device in the order of its sample (`_filled_in_order`), one placeholder token each again,
-        in the same layout. Everything but positions, slots, lengths and the rows of tables that
+        in the same layout, one KV group. Everything but positions, slots, lengths and the rows of tables that
         grew still holds that step's values (`prepare`'s steady case), and those few are written
         element by element: a numpy call on a few rows costs more than the Python it replaces
         (~20 calls: most of a batch-1 host step, `bench/host_step.py`)."""
@@ -382,7 +402,7 @@ class StepInputs:
         layout, num_real, _ = signature
         request_ids, token_lists, starts, block_lists, samples = zip(*scheduled)
         if token_lists.count(_ONE_PLACEHOLDER) != num_real or not all(samples) or list(request_ids) != prev_rows.ids \
-                or (num_real if pad_to is None else pad_to) != layout.num_seqs or layout.lora \
+                or (num_real if pad_to is None else pad_to) != layout.num_seqs or layout.lora or layout.groups > 1 \
                 or (max(max(map(len, block_lists)), 1) if width is None else width) != layout.width:
             return None
         bs = self.block_size
@@ -393,7 +413,7 @@ class StepInputs:
         self._wait_for_last_copy()
         h = self._host_views(layout)
         positions, seq_lens, slot_mapping, table = h["positions"], h["seq_lens"], h["slot_mapping"], h["block_tables"]
-        last_rows = self._table_rows     # this layout's (`_fill_block_table` ran with it last)
+        last_rows = self._table_state[0][1]     # this layout's (`_fill_block_table` ran with it last)
         for i, start, blocks, slot in zip(range(num_real), starts, block_lists, slots):
             positions[i] = start
             seq_lens[i] = start + 1
@@ -408,7 +428,22 @@ class StepInputs:
             self._copied.record(torch.cuda.current_stream(self.device))
         return self._tensors     # the previous step's: the same views, rows and order
 
-    def _fill_block_table(self, table: np.ndarray, block_lists: tuple, num_seqs: int, key: tuple) -> None:
+    def _fill_groups(self, h: dict[str, np.ndarray], request_ids, num_seqs: int, seq_index: np.ndarray,
+                     pos: np.ndarray, unwritten: np.ndarray | None, key: tuple) -> None:
+        """KV groups 1..: each group's tables (`group_tables`) and the slots its layers write, as
+        `prepare` does for group 0; padding rows and unwritten tokens get slot -1."""
+        per_seq = list(map(self.group_tables.get, request_ids, itertools.repeat(self._no_group_tables)))
+        num_real_tokens, block_size = len(pos), self.block_size
+        col, offset = pos // block_size, pos % block_size
+        for g in range(self.num_groups - 1):
+            table, slots = h["group_tables"][g], h["group_slots"][g]
+            self._fill_block_table(table, [tables[g] for tables in per_seq], num_seqs, key, g + 1)
+            slots[:num_real_tokens] = table[seq_index, col].astype(np.int64) * block_size + offset
+            if unwritten is not None:
+                slots[:num_real_tokens][unwritten] = -1
+            slots[num_real_tokens:] = -1
+
+    def _fill_block_table(self, table: np.ndarray, block_lists, num_seqs: int, key: tuple, which: int = 0) -> None:
         """table [S, width]: each sequence's blocks left-aligned and zero after; padding rows zero.
 
         Incremental: a row whose block tuple is the very object this buffer's previous step of the
@@ -417,8 +452,10 @@ class StepInputs:
         that grew. Any other step, or a new buffer, rewrites the whole table."""
         rows = list(block_lists)
         rows += [None] * (num_seqs - len(rows))          # padding rows
-        last = self._table_rows if self._table_key == key else None
-        self._table_key, self._table_rows = key, rows
+        last_key, last = self._table_state.get(which, (None, None))
+        if last_key != key:
+            last = None
+        self._table_state[which] = (key, rows)
         changed = None if last is None else list(itertools.compress(itertools.count(), map(operator.is_not, rows, last)))
         if changed is None or 4 * len(changed) > len(rows):
             table.fill(0)
@@ -440,7 +477,7 @@ class StepInputs:
         receives rank 0's staged step (`engine.tp_comm`)."""
         if nbytes > self.capacity:
             self._allocate(2 * nbytes)
-        self._table_key = self._signature = None      # someone else writes the buffer now
+        self._table_state, self._signature = {}, None      # someone else writes the buffer now
         return self.device_buf[:nbytes]
 
     def tensors(self, layout: Layout, num_seqs: int | None = None) -> StepTensors:

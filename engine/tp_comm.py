@@ -23,7 +23,7 @@ from engine.step_inputs import Layout
 CMD_STEP, CMD_HEARTBEAT, CMD_STOP = 1, 2, 3
 CMD_KV_GATHER, CMD_KV_SCATTER = 4, 5     # KV transfer of a P/D pod (engine/tp_kv.py)
 CMD_LORA_SLOT = 6                        # an adapter into a slot (engine/lora/manager.py), count = slot
-HEADER_LEN = 7
+HEADER_LEN = 8
 
 
 def backend_for(device: torch.device) -> str:
@@ -64,8 +64,7 @@ class TPComm:
     # ------------------------------------------------------------------ the step message
     def send_header(self, command: int, layout: Layout | None = None, count: int = 0) -> None:
         """Rank 0: announce the next message (a step's `layout`, or a KV command's block `count`)."""
-        fields = (count, 0, 0, 0, 0, 0) if layout is None else (
-            layout.num_tokens, layout.num_seqs, layout.width, layout.num_sampled, layout.num_fill, layout.lora)
+        fields = (count, 0, 0, 0, 0, 0, 0) if layout is None else tuple(layout)   # every Layout field
         dist.broadcast(torch.tensor((command, *fields), dtype=torch.int64, device=self.device), src=0)
 
     def recv_header(self) -> tuple[int, Layout | int]:

@@ -81,6 +81,7 @@ def run(spec: WorkerSpec) -> None:
     from engine.dtypes import DTYPES
     from engine.kv_cache import allocate_kv_cache
     from engine.kv_dtype import resolve_kv_cache_dtype
+    from engine.kv_groups.spec import cache_groups
     from engine.kv_sizing import ProfileBatch, measure_startup_memory, size_cache
     from engine.loader import load_model
     from engine.model_config import ModelConfig
@@ -100,6 +101,7 @@ def run(spec: WorkerSpec) -> None:
     cfg = ModelConfig.from_dir(spec.model_dir)
     model = load_model(Path(spec.model_dir), cfg, dtype, device, spec.max_position,
                        shard=TPShard(cfg, spec.rank, spec.size), comm=comm)
+    model.use_kv_groups(cache_groups(cfg.layer_windows, cfg.num_layers, cache.kv_group_windows))  # rank 0's
     if spec.quantization:
         quantize_model(model, spec.quantization, device)
     lora = None
@@ -111,7 +113,7 @@ def run(spec: WorkerSpec) -> None:
                        ProfileBatch.worst_case(spec.max_num_batched_tokens, spec.max_num_seqs, spec.max_model_len),
                        Sampler(spec.eos_token_ids), startup, spec.headroom_bytes)
     num_blocks = comm.min_int(sized.num_blocks)
-    kv_cache = allocate_kv_cache(model.cfg, num_blocks, cache.block_size, kv_dtype, device)
+    kv_cache = allocate_kv_cache(model.cfg, num_blocks, cache.block_size, kv_dtype, device, model.kv_groups.slots)
     runner = ModelRunner(model, kv_cache, cache.block_size, device, max_num_seqs=spec.max_num_seqs,
                          max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
                          enforce_eager=True)

@@ -34,7 +34,10 @@ Sink (decode pod, after reserving `dst_block_ids`)::
 Message rules (both sides): chunks arrive in block order with no gap or repeat; each carries
 whole blocks; the partial last block goes out only with the message marked `last`, which carries
 the first token (it may carry no blocks). For transport "nccl" `data` is empty and `crc32` is 0:
-the run's bytes follow on the pair's process group (`kvtransfer.collective`).
+the run's bytes follow on the pair's process group (`kvtransfer.collective`). A source given a
+draft model's cache (`draft_kv=`) sends the same run of the draft's blocks with every run, in
+`draft_data` (or after the target's bytes on the group), and marks every message `draft_kv`; a
+sink given one writes them into the same destination blocks of it (`kvtransfer.draft_kv`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import grpc
 import torch
 
 from wire import cbserve_pb2
+from kvtransfer.draft_kv import draft_stream_id
 from kvtransfer.errors import (ChecksumError, LayoutError, ProtocolError, SourceAbortedError,
                                SourceLostError, StreamEndedError)
 from kvtransfer.layout import KVLayout
@@ -69,13 +73,15 @@ class KVSource:
     def __init__(self, kv: torch.Tensor, request_id: str, num_prompt_tokens: int, *,
                  max_chunk_bytes: int = 0, group: PairGroup | None = None,
                  start_block_index: int = 0, layout: KVLayout | None = None,
-                 read_blocks: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
+                 read_blocks: Callable[[Sequence[int]], torch.Tensor] | None = None,
+                 draft_kv: torch.Tensor | None = None) -> None:
         """`kv`: the engine's KV tensor; `max_chunk_bytes`: payload cap per message (0 = default,
         see `packing.resolve_max_chunk_bytes`); `group`: send the bytes over this process group
         instead of in the messages; `start_block_index`: skip the first blocks (no query of the
         puller reads them: they are behind every layer's window; the table may change there, as
         they are freed). `read_blocks(ids)` with `layout`: where `kv` holds only part of each
-        block (a tensor-parallel rank), the whole blocks come from it (a CPU tensor in `layout`)."""
+        block (a tensor-parallel rank), the whole blocks come from it (a CPU tensor in `layout`). `draft_kv`: a
+        draft model's cache, whose same blocks travel with each run (`kvtransfer.draft_kv`)."""
         if read_blocks is not None and group is not None:
             raise LayoutError("gathered KV blocks (tensor parallelism) travel over gRPC only")
         self.layout = layout or KVLayout.from_tensor(kv)
@@ -86,13 +92,18 @@ class KVSource:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.max_chunk_bytes = resolve_max_chunk_bytes(max_chunk_bytes, self.layout)
+        self.draft_kv = draft_kv
+        self.draft_layout = None if draft_kv is None else KVLayout.from_tensor(draft_kv)
         self.group = group
         self.start_block_index = self.num_blocks_sent = start_block_index
         self.num_bytes_sent = 0
         self._block_ids: tuple[int, ...] = ()
-        self._pending_send: concurrent.futures.Future | None = None
+        self._pending_send: list[concurrent.futures.Future] = []
         self._staging = (torch.empty(self.max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
                          if kv.is_cuda and group is None else None)
+        self._draft_staging = (torch.empty(max(self.max_chunk_bytes, self.draft_layout.bytes_per_block),
+                                           dtype=torch.uint8, pin_memory=True)
+                               if draft_kv is not None and draft_kv.is_cuda and group is None else None)
 
     async def chunks(self, events: AsyncIterable[KVEvent]) -> AsyncIterator[cbserve_pb2.KVChunk]:
         """Yield a message for every block that became full, in order; end with `last`.
@@ -100,7 +111,9 @@ class KVSource:
         Raises `SourceAbortedError` when the events end without a first token, `LayoutError` when
         the events contradict the request (block table rewritten, too few blocks).
         """
-        max_blocks = self.max_chunk_bytes // self.layout.bytes_per_block
+        # A message holds whole blocks of both caches (at least one of each, whatever the cap).
+        block_bytes = self.layout.bytes_per_block + (self.draft_layout.bytes_per_block if self.draft_layout else 0)
+        max_blocks = max(1, self.max_chunk_bytes // block_bytes)
         total_blocks = self.layout.num_blocks_for(self.num_prompt_tokens)
         async for event in events:
             self._accept_block_ids(event.block_ids)
@@ -125,18 +138,19 @@ class KVSource:
         packing = self._start_pack(runs[0]) if runs else None
         try:
             for k, run in enumerate(runs):
-                data, crc = await packing
+                packed = await packing
                 packing = self._start_pack(runs[k + 1]) if k + 1 < len(runs) else None
-                yield self._message(run, data, crc, final if k == len(runs) - 1 else None)
+                yield self._message(run, packed, final if k == len(runs) - 1 else None)
                 await self._drain()
         finally:
             if packing is not None:
                 packing.cancel()
 
-    def _start_pack(self, run: Run) -> asyncio.Future[tuple[bytes, int]]:
+    def _start_pack(self, run: Run) -> asyncio.Future[tuple[bytes, int, bytes, int]]:
+        """The run's bytes and crc32 in the target's cache, then in the draft's (empty without one)."""
         if self.group is not None or not run.num_blocks:
-            done: asyncio.Future[tuple[bytes, int]] = asyncio.get_running_loop().create_future()
-            done.set_result((b"", 0))
+            done: asyncio.Future[tuple[bytes, int, bytes, int]] = asyncio.get_running_loop().create_future()
+            done.set_result((b"", 0, b"", 0))
             return done
         # Copy + crc of up to max_chunk_bytes: off the event loop, which serves other streams.
         return asyncio.ensure_future(asyncio.to_thread(self._pack, run))
@@ -159,8 +173,9 @@ class KVSource:
             raise LayoutError(f"request {self.request_id}: blocks from {self.num_blocks_sent} on were "
                               "freed behind the sliding window here but the puller asks for them")
 
-    def _message(self, run: Run, data: bytes, crc: int,
+    def _message(self, run: Run, packed: tuple[bytes, int, bytes, int],
                  final: FirstToken | None) -> cbserve_pb2.KVChunk:
+        data, crc, draft_data, draft_crc = packed
         num_bytes = run.num_blocks * self.layout.bytes_per_block
         end_index = run.first_block_index + run.num_blocks
         chunk = cbserve_pb2.KVChunk(
@@ -170,6 +185,9 @@ class KVSource:
             num_computed_tokens=min(end_index * self.layout.block_size, self.num_prompt_tokens),
             num_bytes=num_bytes,
         )
+        if self.draft_kv is not None:
+            chunk.draft_kv, chunk.draft_data, chunk.draft_crc32 = True, draft_data, draft_crc
+            self.num_bytes_sent += run.num_blocks * self.draft_layout.bytes_per_block
         if final is not None:
             chunk.last = True
             chunk.first_token_id = final.token_id
@@ -182,24 +200,32 @@ class KVSource:
             # Queue the bytes before the metadata leaves, so that they go out even if this
             # generator is cancelled at the yield (the receiver drops runs nobody claims);
             # `_drain` waits for them after the yield, which paces the stream.
-            self._pending_send = self.group.submit_send(
-                self.request_id, run.first_block_index, run_tensor(self.kv, run))
+            self._pending_send.append(self.group.submit_send(
+                self.request_id, run.first_block_index, run_tensor(self.kv, run)))
+            if self.draft_kv is not None:
+                self._pending_send.append(self.group.submit_send(
+                    draft_stream_id(self.request_id), run.first_block_index, run_tensor(self.draft_kv, run)))
         self.num_blocks_sent = end_index
         self.num_bytes_sent += num_bytes
         return chunk
 
     async def _drain(self) -> None:
-        pending, self._pending_send = self._pending_send, None
-        if pending is not None:
-            await asyncio.wrap_future(pending)
+        pending, self._pending_send = self._pending_send, []
+        for future in pending:
+            await asyncio.wrap_future(future)
 
-    def _pack(self, run: Run) -> tuple[bytes, int]:
+    def _pack(self, run: Run) -> tuple[bytes, int, bytes, int]:
         if self.read_blocks is not None:
             blocks = self.read_blocks(range(run.first_block_id, run.first_block_id + run.num_blocks))
             view = memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
-            return bytes(view), checksum(view)
-        view = run_bytes(self.kv, run, self._staging)
-        return bytes(view), checksum(view)
+        else:
+            view = run_bytes(self.kv, run, self._staging)
+        data, crc = bytes(view), checksum(view)
+        if self.draft_kv is None:
+            return data, crc, b"", 0
+        # The draft runs unsharded on rank 0: its blocks are whole here even under tensor parallelism.
+        draft = run_bytes(self.draft_kv, run, self._draft_staging)
+        return data, crc, bytes(draft), checksum(draft)
 
 
 @dataclass(frozen=True)
@@ -213,6 +239,7 @@ class KVTransferResult:
     seconds: float  # first message received -> last written
     grammar_fingerprint: str = ""   # structured output: what the first token was sampled under
     prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None
+    draft_kv: bool = False          # the draft model's KV of the prompt landed too (`kvtransfer.draft_kv`)
 
 
 class KVSink:
@@ -222,13 +249,15 @@ class KVSink:
                  num_prompt_tokens: int, *, group: PairGroup | None = None,
                  recv_timeout_s: float = 30.0, layout: KVLayout | None = None,
                  write_blocks: Callable[[Sequence[int], torch.Tensor], None] | None = None,
-                 start_block_index: int = 0) -> None:
+                 start_block_index: int = 0, draft_kv: torch.Tensor | None = None) -> None:
         """`dst_block_ids`: the blocks reserved for the prompt (at least
         `ceil(num_prompt_tokens / block_size)` entries; those before `start_block_index`, the
         blocks the source skips (`KVSource`), are not written); `group`: receive the bytes from
         this process group (transport "nccl"); `recv_timeout_s`: bound on waiting for a run's bytes there.
         `write_blocks(ids, blocks)` with `layout`: where `kv` holds only part of each block (a
-        tensor-parallel rank), whole blocks in `layout` go to it after the crc check."""
+        tensor-parallel rank), whole blocks in `layout` go to it after the crc check. `draft_kv`:
+        this pod's draft model's cache, where the draft's blocks go if the source ships them
+        (`kvtransfer.draft_kv`; then into the same destination blocks)."""
         if write_blocks is not None and group is not None:
             raise LayoutError("scattered KV blocks (tensor parallelism) travel over gRPC only")
         self.layout = layout or KVLayout.from_tensor(kv)
@@ -251,8 +280,13 @@ class KVSink:
         self.num_bytes_received = 0
         self.num_computed_tokens = 0  # prompt tokens whose KV has landed
         self._staging: torch.Tensor | None = None
+        self.draft_kv = draft_kv
+        self.draft_layout = None if draft_kv is None else KVLayout.from_tensor(draft_kv)
+        self.draft_shipped: bool | None = None   # the first chunk says; every other must agree
         if group is not None:
             group.expect(request_id)  # before the stream opens: its first run may come first
+            if draft_kv is not None:
+                group.expect(draft_stream_id(request_id))
 
     async def consume(self, chunks: AsyncIterable[cbserve_pb2.KVChunk]) -> KVTransferResult:
         """Write every chunk into the destination blocks; return at the `last` message."""
@@ -266,6 +300,8 @@ class KVSink:
         finally:
             if self.group is not None:
                 self.group.forget(self.request_id)
+                if self.draft_kv is not None:
+                    self.group.forget(draft_stream_id(self.request_id))
         raise StreamEndedError(f"request {self.request_id}: KV stream ended after "
                                f"{self.num_blocks_received}/{self.num_blocks_expected} blocks "
                                "without its last message")
@@ -305,19 +341,42 @@ class KVSink:
             if chunk.data:
                 raise ProtocolError(f"request {self.request_id}: bytes in a chunk of a "
                                     "process-group transfer")
-            try:
-                payload = await asyncio.wait_for(
-                    self.group.recv_run(self.request_id, chunk.first_block_index, num_bytes),
-                    self.recv_timeout_s)
-            except asyncio.TimeoutError:
-                raise SourceLostError(f"request {self.request_id}: the bytes of block "
-                                      f"{chunk.first_block_index} did not arrive on pair "
-                                      f"{self.group.group_name} within {self.recv_timeout_s} s",
-                                      "DEADLINE_EXCEEDED") from None
+            payload = await self._recv_run(self.request_id, chunk.first_block_index, num_bytes)
             await asyncio.to_thread(scatter_blocks, self.kv, dst, payload)
+        if self._draft_shipped(chunk) and chunk.num_blocks:
+            await self._accept_draft(chunk, dst)
         self.num_blocks_received = end
         self.num_bytes_received += num_bytes
         self.num_computed_tokens = min(end * self.layout.block_size, self.num_prompt_tokens)
+
+    def _draft_shipped(self, chunk: cbserve_pb2.KVChunk) -> bool:
+        if self.draft_shipped is None:
+            if chunk.draft_kv and self.draft_kv is None:
+                raise ProtocolError(f"request {self.request_id}: draft KV in the stream of a pod without a draft")
+            self.draft_shipped = chunk.draft_kv
+        elif chunk.draft_kv != self.draft_shipped:
+            raise ProtocolError(f"request {self.request_id}: draft KV in some chunks of the stream, not all")
+        return self.draft_shipped
+
+    async def _accept_draft(self, chunk: cbserve_pb2.KVChunk, dst: list[int]) -> None:
+        """The draft's blocks of the chunk's run, into the same destination blocks of its cache."""
+        num_bytes = chunk.num_blocks * self.draft_layout.bytes_per_block
+        if self.group is None:
+            await asyncio.to_thread(write_run, self.draft_kv, dst, chunk.draft_data, chunk.draft_crc32,
+                                    staging=self._host_staging(num_bytes))
+        else:
+            payload = await self._recv_run(draft_stream_id(self.request_id), chunk.first_block_index, num_bytes)
+            await asyncio.to_thread(scatter_blocks, self.draft_kv, dst, payload)
+        self.num_bytes_received += num_bytes
+
+    async def _recv_run(self, stream_id: str, first_block_index: int, num_bytes: int) -> torch.Tensor:
+        try:
+            return await asyncio.wait_for(self.group.recv_run(stream_id, first_block_index, num_bytes),
+                                          self.recv_timeout_s)
+        except asyncio.TimeoutError:
+            raise SourceLostError(f"request {self.request_id}: the bytes of block {first_block_index} did not "
+                                  f"arrive on pair {self.group.group_name} within {self.recv_timeout_s} s",
+                                  "DEADLINE_EXCEEDED") from None
 
     def _host_staging(self, num_bytes: int) -> torch.Tensor | None:
         """A pinned host buffer for host -> device copies (CUDA caches only), grown on demand."""
@@ -334,7 +393,8 @@ class KVSink:
         logprobs = chunk.first_token_logprobs if chunk.HasField("first_token_logprobs") else None
         prompt = chunk.prompt_logprobs if chunk.HasField("prompt_logprobs") else None
         return KVTransferResult(chunk.first_token_id, logprobs, self.num_blocks_received - self.start_block_index,
-                                self.num_bytes_received, seconds, chunk.grammar_fingerprint, prompt)
+                                self.num_bytes_received, seconds, chunk.grammar_fingerprint, prompt,
+                                draft_kv=bool(self.draft_shipped))
 
 
 FINISH_GRACE_SECONDS = 1.0

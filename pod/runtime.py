@@ -39,6 +39,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, from_pro
 from engine.tp_shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
+from pod.draft_kv import advertise_draft_kv
 from pod.load_report import REFRESH_SECONDS, build_load_report
 from pod.lora_rpc import lora_rpc
 from pod.security import ClusterSecurity, advertise_address
@@ -139,6 +140,7 @@ class PodRuntime:
         self.engine_config = engine_config
         self.engine: Engine | None = None
         self.model_info: cbserve_pb2.ModelInfo | None = None
+        self.draft_kv = None             # engine core: the draft model's cache whose KV travels (pod.draft_kv)
         self.block_size = self.max_num_seqs = self.max_num_batched_tokens = 0
         self.snapshot: EngineStats | None = None
         if self.owns_engine:
@@ -174,6 +176,7 @@ class PodRuntime:
             engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows,
             kv_transfer_window=self.engine.cache_config.sliding_window or 0)
+        self.draft_kv = advertise_draft_kv(self.engine, self.model_info)   # a draft model's cache (pod.draft_kv)
         self.block_size = self.engine.cache_config.block_size
         self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = self.engine.scheduler_config.max_num_batched_tokens

@@ -33,6 +33,7 @@ from kvtransfer.leases import HeldKVTable
 from kvtransfer.pair_setup import accept_pair
 from kvtransfer.progress import KVProgress
 from pod.core import EngineCore
+from pod.draft_kv import shipped_draft_kv
 from pod.lora import identity_mismatch, lora_request, with_adapter
 from pod.runtime import RequestFailed, logprobs_to_pb, prompt_logprobs_to_pb, refused
 
@@ -226,7 +227,9 @@ class PrefillCore(EngineCore):
         # kv_transfer_window made both pods agree on the window, so on this index too).
         start = rt.engine.scheduler.kv_manager.first_block_in_window(progress.num_prompt_tokens)
         source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens, start_block_index=start,
-                          max_chunk_bytes=request.max_chunk_bytes, group=group, **rt.kv_source_args())
+                          max_chunk_bytes=request.max_chunk_bytes, group=group,
+                          draft_kv=shipped_draft_kv(rt.draft_kv, rt.model_info, request.model, start),
+                          **rt.kv_source_args())
         async for chunk in source.chunks(progress.events()):
             self.outbox.put(lambda events, c=chunk: events.pull_chunks.add(request_id=req_id).chunk.CopyFrom(c))
         return source.num_bytes_sent

@@ -59,7 +59,7 @@ class StructuredSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., any_whitespace: _Optional[bool] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows", "kv_transfer_window")
+    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows", "kv_transfer_window", "draft_kv")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     block_size: int
@@ -82,7 +83,22 @@ class ModelInfo(_message.Message):
     vocab_size: int
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
     kv_transfer_window: int
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., kv_transfer_window: _Optional[int] = ...) -> None: ...
+    draft_kv: DraftKvInfo
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., kv_transfer_window: _Optional[int] = ..., draft_kv: _Optional[_Union[DraftKvInfo, _Mapping]] = ...) -> None: ...
+
+class DraftKvInfo(_message.Message):
+    __slots__ = ("model_fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -307,7 +323,7 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_identity: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint", "prompt_logprobs")
+    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint", "prompt_logprobs", "draft_kv", "draft_data", "draft_crc32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +337,9 @@ class KVChunk(_message.Message):
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DATA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CRC32_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block_index: int
     num_blocks: int
@@ -334,7 +353,10 @@ class KVChunk(_message.Message):
     first_token_logprobs: TokenLogprobs
     grammar_fingerprint: str
     prompt_logprobs: PromptLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    draft_kv: bool
+    draft_data: bytes
+    draft_crc32: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., draft_kv: _Optional[bool] = ..., draft_data: _Optional[bytes] = ..., draft_crc32: _Optional[int] = ...) -> None: ...
 
 class SetupTransportRequest(_message.Message):
     __slots__ = ("group", "store_host", "store_port", "backend")
@@ -377,7 +399,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_from: _Optional[str] = ..., kv_transport: _Optional[str] = ..., arrival_time: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "local_prefill", "kv_transfer_seconds", "queue_seconds", "num_cached_tokens", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "local_prefill", "kv_transfer_seconds", "queue_seconds", "num_cached_tokens", "prompt_logprobs", "draft_kv_shipped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +412,7 @@ class GenerateResponse(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_SHIPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -402,7 +425,8 @@ class GenerateResponse(_message.Message):
     queue_seconds: float
     num_cached_tokens: int
     prompt_logprobs: PromptLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    draft_kv_shipped: bool
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., draft_kv_shipped: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("generate", "cancel_request_id")
@@ -487,7 +511,7 @@ class CorePullChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class CoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds", "grammar_fingerprint", "prompt_logprobs")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "local_prefill", "kv_transfer_seconds", "kv_pulled_at", "kv_bytes", "queue_seconds", "prefill_seconds", "grammar_fingerprint", "prompt_logprobs", "draft_kv_shipped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -503,6 +527,7 @@ class CoreOutput(_message.Message):
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_SHIPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -518,7 +543,8 @@ class CoreOutput(_message.Message):
     prefill_seconds: float
     grammar_fingerprint: str
     prompt_logprobs: PromptLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    draft_kv_shipped: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_pulled_at: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., draft_kv_shipped: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutputStats(_message.Message):
     __slots__ = ("request_kinds", "compile_seconds", "compile_cache_hits", "first_token_rejected_fingerprint", "first_token_rejected_token")

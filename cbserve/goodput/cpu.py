@@ -4,8 +4,10 @@ On a machine whose cores the pods, the router and the client share (`LocalCluste
 pod's step takes longer when the others want the cores too. The benchmark records each process's
 CPU seconds per run, and `cbserve profile` the same for its in-situ runs: the router's and the
 client's CPU per output token is what the planner's CPU-sharing model (`planner/cpu_share.py`)
-charges the cores besides the steps. Linux only (`/proc/<pid>/stat`); elsewhere the pods' figures
-are absent and the model falls back on the measured contention alone.
+charges the cores besides the steps. A process's figure includes its descendants': a pod's engine
+runs in an engine-core child process (`pod.core_client`), and without it a busy pod's CPU read as
+a small part of what its steps took. Linux only (`/proc/<pid>/stat`); elsewhere the pods' figures are
+absent and the model falls back on the measured contention alone.
 """
 
 from __future__ import annotations
@@ -16,13 +18,38 @@ import time
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _proc_cpu_seconds(pid: int) -> float | None:
+def _own_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _TICKS      # utime + stime (fields 14, 15)
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of every thread of `pid` (`/proc/<pid>/task/<tid>/children`)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _proc_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of `pid` and its live descendants (an exited child's are not counted until
+    it is reaped; the engine core lives as long as its pod)."""
+    own = _own_cpu_seconds(pid)
+    if own is None:
+        return None
+    return own + sum(_proc_cpu_seconds(child) or 0.0 for child in _children(pid))
 
 
 def cluster_cpu_seconds(cluster) -> dict[str, float]:

@@ -9,6 +9,13 @@ profile: exit status 3, nothing written but `<out>.rejected.json` to look at. St
 1P+1D cluster for about a minute to measure what serving adds (`in_situ.py`; `--no-in-situ` skips
 it, and plans then assume no serving overhead). On CPU, steps are timed in thread CPU seconds and
 every pod runs `--threads-per-pod` torch threads, as `bench/goodput.py`'s pods do.
+
+The stages can run apart: `--no-in-situ` writes stage A alone, and `--grid-from FILE` takes stage A
+from such a profile (same model, same engine flags) and runs stage B only, so neither has to fit
+one sitting on a shared machine, and the serving path can be measured again without the grid.
+
+    cbserve profile --model small --quantization int8 --no-in-situ --out profiles/small-grid.json
+    cbserve profile --model small --quantization int8 --grid-from profiles/small-grid.json --out profiles/small.json
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ def add_profile_command(sub: argparse._SubParsersAction, add_engine_flags) -> No
     p.add_argument("--max-held-out-error", type=float, default=MAX_HELD_OUT_ERROR,
                    help="refuse a profile whose held-out MAPE is above this (default 0.05)")
     p.add_argument("--no-in-situ", action="store_true", help="skip stage B (the real 1P+1D run)")
+    p.add_argument("--grid-from", default=None, metavar="FILE",
+                   help="take stage A from this profile (same model and engine flags) and run stage B only")
     p.add_argument("--in-situ-seconds", type=float, default=20.0, help="stage B's load run")
     p.add_argument("--calibration-mix", default="chat", help="stage B's workload (a bench/goodput.py mix)")
     p.add_argument("--seed", type=int, default=0)
@@ -63,18 +72,54 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from cbserve.goodput.workloads import MIXES
     from cbserve.planner.in_situ import InSituSettings, run_in_situ
+    from cbserve.planner.profile import ProfileError
+
+    if args.calibration_mix not in MIXES:
+        print(f"error: --calibration-mix must be one of {', '.join(MIXES)}", file=sys.stderr)
+        return 2
+    if args.grid_from and args.no_in_situ:
+        print("error: --grid-from runs stage B only and --no-in-situ skips it: nothing to do", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    if args.grid_from:
+        try:
+            profile = _stage_a_from(args)
+        except ProfileError as e:
+            print(f"error: --grid-from {e}", file=sys.stderr)
+            return 2
+    else:
+        profile = _stage_a(args)
+        if profile is None:
+            return EXIT_REJECTED
+    if not args.no_in_situ:
+        stage_b = time.monotonic()
+        profile = run_in_situ(profile, args, InSituSettings(seconds=args.in_situ_seconds, mix=args.calibration_mix,
+                                                            seed=args.seed), _log)
+        profile.data["seconds"]["in_situ"] = time.monotonic() - stage_b
+        s = profile.serving
+        _log(f"# profile: serving: contention decode {s.contention:.2f} prefill {s.prefill_contention:.2f} "
+             f"colocated {s.contention_of('colocated'):.2f}, "
+             f"loop gap {s.step_gap_s * 1e3:.1f} ms, request path {(s.http_in_s + s.rpc_s + s.token_out_s) * 1e3:.1f} ms, "
+             f"KV {s.kv_message_s * 1e3:.1f} ms + {_rate(s.kv_bytes_per_s)}; "
+             f"{profile.data['seconds']['in_situ']:.0f} s")
+    seconds = profile.data["seconds"]
+    seconds["total"] = time.monotonic() - started + (seconds["grid"] if args.grid_from else 0.0)
+    profile.save(args.out)
+    print(args.out)
+    return 0
+
+
+def _stage_a(args: argparse.Namespace):
+    """Stage A: the step grid timed and fitted; None when the held-out gate refuses it."""
+    import dataclasses
+
     from cbserve.planner.profile import build_profile
     from cbserve.planner.profiler import GridSettings, describe, fit_model, grid_json, measure
     from cbserve.planner.step_grid import TIMERS, timer_name
     from engine.engine import Engine
 
-    if args.calibration_mix not in MIXES:
-        print(f"error: --calibration-mix must be one of {', '.join(MIXES)}", file=sys.stderr)
-        return 2
     config = args.engine_config_from_args(args, "decode")
     # The grid builds its shapes from cached prefixes; caching changes no step's cost.
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=True))
@@ -104,22 +149,31 @@ def _profile(args: argparse.Namespace) -> int:
         print(f"error: the step model's held-out error is {held_stats['mape']:.1%}, above "
               f"{args.max_held_out_error:.0%}: profile refused (measurements in {rejected}). A busy machine makes "
               f"step times noisy: re-run when it is quieter, or with more --passes", file=sys.stderr)
-        return EXIT_REJECTED
-    if not args.no_in_situ:
-        stage_b = time.monotonic()
-        profile = run_in_situ(profile, args, InSituSettings(seconds=args.in_situ_seconds, mix=args.calibration_mix,
-                                                            seed=args.seed), _log)
-        profile.data["seconds"]["in_situ"] = time.monotonic() - stage_b
-        s = profile.serving
-        _log(f"# profile: serving: contention decode {s.contention:.2f} prefill {s.prefill_contention:.2f} "
-             f"colocated {s.contention_of('colocated'):.2f}, "
-             f"loop gap {s.step_gap_s * 1e3:.1f} ms, request path {(s.http_in_s + s.rpc_s + s.token_out_s) * 1e3:.1f} ms, "
-             f"KV {s.kv_message_s * 1e3:.1f} ms + {_rate(s.kv_bytes_per_s)}; "
-             f"{profile.data['seconds']['in_situ']:.0f} s")
-    profile.data["seconds"]["total"] = time.monotonic() - started
-    profile.save(args.out)
-    print(args.out)
-    return 0
+        return None
+    return profile
+
+
+def _stage_a_from(args: argparse.Namespace):
+    """Stage A of `--grid-from`'s profile, which must be of this model with these engine flags and
+    have passed this gate (its serving section is measured again)."""
+    from cbserve.planner.profile import ProfileError, build_profile, load_profile
+    from cbserve.planner.profiler import engine_flags
+
+    profile = load_profile(args.grid_from)
+    if profile.model_name != args.model:
+        raise ProfileError(f"{args.grid_from}: a profile of {profile.model_name}, not of {args.model}")
+    flags, theirs = engine_flags(args), profile.engine.get("flags", {})
+    differ = sorted(k for k in flags.keys() | theirs.keys() if flags.get(k) != theirs.get(k))
+    if differ:
+        raise ProfileError(f"{args.grid_from}: profiled with other engine flags ("
+                           + ", ".join(f"{k}: {theirs.get(k)!r} there, {flags.get(k)!r} here" for k in differ) + ")")
+    if profile.held_out_error > args.max_held_out_error:
+        raise ProfileError(f"{args.grid_from}: held-out error {profile.held_out_error:.1%} is above "
+                           f"{args.max_held_out_error:.0%}")
+    data = {k: v for k, v in profile.data.items() if k not in ("serving", "in_situ_raw")}
+    data["seconds"] = {"grid": profile.data.get("seconds", {}).get("grid", 0.0)}
+    data["grid_from"] = str(args.grid_from)
+    return build_profile(data, profile.cost_model, None)
 
 
 def _rate(bytes_per_s: float) -> str:

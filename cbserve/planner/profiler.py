@@ -100,7 +100,7 @@ def describe(engine, args, threads: int, timer: str) -> dict:
                    "max_model_len": sched.max_model_len, "block_size": cache.block_size,
                    "num_blocks": cache.num_blocks, "kv_bytes_per_token": kv_bytes_per_token(engine),
                    "tensor_parallel_size": engine.config.tensor_parallel_size,
-                   "async_scheduling": engine.async_scheduling, "flags": _engine_flags(args)},
+                   "async_scheduling": engine.async_scheduling, "flags": engine_flags(args)},
         "timer": timer,
     }
 
@@ -110,7 +110,7 @@ ENGINE_FLAGS = ("device", "dtype", "quantization", "kv_cache_dtype", "max_model_
                 "gpu_memory_utilization", "no_prefix_caching", "policy", "enforce_eager", "no_async_scheduling")
 
 
-def _engine_flags(args) -> dict:
+def engine_flags(args) -> dict:
     """The engine flags `cbserve profile` was given (the pods' flags), by name."""
     return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.kv_groups.spec import KVGroups
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLayer
 from engine.models.embedding import VocabParallelEmbedding
@@ -52,6 +53,7 @@ class CausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.cfg = cfg
         self.layers = nn.ModuleList(self.make_layer(cfg, i, dtype, device, self.comm) for i in range(cfg.num_layers))
+        self.use_kv_groups(KVGroups.single(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -82,15 +84,24 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, KVH, D].
+        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, KVH, D]
+        (with KV groups `[num_blocks, slots, ...]`, `use_kv_groups`).
 
         Returns the final hidden states `[T, hidden]` (normed)."""
         x = self.embed_tokens(input_ids)                           # [T, hidden]
         residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope_cache, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+        metas = (meta, *meta.group_metas)
+        for layer, (group, slot) in zip(self.layers, self.kv_place):
+            x, residual = layer(x, residual, positions, self.rope_cache, kv_cache[:, slot, 0], kv_cache[:, slot, 1],
+                                metas[group])
         x, _ = self.norm(x, residual)
         return x
+
+    def use_kv_groups(self, groups: KVGroups) -> None:
+        """Read each layer's KV at its group's slot through its group's tables (`engine.kv_groups`);
+        call before the first forward over a cache of that layout."""
+        self.kv_groups = groups
+        self.kv_place = groups.placement(len(self.layers))
 
     def pack_weights(self) -> int:
         """CPU: move every projection (lm_head and experts included) onto oneDNN packed weights;

@@ -91,13 +91,14 @@ class Gemma3ForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, KVH, D].
+        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, KVH, D]
+        (with KV groups `[num_blocks, slots, ...]`, `CausalLM.use_kv_groups`).
         Returns the final hidden states `[T, hidden]` (normed)."""
         x = self.embed_tokens(input_ids) * self.embed_scale        # [T, hidden]
-        cfg = self.cfg
-        for i, layer in enumerate(self.layers):
+        cfg, metas = self.cfg, (meta, *meta.group_metas)
+        for i, (layer, (group, slot)) in enumerate(zip(self.layers, self.kv_place)):
             rope = self.local_rope_cache if cfg.window(i) else self.rope_cache
-            x, _ = layer(x, None, positions, rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            x, _ = layer(x, None, positions, rope, kv_cache[:, slot, 0], kv_cache[:, slot, 1], metas[group])
         return self.norm.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

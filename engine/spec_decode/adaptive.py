@@ -4,29 +4,40 @@ Two decisions, both from measurements, none from a constant threshold:
 
 1. **Per batch size, on or off.** Decode steps are timed as they run (the seconds `Engine.step`
    took, as `_record_step` sees them: host work included; a step that wanted drafts and found none
-   counts as speculative, so proposing that finds nothing is charged to speculation). For each
-   batch-size bucket (powers of two) the controller keeps the cost per emitted token of the last
-   `WINDOW` plain steps and of the last `WINDOW` speculative ones, and compares their *medians*:
-   one slow step (a page fault, another process on the core) moves a median by one rank, not the
-   decision. That cost includes everything speculation adds (proposing, the draft model's passes,
+   counts as speculative, so proposing that finds nothing is charged to speculation). That cost
+   includes everything speculation adds (proposing, the draft model's passes and lazy catch-up,
    the longer verification forward, the sampler's extra rows, the overlap a synchronous step gives
    up), so as the batch grows and the forward turns compute-bound speculation turns itself off.
-   - A new bucket alternates the two modes until each has `MIN_SAMPLES` steps, then decides.
-     Steps with a prefill chunk are not timed: they speculate only where the bucket decided to.
-   - Hysteresis: speculation goes on only when its median cost is `SWITCH_MARGIN` below plain's,
-     and off as soon as it is not below plain's. Where the two are close the bucket stays plain.
+   - **Paired samples.** A shared host's load moves step costs 2-3x within seconds, so costs of
+     the two modes measured at different times say little about each other. So the controller
+     compares a tested step (a learning step's speculative one, a probe) with the steps of the
+     other mode *just before it* in the same bucket (at most `PAIR`): each sample is the ratio of
+     their costs per emitted token, speculative / plain, and the last `WINDOW` ratios' *median*
+     decides (one slow step moves one ratio by one rank). Each bucket (powers of two of the batch
+     size) decides for itself.
+   - A new bucket alternates the modes, plain first, until each has `MIN_SAMPLES` steps, then
+     decides. Steps with a prefill chunk are not timed: they speculate only where the bucket
+     decided to.
+   - Hysteresis: speculation goes on only when the median ratio is `SWITCH_MARGIN` below 1, and off
+     as soon as it is not below 1. Where the two are close the bucket stays plain.
    - Fruitless steps decide without timing: a speculative step that accepted no draft (none
      proposed: no n-gram matched; or all rejected) emitted what a plain step emits, at more cost,
      so it is evidence against speculation whatever the clock says. `MIN_SAMPLES` of them in a
-     row turn the bucket off (or keep it off: a fruitless probe agrees), and while the last
-     speculative step was fruitless the timing cannot turn it on. Without this, a proposer that
-     never matches costs a few percent: its steps cost a plain step plus the proposing (~3-5% at
-     batch 8 on CPU), within the noise of two medians of 8, which then turned it on now and then.
-   - The mode not chosen is probed, one step at a time, to keep its window current: every
+     row turn a new bucket off (or keep an off one off: a fruitless probe agrees), `WINDOW` of
+     them an on one (at an acceptance of one half, 3 in a row are common), and while the last
+     speculative step was fruitless the timing cannot turn it on.
+   - The mode not chosen is probed, one step at a time, to keep the ratios current: every
      `FIRST_PROBE_INTERVAL` steps after a decision, an interval that doubles (to
-     `MAX_PROBE_INTERVAL`) each time a probe agrees with the choice. So probes are at most one
-     step in `FIRST_PROBE_INTERVAL`, and one in `MAX_PROBE_INTERVAL` once settled. A probe that
-     disagrees brings the interval back to the first, so a change of workload shows within a few.
+     `MAX_PROBE_INTERVAL`) each time a probe agrees with the choice; a probe that disagrees brings
+     it back to the first, so a change of workload shows within a few.
+   - **Probes are paid from a budget**: a probe's cost is its extra seconds over what the chosen
+     mode's steps before it would have taken for its tokens, and a probe that is due waits until
+     all probes' cost so far, plus what the last one cost, fits in `PROBE_BUDGET` of the decode
+     seconds observed (one budget for all buckets; a probe that beat the chosen mode pays back
+     what it saved). A cheap probe (an n-gram lookup) runs on
+     schedule; a dear one (a draft model's or EAGLE head's catch-up over every token since its last
+     proposal, 3-6x a plain step on `tiny`) runs rarely, so probing stays under ~1% of the time.
+     Learning steps are not charged: they run once per bucket in the engine's life.
 
 2. **Per request, how many drafts.** A request's draft `j` is used only if drafts `1..j` are
    all accepted: with per-draft acceptance `alpha` (the geometric estimate from its verifications:
@@ -48,11 +59,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-WINDOW = 8                      # recent steps per mode whose median cost decides
+WINDOW = 8                      # recent paired cost ratios whose median decides
+PAIR = 3                        # a step's cost is paired with at most this many steps of the other mode just before it
 MIN_SAMPLES = 3                 # steps of each mode before a bucket's first decision
 SWITCH_MARGIN = 0.03            # speculation goes on only this much cheaper per token than plain
 FIRST_PROBE_INTERVAL = 16       # steps between probes of the mode not chosen, right after a decision
 MAX_PROBE_INTERVAL = 256
+PROBE_BUDGET = 0.01             # probes' extra seconds stay under this share of all decode seconds
 ACCEPTANCE_DECAY = 0.9          # per verification: a request's recent drafts count most
 PRIOR_ACCEPTANCE = 0.6          # before a request's first verification
 PRIOR_TRIALS = 2.0
@@ -60,21 +73,39 @@ PRIOR_TOKEN_COST = 0.05         # tokens a draft token costs before the bucket h
 MAX_RETRY_BACKOFF = 64
 
 
-def _window() -> deque:
-    return deque(maxlen=WINDOW)
+def _window(size: int = WINDOW) -> deque:
+    return deque(maxlen=size)
+
+
+class _ProbeBudget:
+    """What probes cost beyond the chosen mode, against every decode step's seconds (one per
+    controller: all buckets' probes share it)."""
+
+    __slots__ = ("spent", "elapsed")
+
+    def __init__(self) -> None:
+        self.spent = self.elapsed = 0.0
+
+    def allows(self, expected: float) -> bool:
+        return self.spent + expected <= PROBE_BUDGET * self.elapsed
 
 
 @dataclass
 class _Bucket:
+    budget: _ProbeBudget = field(default_factory=_ProbeBudget)
     on: bool = True                      # the chosen mode (until `decided`, the modes alternate)
     decided: bool = False
+    num_plain: int = 0                   # steps observed per mode (for the learning steps)
+    num_spec: int = 0
+    recent: deque = field(default_factory=lambda: _window(PAIR))   # (speculative, seconds per token), latest steps
+    ratios: deque = field(default_factory=_window)       # speculative / plain seconds per token, paired in time
     plain: deque = field(default_factory=_window)        # seconds per emitted token, plain steps
-    spec: deque = field(default_factory=_window)         # ... speculative steps
     plain_steps: deque = field(default_factory=_window)  # seconds per plain step
     fit: _LineFit | None = None          # extra seconds of a speculative step ~ overhead + cost * drafts
     countdown: int = FIRST_PROBE_INTERVAL   # steps until the mode not chosen is probed
     interval: int = FIRST_PROBE_INTERVAL
     probing: bool = False
+    probe_cost: float = 0.0              # extra seconds the last probe cost: what the next is expected to
     fruitless: int = 0                   # speculative steps in a row that accepted no draft
     cost: float | None = None            # `token_cost` until the next step is observed
 
@@ -87,37 +118,68 @@ class _Bucket:
         return self.cost
 
     def choose(self) -> bool:
-        """Whether the next step speculates (counting it towards the next probe)."""
+        """Whether the next step speculates (counting it towards the next probe: a probe due waits
+        while the budget cannot pay what the last one cost)."""
         if not self.decided:
-            return len(self.spec) <= len(self.plain)
+            return self.num_spec < self.num_plain    # plain first: each speculative step follows one
         self.countdown -= 1
-        if self.countdown <= 0:
+        if self.countdown <= 0 and self.budget.allows(self.probe_cost):
             self.countdown, self.probing = self.interval, True
             return not self.on
         return self.on
 
-    def observe(self, speculative: bool, cost: float, fruitless: bool = False) -> None:
-        """A step of `cost` seconds per emitted token (already in its window): the mode, and
-        when to probe next. `fruitless`: a speculative step that accepted no draft."""
+    def _pair(self, speculative: bool, seconds: float, emitted: int) -> tuple[float, float] | None:
+        """The step's speculative / plain cost ratio against the other mode's steps just before it,
+        and its extra seconds over what they would have taken (None after a step of its own mode)."""
+        run = []
+        for mode, cost in reversed(self.recent):
+            if mode == speculative:
+                break
+            run.append(cost)
+        cost = seconds / emitted
+        self.recent.append((speculative, cost))
+        if not run:
+            return None
+        ref = median(run)
+        return (cost / ref if speculative else ref / cost), seconds - emitted * ref
+
+    def observe(self, speculative: bool, seconds: float, emitted: int, fruitless: bool = False) -> None:
+        """A step of `seconds` that emitted `emitted` tokens: the mode, and when to probe next.
+        `fruitless`: a speculative step that accepted no draft."""
         probe, self.probing = self.probing and speculative != self.on, False
+        paired = self._pair(speculative, seconds, emitted)
+        # One ratio per tested step (a learning step's speculative one, a probe), so an outlier
+        # step moves one ratio, not the two of its neighbours.
+        ratio = None if paired is None or not (probe or speculative and not self.decided) else paired[0]
+        if ratio is not None:
+            self.ratios.append(ratio)
+        if probe and paired is not None:   # a probe that beat the chosen mode pays back what it saved
+            self.probe_cost = max(0.0, paired[1])
+            self.budget.spent = max(0.0, self.budget.spent + paired[1])
         if speculative:
+            self.num_spec += 1
             self.fruitless = self.fruitless + 1 if fruitless else 0
-        if self.fruitless >= MIN_SAMPLES:   # nothing accepted lately: plain emits the same for less
+        else:
+            self.num_plain += 1
+        # Nothing accepted lately: plain emits the same for less. A bucket that chose speculation
+        # needs a window of them (a request's run of rejections is no trend; 3 in a row are common
+        # at an acceptance of one half), a new or plain one MIN_SAMPLES.
+        if self.fruitless >= (WINDOW if self.decided and self.on else MIN_SAMPLES):
             if not self.decided or self.on:
                 self.on, self.decided = False, True
                 self.interval = self.countdown = FIRST_PROBE_INTERVAL
             elif probe:
                 self.interval = self.countdown = min(MAX_PROBE_INTERVAL, 2 * self.interval)
             return
-        if len(self.spec) < MIN_SAMPLES or len(self.plain) < MIN_SAMPLES:
+        if self.num_spec < MIN_SAMPLES or self.num_plain < MIN_SAMPLES or not self.ratios:
             return
-        plain, spec = median(self.plain), median(self.spec)
-        on = spec < plain if self.decided and self.on else spec < plain * (1 - SWITCH_MARGIN) and not self.fruitless
+        r = median(self.ratios)
+        on = r < 1 if self.decided and self.on else r < 1 - SWITCH_MARGIN and not self.fruitless
         if not self.decided or on != self.on:
             self.on, self.decided = on, True
             self.interval = self.countdown = FIRST_PROBE_INTERVAL
-        elif probe:   # agreeing: the probed mode cost more than the chosen one's median
-            agrees = cost >= spec if not speculative else cost >= plain * (1 - SWITCH_MARGIN)
+        elif probe and ratio is not None:   # agreeing: the probed mode cost more than the chosen one
+            agrees = ratio >= 1 - SWITCH_MARGIN if speculative else ratio < 1
             self.interval = min(MAX_PROBE_INTERVAL, 2 * self.interval) if agrees else FIRST_PROBE_INTERVAL
             self.countdown = self.interval
 
@@ -168,13 +230,14 @@ class SpecController:
         self.max_drafts = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self._buckets: dict[int, _Bucket] = {}
+        self._budget = _ProbeBudget()
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         found = self._buckets.get(key)
         if found is None:
-            found = self._buckets[key] = _Bucket()
+            found = self._buckets[key] = _Bucket(self._budget)
         return found
 
     # ------------------------------------------------------------------ decisions
@@ -233,17 +296,16 @@ class SpecController:
             return
         b = self.bucket(num_seqs)
         b.cost = None
-        cost = seconds / num_emitted
+        self._budget.elapsed += seconds
         if speculative:
-            b.spec.append(cost)
             if b.plain_steps:
                 if b.fit is None:
                     b.fit = _LineFit()
                 b.fit.add(num_draft_tokens, seconds - median(b.plain_steps))
         else:
-            b.plain.append(cost)
+            b.plain.append(seconds / num_emitted)
             b.plain_steps.append(seconds)
-        b.observe(speculative, cost, fruitless=speculative and num_emitted <= num_seqs)
+        b.observe(speculative, seconds, num_emitted, fruitless=speculative and num_emitted <= num_seqs)
 
 
 class FixedController(SpecController):

@@ -20,20 +20,18 @@ their rows are plain rows of the speculative step, masked and advanced as in a p
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
 from engine.config import CacheConfig
-from engine.kv_cache import bytes_per_block
 from engine.model_config import ModelConfig
 from engine.request import RequestStatus
 from engine.sampler import Sampler
 from engine.spec_decode.adaptive import SpecController
 from engine.spec_decode.config import MODEL_METHODS, SpeculativeConfig
-from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.draft_model import DraftModelProposer, fit_cache
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
@@ -90,14 +88,7 @@ class SpecDecoder:
                   kv_dtype: torch.dtype) -> CacheConfig:
         """A draft model's (or an EAGLE head's) cache has a block for every target block: the memory
         sized for the target is split between the two (an explicit `--num-blocks` gives both that many)."""
-        if self.draft is None or requested.num_blocks is not None:
-            return sized
-        target = bytes_per_block(target_cfg, sized.block_size, kv_dtype)
-        share = target / (target + self.draft.block_bytes(sized.block_size))
-        num_blocks = max(2, int(sized.num_blocks * share))
-        log.info("KV cache: %d of %d blocks, the rest of the memory for the draft model's KV", num_blocks,
-                 sized.num_blocks)
-        return dataclasses.replace(sized, num_blocks=num_blocks)
+        return sized if self.draft is None else fit_cache(self.draft, sized, requested, target_cfg, kv_dtype)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         if self.draft is not None:

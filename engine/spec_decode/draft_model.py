@@ -11,8 +11,9 @@ The draft catches up lazily: each request remembers how many of its tokens have 
 (`computed`), and a proposal first runs the draft over the tokens since then, up to the
 request's newest token (its whole prompt on the first proposal: how a decode pod that received
 the target's KV from a prefill pod fills the draft's, from the prompt it already has, so P/D and
-colocated propose the same drafts). Then it runs `k - 1` one-token passes over its own greedy
-drafts. Prefix-cache hits are caught up from position 0 too: a shared block's draft KV may never
+colocated propose the same drafts; unless the prefill pod shipped the draft's KV with the
+target's, `received`: then only the first token). Then it runs `k - 1` one-token passes over its
+own greedy drafts. Prefix-cache hits are caught up from position 0 too: a shared block's draft KV may never
 have been written (the request that filled it may have ended without proposing), and rewriting a
 shared block writes the same values (same tokens at the same positions).
 
@@ -23,12 +24,15 @@ first rejected draft on hold KV of rejected tokens. Drafts are argmax tokens (po
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import weakref
 from pathlib import Path
 
 import torch
 
+from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -36,6 +40,8 @@ from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
 from engine.random_sampling import row_argmax
 from engine.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfigError
+
+log = logging.getLogger(__name__)
 
 
 class _DraftState:
@@ -48,6 +54,20 @@ class _DraftState:
 def _tokenizer_digest(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer.json"
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def fit_cache(draft, sized: CacheConfig, requested: CacheConfig, target_cfg: ModelConfig,
+              kv_dtype: torch.dtype) -> CacheConfig:
+    """A draft model's (or an EAGLE head's) cache has a block for every target block: the memory
+    sized for the target is split between the two (an explicit `--num-blocks` gives both that many)."""
+    if requested.num_blocks is not None:
+        return sized
+    target = bytes_per_block(target_cfg, sized.block_size, kv_dtype)
+    share = target / (target + draft.block_bytes(sized.block_size))
+    num_blocks = max(2, int(sized.num_blocks * share))
+    log.info("KV cache: %d of %d blocks, the rest of the memory for the draft model's KV", num_blocks,
+             sized.num_blocks)
+    return dataclasses.replace(sized, num_blocks=num_blocks)
 
 
 class DraftModelProposer:
@@ -160,6 +180,11 @@ class DraftModelProposer:
     @staticmethod
     def _argmax(logits: torch.Tensor) -> list[int]:
         return row_argmax(logits.float()).tolist()
+
+    def received(self, request) -> None:
+        """The draft's KV of the request's prompt came with the target's (a prefill pod computed
+        it, `engine.spec_decode.draft_prefill`): the first proposal catches up from there."""
+        self._state(request).computed = request.num_prompt_tokens
 
     def settle(self, request) -> None:
         """After verification: draft KV past the accepted tokens holds rejected drafts."""

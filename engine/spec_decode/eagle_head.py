@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.kv_groups.spec import KVGroups
 from engine.loader import CheckpointError, checkpoint_files, load_weights
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models.causal_lm import CausalLM
@@ -62,6 +63,7 @@ class EagleHead(nn.Module):
             DecoderLayer(cfg, MLP(hidden, cfg.intermediate_size, dtype, device, None), dtype, device, None, i)
             for i in range(cfg.num_layers))
         self.layers[0].input_layernorm = _NoInputNorm()
+        self.kv_groups = KVGroups.single(cfg.num_layers)   # its own cache, one group (the runner reads it)
         self.register_buffer("rope_cache", cos_sin_cache(cfg.rope, cfg.head_dim, max_position, device),
                              persistent=False)
         self.requires_grad_(False)

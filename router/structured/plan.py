@@ -122,19 +122,19 @@ def chat_plan(features: OutputFeatures, constraint: Constraint | None, tools: To
     keep_special = fmt is not None and any(features.special_marker_id(m) is not None for m in fmt.markers)
     spec = None
     grammar_after = () if think is not None else after
+    calls = None      # (answer beside the calls, its named tokens, the field a 400 names)
     if tools is not None and tools.forced:
-        spec = _lark(features, calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel,
-                                          literal=features.literal, think=think), grammar_after, "tool_choice")
+        calls = (None, None, "tool_choice")
     elif tools is not None and tools.choice == "auto" and constraint is not None:
-        answer = _answer(constraint, features.validator.spec_for(constraint))
-        grammar = calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel, literal=features.literal,
-                             answer=answer, think=think)
-        spec = _lark(features, grammar, grammar_after, constraint.param)
+        calls = (_answer(constraint, features.validator.spec_for(constraint)), None, constraint.param)
     elif tools is not None and tools.choice == "auto" and tools.strict:
         free = free_answer(fmt.parse, lambda marker: features.special_marker_id(marker) is not None)
+        calls = ("FREE_TEXT", {"FREE_TEXT": free}, "tools")
+    if calls is not None:
+        answer, tokens, param = calls
         grammar = calls_lark(fmt.force, tools.forced_tools(), parallel=tools.parallel, literal=features.literal,
-                             answer="FREE_TEXT", think=think, tokens={"FREE_TEXT": free})
-        spec = _lark(features, grammar, grammar_after, "tools")
+                             answer=answer, think=think, tokens=tokens)
+        spec = _lark(features, grammar, grammar_after, param)
     elif constraint is not None:
         spec = features.validator.spec_for(constraint, after)
         if think is not None and spec.kind != "lark":     # a Lark grammar has its own start: after_token_ids

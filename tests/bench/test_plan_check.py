@@ -46,3 +46,21 @@ def test_errors_are_relative_to_the_measurement(checked):
     assert row["goodput_error"] == pytest.approx(row["predicted"]["goodput_rps"] / measured["goodput_rps"] - 1)
     assert row["goodput_error_measured_contention"] == pytest.approx(
         row["predicted_measured_contention"]["goodput_rps"] / measured["goodput_rps"] - 1)
+
+
+def test_repeats_are_compared_by_their_medians():
+    from bench.plan_check import medians
+
+    def row(rate, measured, predicted):
+        return {"mix": "chat", "config": "1P1D", "rate": rate,
+                "measured": {"goodput_rps": measured}, "predicted": {"goodput_rps": predicted},
+                "predicted_measured_contention": {"goodput_rps": predicted * 1.1}}
+
+    rows = [row(10, 9.0, 7.0), row(10, 6.0, 9.0), row(10, 8.0, 8.5), row(12, 4.0, 5.0)]
+    by_rate = {r["rate"]: r for r in medians(rows)}
+    ten = by_rate[10]
+    assert ten["runs"] == 3 and ten["measured"] == [9.0, 6.0, 8.0] and ten["predicted"] == [7.0, 9.0, 8.5]
+    assert (ten["measured_median"], ten["predicted_median"]) == (8.0, 8.5)
+    assert ten["goodput_error"] == pytest.approx(8.5 / 8.0 - 1)
+    assert ten["goodput_error_measured_contention"] == pytest.approx(8.5 * 1.1 / 8.0 - 1)
+    assert by_rate[12]["runs"] == 1 and by_rate[12]["goodput_error"] == pytest.approx(0.25)

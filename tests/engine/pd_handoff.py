@@ -1,7 +1,9 @@
 """P/D inside one process, for engine tests: a prefill-role engine prefills, its held blocks are
 copied into the decode-role engine's reserved blocks (as the transfer layer writes them: from
 `first_block_in_window(prompt)` on, the blocks a pull moves), and the decode engine lands each
-request with the prefill engine's first token."""
+request with the prefill engine's first token. With `draft_kv`, the prefill engine's draft model's
+blocks are copied into the decode engine's draft cache too, as a pull that ships them writes them
+(`kvtransfer.draft_kv`), and the proposer is told (`DraftModelProposer.received`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from engine.sampling_params import SamplingParams
 
 
 def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
-                      params: SamplingParams, copied: dict[str, int] | None = None) -> list[list[int]]:
+                      params: SamplingParams, copied: dict[str, int] | None = None,
+                      draft_kv: bool = False) -> list[list[int]]:
     """Every prompt through `prefill` then `decode`; returns each prompt's output token ids.
     A request's KV lands once the decode engine has reserved its blocks, between its steps;
     `copied` gets each request's number of blocks moved."""
@@ -33,9 +36,13 @@ def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
                 assert all(s and d for s, d in pairs), f"{rid}: a block the pull moves was freed"
                 for s, d in pairs:
                     decode.kv_cache[d].copy_(prefill.kv_cache[s])
+                    if draft_kv:
+                        decode.spec.draft.kv_cache[d].copy_(prefill.draft_prefill.kv_cache[s])
                 if copied is not None:
                     copied[rid] = len(pairs)
                 results.setdefault(rid, []).extend(decode.land_remote_kv(rid, first[rid]).new_token_ids)
+                if draft_kv:
+                    decode.spec.draft.received(req)
                 landed.add(rid)
         for o in decode.step():
             results.setdefault(o.request_id, []).extend(o.new_token_ids)

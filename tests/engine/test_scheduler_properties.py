@@ -34,18 +34,20 @@ OPS = {
 
 
 @st.composite
-def schedulers(draw, role: str, windows=st.none()) -> Scheduler:
-    """A small scheduler; `windows` draws the model's sliding window (None: full attention)."""
-    block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    # Room for 16..48 tokens: one request fits, a few at once often do not (preemption).
-    num_blocks = draw(st.integers(16, 48)) // block_size + 1
+def schedulers(draw, role: str, windows=st.none(), group_windows=st.just(()), block_sizes=(1, 2, 4, 8)) -> Scheduler:
+    """A small scheduler; `windows` draws the model's sliding window (None: full attention),
+    `group_windows` its KV groups' windows (engine/kv_groups/; (): one group)."""
+    block_size = draw(st.sampled_from(block_sizes))
+    groups = draw(group_windows)
+    # Room for 16..48 tokens (of every group): one request fits, a few at once often do not (preemption).
+    num_blocks = draw(st.integers(16, 48)) // block_size * max(1, len(groups)) + 1
     chunked = draw(st.sampled_from([True, True, True, False]))
     budget = draw(st.integers(1, 48)) if chunked else draw(st.integers(MAX_MODEL_LEN, 64))
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, 6)),
                              max_model_len=MAX_MODEL_LEN, policy=draw(st.sampled_from(["fcfs", "priority"])),
                              enable_chunked_prefill=chunked)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()),
-                        sliding_window=draw(windows))
+                        sliding_window=draw(windows), kv_group_windows=groups)
     return Scheduler(config, cache, role=role, eos_token_ids=(EOS,))
 
 

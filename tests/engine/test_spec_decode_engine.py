@@ -20,10 +20,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledSeq
 from engine.spec_decode.adaptive import FixedController, SpecController
 from engine.presets import resolve_model_dir
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
@@ -319,6 +321,37 @@ def test_decode_role_with_a_draft_model_equals_colocated(plain):
     stats = decode.stats().spec_decode
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
     assert decode.stats().kv_cache_usage == 0.0
+
+
+def test_a_prefill_engine_with_a_draft_model_ships_its_kv_and_the_decode_draft_skips_its_prefill(plain):
+    """The prefill engine computes the draft's KV of each prompt beside the target's (chunked: 90
+    tokens over a 64-token budget), equal to the draft's own forward over the whole prompt; landed
+    with the target's, the decode engine's draft runs only the tokens after the prompt, and the
+    tokens equal the colocated plain engine's."""
+    prompts = PROMPTS[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = plain.generate(prompts, params)
+    prefill = make_engine(draft_config(), role="prefill", num_blocks=64)
+    assert prefill.spec is None and prefill.draft_prefill is not None
+    decode = make_engine(draft_config(), role="decode")
+    runner, counted = decode.spec.draft.runner, []
+    run_once = runner.run
+    runner.run = lambda seqs, *a, **kw: counted.append(sum(len(s[1]) for s in seqs)) or run_once(seqs, *a, **kw)
+    assert run_disaggregated(prefill, decode, prompts, params, draft_kv=True) == [w.output_token_ids for w in want]
+    assert sum(counted) < sum(map(len, prompts))          # no catch-up over any prompt
+    stats = decode.stats().spec_decode
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
+    assert decode.stats().kv_cache_usage == 0.0
+    # What was shipped is the draft's KV of the prompt: its own forward over it in one chunk.
+    reference = make_engine(draft_config(), role="prefill", num_blocks=64).draft_prefill
+    for rid, prompt in zip(("r0", "r1", "r2"), prompts):
+        table = prefill.scheduler.held[rid].block_ids
+        reference.run([ScheduledSeq(rid, tuple(prompt), 0, table, True)])
+        n, size = len(prompt), 16
+        for i, block in enumerate(table[:-(-n // size)]):
+            rows = min(size, n - i * size)
+            torch.testing.assert_close(prefill.draft_prefill.kv_cache[block][:, :, :rows],
+                                       reference.kv_cache[block][:, :, :rows], rtol=1e-4, atol=1e-5)
 
 
 def test_prefix_cache_hits_give_the_same_tokens_and_drafts(plain, draft):

@@ -106,13 +106,17 @@ def test_a_windowed_model_frees_the_blocks_behind_its_window(checkpoint):
     prompt = [(7 * i) % 290 + 3 for i in range(40)]
     params = SamplingParams(temperature=0.0, max_tokens=60, min_tokens=60)
     request = engine.add_request(prompt, params)
-    peak = 0
+    peak, local_peak = 0, [0] * (kv.num_groups - 1)
     while engine.has_unfinished_requests():
         engine.step()
         peak = max(peak, sum(1 for b in request.block_ids if b))
+        if not request.is_finished and kv.groups is not None:
+            local_peak = list(map(max, local_peak, kv.groups.num_held(request.request_id)))
     total = kv.num_blocks_for(len(prompt) + 60)
-    if cfg.kv_free_window is None:   # Gemma 3, gpt-oss: global layers read everything, nothing is freed
-        assert peak == total
+    if cfg.kv_free_window is None:   # Gemma 3, gpt-oss: the global group (the full layers) keeps every block,
+        assert peak == total         # each local group a window and one 16-token chunk at most
+        assert kv.groups.windows and all(0 < n <= kv.groups.max_blocks_held(total, 16) // len(local_peak) < total
+                                         for n in local_peak)
     else:                            # Mistral: the window and one 16-token chunk at most
         assert peak <= kv.max_blocks_held(len(prompt) + 60, 16) < total
     assert engine.stats().kv_cache_usage == 0.0
@@ -143,20 +147,34 @@ def test_padded_decode_step_equals_the_unpadded_one(checkpoint):
     from engine.model_runner import ModelRunner
     from engine.scheduler_output import ScheduledSeq
 
+    from engine.kv_groups.spec import KVGroups
+
     name, path, hf = checkpoint
     cfg, cpu, bs = ModelConfig.from_dir(path), torch.device("cpu"), 4
-    runners = [ModelRunner(load_model(path, cfg, torch.float32, cpu), allocate_kv_cache(cfg, 80, bs, torch.float32, cpu),
-                           bs, cpu, max_num_seqs=16, max_model_len=64, enforce_eager=eager) for eager in (True, False)]
+    groups = KVGroups.for_windows(cfg.layer_windows, cfg.num_layers)   # Gemma 3, gpt-oss: tables per group
+    runners = []
+    for eager in (True, False):
+        model = load_model(path, cfg, torch.float32, cpu)
+        model.use_kv_groups(groups)
+        runners.append(ModelRunner(model, allocate_kv_cache(cfg, 80 * groups.num_groups, bs, torch.float32, cpu,
+                                                            groups.slots),
+                                   bs, cpu, max_num_seqs=16, max_model_len=64, enforce_eager=eager))
     for runner in runners:
         runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(1)))
-    batch, first = [], 1
+    batch, first, group_tables = [], 1, {}
     for i, start in enumerate([3, 20, 33, 12, 41]):
-        table = list(range(first, first + start // bs + 1))
-        first += len(table)
-        if cfg.kv_free_window:
-            behind = max(0, start - cfg.kv_free_window + 1) // bs
-            table[:behind] = [0] * behind
-        batch.append(ScheduledSeq(f"r{i}", (10 + i,), start, tuple(table), True))
+        tables = []
+        for window in groups.windows:   # every group's pages apart, null behind its window
+            table = list(range(first, first + start // bs + 1))
+            first += len(table)
+            if window:
+                behind = max(0, start - window + 1) // bs
+                table[:behind] = [0] * behind
+            tables.append(tuple(table))
+        batch.append(ScheduledSeq(f"r{i}", (10 + i,), start, tables[0], True))
+        group_tables[f"r{i}"] = tuple(tables[1:])
+    for runner in runners:
+        runner.read_group_tables(group_tables)
     eager, padded = runners
     assert padded.decode_buckets.bucket(batch) is not None
     got, want = padded.run(batch), eager.run(batch)

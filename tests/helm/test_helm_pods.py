@@ -289,7 +289,7 @@ def test_enforce_eager_is_per_pool_and_off_by_default():
     assert "--enforce-eager" not in container(render().get("Deployment", name("decode")))["args"]
 
 
-def test_speculative_config_reaches_the_decode_pool_only_as_json():
+def test_speculative_config_reaches_the_decode_pool_as_json_and_a_draft_model_the_prefill_pool():
     assert all("speculative-config" not in flags(container(d)["args"]) for d in deployments(render()).values())
     pools = deployments(render(sets=('decode.engine.speculativeConfig={"method":"ngram","num_speculative_tokens":4,'
                                      '"prompt_lookup_max":5}',)))
@@ -299,6 +299,12 @@ def test_speculative_config_reaches_the_decode_pool_only_as_json():
     assert SpeculativeConfig.from_json(value) == SpeculativeConfig("ngram", 4, 5, 5)
     with pytest.raises(HelmError, match="speculativeConfig"):
         render(sets=('decode.engine.speculativeConfig={"method":"eagle3","num_speculative_tokens":4}',))
+    # A draft model reaches the prefill pool too: it prefills the draft and ships its KV.
+    pools = deployments(render(sets=('decode.engine.speculativeConfig={"method":"draft_model",'
+                                     '"model":"/models/draft","num_speculative_tokens":4}',)))
+    for pool in ("prefill", "decode"):
+        value = flags(container(pools[pool])["args"])["speculative-config"]
+        assert SpeculativeConfig.from_json(value) == SpeculativeConfig("draft_model", 4, model="/models/draft")
 
 
 def test_tensor_parallel_size_is_per_pool_with_one_gpu_per_rank():

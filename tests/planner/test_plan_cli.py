@@ -116,3 +116,11 @@ def test_profile_refuses_a_model_above_the_gate_and_writes_one_below(monkeypatch
     assert written.held_out_error < 0.01 and written.serving is None
     assert written.engine["num_blocks"] > 0 and written.data["model"]["name"] == "tiny"
     assert written.data["timer"] == "thread_time" and written.data["device"]["threads"] == 1
+    # Stage B alone reuses a grid only of the same model and engine flags.
+    again = ["profile", "--grid-from", str(out), "--out", str(tmp_path / "b.json")]
+    assert main(again + ["--model", "tiny", "--max-num-seqs", "8"]) == 2
+    assert "max_num_seqs: 128 there, 8 here" in capsys.readouterr().err
+    assert main(again + ["--model", "small"]) == 2
+    assert "a profile of tiny, not of small" in capsys.readouterr().err
+    assert main(again + ["--model", "tiny", "--no-in-situ"]) == 2
+    assert "nothing to do" in capsys.readouterr().err

@@ -161,16 +161,23 @@ def sampling(**kw) -> pb.SamplingParams:
     return to_proto(SamplingParams(**kw))
 
 
+def dispatch(pc, dc, prefill_address: str, request_id: str, prompt: list[int], params: pb.SamplingParams,
+             transport: str = "grpc", timeout: float = 60.0):
+    """Concurrent dispatch, as the router does: the Prefill call on P (channel `pc`) and the
+    Generate(prefill_from=P) stream on D (channel `dc`), both started, neither awaited."""
+    pre = pb_grpc.PrefillServiceStub(pc).Prefill(
+        pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params), timeout=timeout)
+    gen = pb_grpc.DecodeServiceStub(dc).Generate(vouched(
+        pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
+                           prefill_from=prefill_address, kv_transport=transport)), timeout=timeout)
+    return pre, gen
+
+
 async def disaggregated(prefill: Pod, decode: Pod, request_id: str, prompt: list[int], params: pb.SamplingParams,
                         transport: str = "grpc", timeout: float = 60.0, channel=pod_channel) -> tuple[list[int], list]:
-    """Concurrent dispatch, as the router does: Prefill on P and Generate(prefill_from=P) on D
-    (over channels from `channel(address)`)."""
+    """`dispatch` over channels from `channel(address)`; the tokens and D's messages."""
     async with channel(prefill.address) as pc, channel(decode.address) as dc:
-        pre = pb_grpc.PrefillServiceStub(pc).Prefill(
-            pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params), timeout=timeout)
-        gen = pb_grpc.DecodeServiceStub(dc).Generate(vouched(
-            pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                               prefill_from=prefill.address, kv_transport=transport)), timeout=timeout)
+        pre, gen = dispatch(pc, dc, prefill.address, request_id, prompt, params, transport, timeout)
         messages = [m async for m in gen]
         first = await pre
     tokens = [t for m in messages for t in m.token_ids]

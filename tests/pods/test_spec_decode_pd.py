@@ -2,7 +2,12 @@
 that prefills itself from the prompt it receives, or an EAGLE head, which has no hidden states for
 a prompt prefilled elsewhere) gives the tokens of the colocated engine without
 speculation, disaggregated (KV pulled from a prefill pod, which takes the flag and ignores it) and
-prefilled locally; its /metrics count the drafts with vLLM's names."""
+prefilled locally; its /metrics count the drafts with vLLM's names.
+
+A prefill pod given the same draft model prefills the draft too and ships its KV with the
+target's, over gRPC and over a Gloo pair: the tokens are the same, the decode pod says the draft's
+KV came, and a Generate cancelled mid-stream leaves no block held on either pod. From a prefill
+pod without the draft (the first pod) the draft decode pod prefills its draft itself."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 DRAFT = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}'
+NCCL = ("--kv-transport", "nccl")   # Gloo on CPU; the pods serve gRPC pulls too
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +39,15 @@ def pods(tmp_path_factory):
     eagle = f'{{"method": "eagle", "model": "{head}", "num_speculative_tokens": 3}}'
     prefill = Pod("prefill", "--speculative-config", NGRAM)
     decoders = {"ngram": Pod("decode", "--speculative-config", NGRAM),
-                "draft_model": Pod("decode", "--speculative-config", DRAFT),
+                "draft_model": Pod("decode", "--speculative-config", DRAFT, *NCCL),
                 "eagle": Pod("decode", "--speculative-config", eagle)}
+    ships = Pod("prefill", "--speculative-config", DRAFT, *NCCL)   # a prefill pod with the draft model
     try:
-        prefill.wait_ready()
-        for pod in decoders.values():
+        for pod in (prefill, *decoders.values(), ships):
             pod.wait_ready()
-        yield prefill, decoders
+        yield prefill, decoders, ships
     finally:
-        for pod in (prefill, *decoders.values()):
+        for pod in (prefill, *decoders.values(), ships):
             pod.stop()
 
 
@@ -65,7 +71,7 @@ PARAMS = {
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 def test_disaggregated_with_speculation_equals_colocated_without(pods, reference, method, mode):
-    prefill, decoders = pods
+    prefill, decoders, _ = pods
     prompts = _prompts()
     expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**PARAMS[mode]))]
 
@@ -78,11 +84,52 @@ def test_disaggregated_with_speculation_equals_colocated_without(pods, reference
     assert [tokens for tokens, _ in results] == expected
     for _, messages in results:
         assert not messages[0].local_prefill
+        assert not messages[0].draft_kv_shipped          # this prefill pod has no draft model
         assert messages[-1].finished and messages[-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize(("mode", "transport"), [("greedy", "grpc"), ("seeded", "nccl")])
+def test_the_drafts_kv_shipped_by_the_prefill_pod_gives_the_colocated_tokens(pods, reference, mode, transport):
+    _, decoders, ships = pods
+    decode = decoders["draft_model"]
+    prompts = _prompts()
+    expected = [o.output_token_ids for o in reference.generate(prompts, SamplingParams(**PARAMS[mode]))]
+
+    async def all_at_once():
+        return await asyncio.gather(*(
+            disaggregated(ships, decode, f"ships-{mode}-{i}", p, sampling(**PARAMS[mode]), transport=transport)
+            for i, p in enumerate(prompts)))
+
+    results = run(all_at_once())
+    assert [tokens for tokens, _ in results] == expected
+    for _, messages in results:
+        assert not messages[0].local_prefill and messages[0].draft_kv_shipped
+    for pod in (ships, decode):
+        pod.wait_free_blocks(pod.load().num_total_blocks, timeout=30)
+
+
+def test_a_generate_cancelled_after_the_drafts_kv_landed_frees_both_pods_blocks(pods):
+    _, decoders, ships = pods
+    decode = decoders["draft_model"]
+
+    async def cancelled():
+        from tests.pods.podproc import dispatch, pod_channel
+
+        params = sampling(**{**PARAMS["greedy"], "max_tokens": 400})
+        async with pod_channel(ships.address) as pc, pod_channel(decode.address) as dc:
+            pre, gen = dispatch(pc, dc, ships.address, "ships-cancel", _prompts()[0], params)
+            first = await gen.read()
+            gen.cancel()
+            await pre
+        return first
+
+    assert run(cancelled()).draft_kv_shipped
+    for pod in (ships, decode):
+        pod.wait_free_blocks(pod.load().num_total_blocks, timeout=30)
+
+
 def test_local_prefill_with_a_draft_model_equals_colocated(pods, reference):
-    _, decoders = pods
+    _, decoders, _ = pods
     prompt = _prompts()[0]
     expected = reference.generate([prompt], SamplingParams(**PARAMS["greedy"]))[0].output_token_ids
 
@@ -101,7 +148,7 @@ def test_local_prefill_with_a_draft_model_equals_colocated(pods, reference):
 
 
 def test_decode_pod_metrics_count_drafts(pods):
-    _, decoders = pods
+    _, decoders, _ = pods
     pod = decoders["draft_model"]          # a draft equal to the target: greedy drafts are accepted
     run(disaggregated(pods[0], pod, "metrics-0", _prompts()[1], sampling(**PARAMS["greedy"])))
     deadline_text = ""
