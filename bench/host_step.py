@@ -8,7 +8,10 @@ GPU step has to hide: the figure to hold below the GPU's step time (about 1 ms f
 batch 1, 1.5-2 ms at batch 256 on an H200). Reported per batch size: the median and p90 wall
 time of one `Engine.step()` (and its p10: on a shared machine the closest to the step's own
 cost), and its thread CPU time. `--churn N` measures a batch whose membership changes: a request
-ends and a new one arrives (its prefill chunk in the same step) every N steps.
+ends and a new one arrives (its prefill chunk in the same step) every N steps. Its steps are of
+N kinds (the arrival's mixed step, the step after it, the steady ones), so their median sits on
+whichever kind straddles the middle: read the mean too (printed after the table), the host time
+a token costs.
 
 `--tree NAME=PATH` measures another checkout side by side (PYTHONPATH=PATH; each measurement is
 a subprocess running this file from this checkout against that tree's engine), alternating,
@@ -111,7 +114,8 @@ def measure(args, batch: int) -> dict:
         assert engine.scheduler.num_running == batch and all(len(s.token_ids) == 1
                                                              for s in engine.last_schedule.scheduled)
     wall.sort()
-    return {"batch": batch, "median_us": 1e6 * statistics.median(wall), "p10_us": 1e6 * wall[len(wall) // 10],
+    return {"batch": batch, "median_us": 1e6 * statistics.median(wall), "mean_us": 1e6 * statistics.fmean(wall),
+            "p10_us": 1e6 * wall[len(wall) // 10],
             "p90_us": 1e6 * wall[int(0.9 * len(wall))], "cpu_us": 1e6 * statistics.median(cpu), "steps": args.steps}
 
 
@@ -137,6 +141,18 @@ def table(results: dict[str, dict[int, list[dict]]], batches: list[int]) -> str:
                  f"({statistics.median(r['cpu_us'] for r in results[n][b]):.0f})" for n in names]
         ratio = [f"x{meds[names[-1]] / meds[names[0]]:.2f}"] if len(names) > 1 else []
         lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
+    return "\n".join(lines)
+
+
+def mean_table(results: dict[str, dict[int, list[dict]]], batches: list[int]) -> str:
+    """Mean µs per step (medians over rounds), trees side by side."""
+    names = list(results)
+    lines = ["| batch | " + " | ".join(f"{n}: mean µs" for n in names) +
+             (f" | {names[-1]} / {names[0]}" if len(names) > 1 else "") + " |", "|---" * (len(names) + 1 + (len(names) > 1)) + "|"]
+    for b in batches:
+        means = [statistics.median(r["mean_us"] for r in results[n][b]) for n in names]
+        ratio = [f"x{means[-1] / means[0]:.2f}"] if len(names) > 1 else []
+        lines.append(f"| {b} | " + " | ".join([f"{m:.0f}" for m in means] + ratio) + " |")
     return "\n".join(lines)
 
 
@@ -170,6 +186,7 @@ def main() -> None:
                 results[name][b].append(result)
                 print(json.dumps({"round": r, "tree": name, **result}), flush=True)
     print(table(results, batches))
+    print(mean_table(results, batches))
 
 
 if __name__ == "__main__":

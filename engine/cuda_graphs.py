@@ -115,6 +115,7 @@ class DecodeBuckets:
                                  block_size, device, growable=False, num_groups=num_groups)
         self.logits = torch.empty(max(self.batch_sizes[-1], logits_rows), vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._rows: dict[int, torch.Tensor] = {}     # `_logits_rows`
 
     def bucket(self, scheduled) -> int | None:
         """The padded batch size for a decode-only batch that fits the graphs' width, else None."""
@@ -139,8 +140,15 @@ class DecodeBuckets:
         if graph is not None:
             graph.replay()
         else:
-            self.forward(t.input_ids, t.positions, t.meta, self.logits[:bucket])
-        return self.logits[:t.num_seqs]
+            self.forward(t.input_ids, t.positions, t.meta, self._logits_rows(bucket))
+        return self._logits_rows(t.num_seqs)
+
+    def _logits_rows(self, n: int) -> torch.Tensor:
+        """`self.logits[:n]`, one view per size (a slice costs more than a small step's copy)."""
+        rows = self._rows.get(n)
+        if rows is None:
+            rows = self._rows[n] = self.logits[:n]
+        return rows
 
     def capture(self, pool=None) -> float:
         """Capture every bucket (CUDA only) into `pool` (default: a new one); returns the seconds it took."""

@@ -17,7 +17,7 @@ import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -65,8 +65,7 @@ _OUTPUTS, _REQUEST_ID, _LAST = operator.attrgetter("output_token_ids"), operator
     operator.itemgetter(-1)
 
 
-@dataclass(frozen=True)
-class _InFlight:
+class _InFlight(NamedTuple):   # (a NamedTuple: built every step, ~3x cheaper than a frozen dataclass)
     """A launched step whose sampled ids are still on the device (async scheduling)."""
 
     requests: list[Request]   # those that got a placeholder in update(), in batch order

@@ -42,6 +42,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, DecodeSeqs
 
+SMALL_BATCH = 16    # sequences: up to this a steady decode batch is staged in plain Python (`_prepare_steady`)
 ALIGN = 16    # bytes: Triton's pointer-alignment specialisation (module docstring)
 _VIEW_CACHE = 512    # layouts whose views a buffer keeps (decode buckets need a few dozen)
 
@@ -125,8 +126,10 @@ class StepTensors:
         num_fill = self.layout.num_fill
         if not num_fill:
             return
-        if self.fill_in_order:
-            self.input_ids[:num_fill].copy_(prev_token_ids[:num_fill])
+        if self.fill_in_order:     # (a slice costs more than the copy: none where the sizes match)
+            ids = self.input_ids
+            (ids if ids.shape[0] == num_fill else ids[:num_fill]).copy_(
+                prev_token_ids if prev_token_ids.shape[0] == num_fill else prev_token_ids[:num_fill])
         else:
             self.input_ids.index_copy_(0, self.fill_dst, prev_token_ids.index_select(0, self.fill_src))
 
@@ -194,6 +197,7 @@ class StepInputs:
         self._table_state: dict[int, tuple[tuple, list]] = {}
         self._signature: tuple | None = None
         self._filled_in_order = False       # fill_src holds 0..P-1 (read only while steady)
+        self._tensors: StepTensors | None = None   # what the last `prepare` returned
         self._host_cache: dict[Layout, dict[str, np.ndarray]] = {}
         self._device_cache: dict[Layout, tuple[dict[str, torch.Tensor], AttentionMetadata]] = {}
 
@@ -254,6 +258,10 @@ class StepInputs:
         `np.fromiter`): a Python-level pass over the batch costs ~50 ns a request, and a decode
         step of 256 requests would otherwise spend more time here than the GPU spends on it."""
         num_real = len(scheduled)
+        if num_real <= SMALL_BATCH and self._filled_in_order and lora_slots is None and extra_logits_rows is None:
+            t = self._prepare_steady(scheduled, pad_to, width, prev_rows)
+            if t is not None:
+                return t
         if isinstance(scheduled, DecodeSeqs):     # a steady decode batch as columns: no pass over it
             request_ids, starts, block_lists, samples = scheduled.ids, scheduled.starts, scheduled.tables, (True,)
             num_real_tokens = num_real
@@ -375,9 +383,50 @@ class StepInputs:
         if not self.on_cpu:
             self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
             self._copied.record(torch.cuda.current_stream(self.device))
-        t = self.tensors(layout, num_real)
+        t = self._tensors = self.tensors(layout, num_real)
         t.fill_in_order = self._filled_in_order = fill_in_order
         return t
+
+    def _prepare_steady(self, scheduled, pad_to: int | None, width: int | None, prev_rows) -> StepTensors | None:
+        """`prepare` for a small steady decode batch, or None when `scheduled` is not one: the same
+        requests as this buffer's previous step, which was a decode step with every token on the
+        device in the order of its sample (`_filled_in_order`), one placeholder token each again,
+        in the same layout, one KV group. Everything but positions, slots, lengths and the rows of tables that
+        grew still holds that step's values (`prepare`'s steady case), and those few are written
+        element by element: a numpy call on a few rows costs more than the Python it replaces
+        (~20 calls: most of a batch-1 host step, `bench/host_step.py`)."""
+        signature = self._signature
+        if signature is None or not signature[2] or len(scheduled) != signature[1] \
+                or not isinstance(prev_rows, PrevSample) or isinstance(scheduled, DecodeSeqs):
+            return None
+        layout, num_real, _ = signature
+        request_ids, token_lists, starts, block_lists, samples = zip(*scheduled)
+        if token_lists.count(_ONE_PLACEHOLDER) != num_real or not all(samples) or list(request_ids) != prev_rows.ids \
+                or (num_real if pad_to is None else pad_to) != layout.num_seqs or layout.lora or layout.groups > 1 \
+                or (max(max(map(len, block_lists)), 1) if width is None else width) != layout.width:
+            return None
+        bs = self.block_size
+        try:     # a start past its table (not scheduled so): the general path's answer
+            slots = [blocks[start // bs] * bs + start % bs for start, blocks in zip(starts, block_lists)]
+        except IndexError:
+            return None
+        self._wait_for_last_copy()
+        h = self._host_views(layout)
+        positions, seq_lens, slot_mapping, table = h["positions"], h["seq_lens"], h["slot_mapping"], h["block_tables"]
+        last_rows = self._table_state[0][1]     # this layout's (`_fill_block_table` ran with it last)
+        for i, start, blocks, slot in zip(range(num_real), starts, block_lists, slots):
+            positions[i] = start
+            seq_lens[i] = start + 1
+            slot_mapping[i] = slot
+            if blocks is not last_rows[i]:      # the table grew (a new tuple from the scheduler)
+                last_rows[i] = blocks
+                row = table[i]
+                row[:len(blocks)] = blocks
+                row[len(blocks):] = 0
+        if not self.on_cpu:
+            self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
+            self._copied.record(torch.cuda.current_stream(self.device))
+        return self._tensors     # the previous step's: the same views, rows and order
 
     def _fill_groups(self, h: dict[str, np.ndarray], request_ids, num_seqs: int, seq_index: np.ndarray,
                      pos: np.ndarray, unwritten: np.ndarray | None, key: tuple) -> None:
@@ -445,6 +494,7 @@ class StepInputs:
 
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+_ONE_PLACEHOLDER = (PLACEHOLDER_TOKEN_ID,)     # a decode's tokens while its input is on the device
 
 
 @functools.lru_cache(maxsize=64)

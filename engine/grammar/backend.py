@@ -73,3 +73,8 @@ class GrammarBackend(Protocol):
     def fill_bitmask(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed next tokens into row `index` of `bitmask`
         (`int32[rows, ceil(vocab_width / 32)]`, C-contiguous); rows not named are left as they are."""
+
+    def fill_bitmask_nogil(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """`fill_bitmask` in one call that holds the GIL only to start and to finish: for a thread
+        beside the engine's (`engine.grammar.fill_ahead`), which a call per row would make
+        trade the GIL with the engine thread once a row."""

@@ -108,16 +108,28 @@ class LLGuidanceBackend:
         return LLGuidanceGrammar(spec.key, start)
 
     def fill_bitmask(self, matchers: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
-        rows, words = bitmask.shape
-        if words != self.words_per_row or bitmask.dtype != np.int32 or not bitmask.flags.c_contiguous:
-            raise ValueError(f"bitmask must be C-contiguous int32 [rows, {self.words_per_row}], "
-                             f"got {bitmask.dtype} {bitmask.shape}")
+        rows, words = self._shape(bitmask)
         if self._num_threads > 1 and len(matchers) * self.vocab_width >= PARALLEL_FILL_TOKENS:
-            self._executor.unsafe_compute_mask_ptr([(m.inner, row) for m, row in matchers], bitmask.ctypes.data,
-                                                   words * 4, rows)
+            self._fill_in_one_call(matchers, bitmask, rows, words)
             return
         base = bitmask.ctypes.data
         for matcher, row in matchers:   # small batches: a thread handoff costs more than the masks
             if not 0 <= row < rows:
                 raise IndexError(f"row {row} outside the bitmask's {rows}")
             matcher.inner.unsafe_compute_mask_ptr(base + row * words * 4, words * 4)
+
+    def fill_bitmask_nogil(self, matchers: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
+        self._fill_in_one_call(matchers, bitmask, *self._shape(bitmask))
+
+    def _fill_in_one_call(self, matchers: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray,
+                          rows: int, words: int) -> None:
+        """On the executor's threads, the GIL released (it checks each row is below `rows`)."""
+        self._executor.unsafe_compute_mask_ptr([(m.inner, row) for m, row in matchers], bitmask.ctypes.data,
+                                               words * 4, rows)
+
+    def _shape(self, bitmask: np.ndarray) -> tuple[int, int]:
+        rows, words = bitmask.shape
+        if words != self.words_per_row or bitmask.dtype != np.int32 or not bitmask.flags.c_contiguous:
+            raise ValueError(f"bitmask must be C-contiguous int32 [rows, {self.words_per_row}], "
+                             f"got {bitmask.dtype} {bitmask.shape}")
+        return rows, words

@@ -47,7 +47,10 @@ class BitmaskBuffers:
 
     def _allocate(self, rows: int) -> None:
         cuda = self.device.type == "cuda"
+        old = getattr(self, "_host", None)
         self._host = torch.zeros(rows, self.words, dtype=torch.int32, pin_memory=cuda)
+        if old is not None:     # rows filled ahead (`StructuredOutputs.advance`) stay
+            self._host[:old.shape[0]] = old
         self._host_array = self._host.numpy()
         self._device = torch.empty(rows, self.words, dtype=torch.int32, device=self.device) if cuda else None
         # Sampler rows 0..n-1 (every row constrained, 100% structured traffic): no new index tensor

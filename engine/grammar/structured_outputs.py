@@ -9,11 +9,13 @@ A request with a `StructuredSpec`:
    request's *first constrained* token can wait for its compile, and only if the compile outlasted
    the prefill (cold cache and a short prompt; llguidance compiles typical schemas in about a
    millisecond): waiting there keeps the prefill overlapped and needs no scheduler state. A compile
-   that fails or times out fails the request; it never runs unconstrained.
+   that fails or times out fails the request; it never runs unconstrained. A CPU engine's forward
+   blocks the host, so there the rows were filled ahead by `advance` (`engine.grammar.fill_ahead`)
+   and `prepare` fills only those that moved.
 3. `advance(requests)`, once the step's tokens are known on the host: each matcher consumes its
    new token; a grammar with nothing left but an end token finishes its request as `stop` (over
    `min_tokens` and `ignore_eos`: the grammar wins), a rejected token fails it (a bug the mask
-   should make impossible).
+   should make impossible). A CPU engine then starts filling the next step's rows.
 4. Decode role: `accept_first_token` takes over from the prefill pod, which sampled token 0 under
    the same grammar: the fingerprints must match and the token must be accepted, or the pod
    prefills locally (`FirstTokenRejected`). The matcher syncs to output positions, so token 0 is
@@ -33,6 +35,7 @@ import torch
 
 from engine.grammar.backend import GrammarBackend, GrammarCompileError, GrammarError
 from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.fill_ahead import FillAhead
 from engine.grammar.mask import BitmaskBuffers, GrammarMask
 from engine.grammar.request_grammar import RequestGrammar
 from engine.grammar.stats import StructuredStats
@@ -68,6 +71,8 @@ class StructuredOutputs:
                 end_words[token_id // 32] |= np.uint32(1 << (token_id % 32))
         self._not_end = ~end_words.view(np.int32)
         self._stats = StructuredStats()
+        # A CPU engine's forward pass blocks the host: masks are filled beside it on a thread.
+        self._ahead = FillAhead() if device.type == "cpu" else None
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer | None, vocab_width: int, eos_token_ids: Sequence[int],
@@ -115,6 +120,8 @@ class StructuredOutputs:
         return self.compiler.compile(spec)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
         if self.compiler is not None:
             self.compiler.close()
 
@@ -124,10 +131,14 @@ class StructuredOutputs:
         must fail instead (their rows are left free: the engine aborts them before `update`)."""
         if not self.states:
             return None, []
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.wait()
         states = self.states
         failed: list[tuple[Request, Exception]] = []
-        constrained: list[tuple[int, RequestGrammar]] = []
-        short: list[int] = []       # indices into `constrained` of rows still under their min_tokens
+        rows: list[int] = []                    # the sampler row of each mask row
+        grammars: list[RequestGrammar] = []     # the grammar of each mask row
+        short: list[int] = []                   # mask rows still under their min_tokens
         for row, request in enumerate(requests):
             state = states.get(request.request_id)
             if state is None or request.is_finished:   # finished: a row whose token is dropped
@@ -141,14 +152,18 @@ class StructuredOutputs:
                     continue
             if state.constrained:
                 if len(output) < request.sampling_params.min_tokens:
-                    short.append(len(constrained))
-                constrained.append((row, state))
-        if not constrained:
+                    short.append(len(grammars))
+                rows.append(row)
+                grammars.append(state)
+        if not grammars:
             return None, failed
-        host = self._buffers.host_rows(len(constrained))
-        self.compiler.backend.fill_bitmask([(state.matcher, j) for j, (_, state) in enumerate(constrained)], host)
-        end_only = frozenset(constrained[j][0] for j in short if not (host[j] & self._not_end).any())
-        return self._buffers.upload(len(constrained), [row for row, _ in constrained], end_only), failed
+        host = self._buffers.host_rows(len(grammars))
+        stale = (list(zip([state.matcher for state in grammars], range(len(grammars)))) if ahead is None
+                 else ahead.stale(grammars))
+        if stale:
+            self.compiler.backend.fill_bitmask(stale, host)
+        end_only = frozenset(rows[j] for j in short if not (host[j] & self._not_end).any())
+        return self._buffers.upload(len(grammars), rows, end_only), failed
 
     def _sync(self, state: RequestGrammar, request: Request) -> Exception | None:
         """Bring `state` up to the request's output, starting its matcher (which may wait for the
@@ -169,12 +184,17 @@ class StructuredOutputs:
 
     def advance(self, requests: Sequence[Request]) -> tuple[list[Request], list[tuple[Request, Exception]]]:
         """After the step's tokens are on the host: (requests whose grammar is complete, requests
-        that must fail). Finished requests are skipped."""
+        that must fail). Finished requests are skipped. A CPU engine then starts filling the next
+        step's rows, in this order (`engine.grammar.fill_ahead`)."""
         states = self.states
         if not states:
             return [], []
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.wait()
         done: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
+        going: list[RequestGrammar] = []        # constrained, and on to the next step
         for request in requests:
             state = states.get(request.request_id)
             if state is None or request.is_finished:
@@ -183,6 +203,10 @@ class StructuredOutputs:
                 failed.append((request, GrammarError(f"structured output: {state.error}")))
             elif state.is_terminated():
                 done.append(request)
+            elif state.matcher is not None:
+                going.append(state)
+        if ahead is not None and going:
+            ahead.start(self.compiler.backend, going, self._buffers.host_rows(len(going)))
         return done, failed
 
     # ------------------------------------------------------------------ decode role

@@ -7,9 +7,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from engine.grammar.backend import GrammarCompileError
 from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.fill_ahead import FillAhead
 from engine.grammar.llguidance_backend import LLGuidanceBackend
 from engine.grammar.request_grammar import RequestGrammar
 from engine.grammar.source import grammar_source, short_error, validate_source
@@ -75,6 +77,47 @@ def test_parallel_fill_of_many_rows(backend, tokenizer):
     assert not mask[:3].any()
     with pytest.raises(ValueError, match="bitmask"):
         backend.fill_bitmask([(matchers[0], 0)], np.zeros((1, 3), dtype=np.int32))
+
+
+def test_rows_filled_ahead_count_only_where_they_still_match(backend, tokenizer):
+    """`FillAhead` (a CPU engine's masks, filled in `advance`): a row stands for the next prepare
+    only at the same mask row and output position, after the last start; inline (no idle core)
+    and on the thread alike, each row the mask `fill_bitmask` gives."""
+    specs = [StructuredSpec("regex", r) for r in ("[0-9]+", "[a-z]+")]
+    compiled = [backend.compile(spec) for spec in specs]
+    states = []
+    for i in range(10):
+        state = RequestGrammar(specs[i % 2], None)
+        state.start(compiled[i % 2])
+        states.append(state)
+    want = np.zeros((len(states), backend.words_per_row), dtype=np.int32)
+    backend.fill_bitmask([(s.matcher, j) for j, s in enumerate(states)], want)
+    ahead, threads = FillAhead(), torch.get_num_threads()
+    try:
+        for num_threads, group in ((ahead._num_cores, states[:3]), (1, states)):   # inline, then on the thread
+            torch.set_num_threads(num_threads)
+            host = np.zeros((len(group), backend.words_per_row), dtype=np.int32)
+            ahead.start(backend, group, host)
+            assert ahead.stale(group) == [] and (host == want[:len(group)]).all()
+            assert len(ahead.stale(group)) == len(group)       # used: stale until the next start
+        host = np.zeros_like(want)
+        ahead.start(backend, states, host)
+        moved = [states[1], states[0], *states[2:]]
+        assert [j for _, j in ahead.stale(moved)] == [0, 1]
+        ahead.start(backend, states[:2], host)
+        ahead.start(backend, states[2:4], host)                 # overwrites rows 0-1: the first is stale
+        assert len(ahead.stale(states[:2])) == 2
+        ahead.start(backend, states[:2], host)
+        ahead.wait()                                            # before a matcher is touched
+        assert states[0].sync(_ids(tokenizer, "7"))             # consumed a token since: stale
+        assert [j for _, j in ahead.stale(states[:2])] == [0]
+        ahead.start(backend, states, np.zeros((len(states), 3), dtype=np.int32))
+        with pytest.raises(ValueError, match="bitmask"):       # a failed fill raises at the wait
+            ahead.wait()
+        assert ahead._thread is not None or ahead._num_cores == 1
+    finally:
+        torch.set_num_threads(threads)
+        ahead.close()
 
 
 def test_compile_errors_are_the_requests(backend):

@@ -27,15 +27,29 @@ def _snapshot(t) -> dict:
     m = t.meta
     out = {name: getattr(t, name).tolist() for name in FIELDS}
     out.update(slots=m.slot_mapping.tolist(), qsl=m.query_start_loc.tolist(), seq_lens=m.seq_lens.tolist(),
-               tables=m.block_tables.tolist(), num_seqs=t.num_seqs)
+               tables=m.block_tables.tolist(), num_seqs=t.num_seqs, fill_in_order=t.fill_in_order)
     return out
 
 
-def test_a_reused_buffer_plans_what_a_fresh_one_plans():
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_reused_buffer_plans_what_a_fresh_one_plans(padded):
     """Decode steps as the scheduler makes them (a request's table is the same tuple until it gains
-    a block), with arrivals, departures, reorders and padding, some tokens still on the device."""
+    a block), with arrivals, departures, reorders and padding (`padded`: the graphs' buckets and
+    width; else the eager runner's), some tokens still on the device. Batches this small that
+    repeat the previous step's requests in its sample's order are staged element by element
+    (`StepInputs._prepare_steady`): that path must run, and plan the same."""
     rng = random.Random(3)
     staging = StepInputs(max_layout_bytes(16, 16, 8), BLOCK, CPU, growable=False)
+    steady = staging._prepare_steady
+    num_steady = 0
+
+    def counted(*args):
+        nonlocal num_steady
+        t = steady(*args)
+        num_steady += t is not None
+        return t
+
+    staging._prepare_steady = counted
     tables: dict[str, tuple[int, ...]] = {}
     lengths: dict[str, int] = {}
     next_block = 1
@@ -58,15 +72,18 @@ def test_a_reused_buffer_plans_what_a_fresh_one_plans():
         order = sorted(tables)
         if rng.random() < 0.1:
             rng.shuffle(order)
-        on_device = rng.choice([lambda i: True, lambda i: i % 2 == 1, lambda i: False])   # async: all, some, none
+        on_device = rng.choice([lambda i: True] * 4 + [lambda i: i % 2 == 1, lambda i: False])   # all, some, none
         batch = [ScheduledSeq(rid, (PLACEHOLDER_TOKEN_ID if on_device(i) else rng.randrange(100),), lengths[rid] - 1,
                               tables[rid], True) for i, rid in enumerate(order)]
-        # The previous sample in reverse order (a gather), or in this order, known by its ids (a copy).
-        prev = {rid: j for j, rid in enumerate(reversed(order))} if step % 3 else PrevSample(None, ids=list(order))
-        pad = 16 if step % 7 else len(batch) + rng.randrange(3)          # mostly one bucket: steady steps
-        got = _snapshot(staging.prepare(batch, pad_to=pad, width=8, prev_rows=prev))
+        # The previous sample in reverse order (a gather), or known by its ids: mostly in this order (a copy).
+        prev = {rid: j for j, rid in enumerate(reversed(order))} if step % 4 == 0 else \
+            PrevSample(None, ids=list(reversed(order)) if step % 9 == 0 else list(order))
+        pad = (16 if step % 7 else len(batch) + rng.randrange(3)) if padded else None   # mostly one bucket
+        width = 8 if padded else None
+        got = _snapshot(staging.prepare(batch, pad_to=pad, width=width, prev_rows=prev))
         fresh = StepInputs(max_layout_bytes(16, 16, 8), BLOCK, CPU, growable=False)
-        assert got == _snapshot(fresh.prepare(batch, pad_to=pad, width=8, prev_rows=prev)), step
+        assert got == _snapshot(fresh.prepare(batch, pad_to=pad, width=width, prev_rows=prev)), step
+    assert num_steady > 20
 
 
 def test_a_mixed_step_between_decodes_rewrites_the_table():

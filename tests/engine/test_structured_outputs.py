@@ -16,6 +16,7 @@ import re
 import shutil
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -171,6 +172,43 @@ def test_batch_invariance_with_free_requests(engine):
     for order in (constrained + free, [free[1], constrained[2], free[0], constrained[1], constrained[0]]):
         outs = dict(zip([id(x) for x in order], _summary(engine.generate([p for p, _ in order], [sp for _, sp in order]))))
         assert [outs[id(x)] for x in constrained + free] == alone
+
+
+def _abort_one_midway(engine: Engine, prompts, params, victim: int, at_step: int = 3) -> list[list[int]]:
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    tokens = {rid: [] for rid in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        if steps == at_step:
+            engine.abort(ids[victim])
+    return [tokens[rid] for rid in ids]
+
+
+def test_masks_filled_ahead_equal_masks_filled_in_prepare(engine):
+    """A CPU engine fills the next step's masks in `advance` (`engine.grammar.fill_ahead`, on a
+    thread while torch leaves a core idle); rows that moved (here: a request aborted mid-batch) are
+    filled again in `prepare`: the outputs equal those of masks all filled in `prepare` (a GPU
+    engine's)."""
+    specs = list(SMALL_SPECS.values())
+    prompts = [_prompt(100 + i, 3 + i % 4) for i in range(12)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + i % 5, structured=specs[i % 3] if i % 6 else None)
+              for i in range(12)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # a core left idle: the fill goes to the thread
+    try:
+        ahead = _abort_one_midway(engine, prompts, params, victim=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.structured._ahead._thread is not None or engine.structured._ahead._num_cores == 1
+    saved, engine.structured._ahead = engine.structured._ahead, None
+    try:
+        assert _abort_one_midway(engine, prompts, params, victim=3) == ahead
+    finally:
+        engine.structured._ahead = saved
+    assert engine.stats().kv_cache_usage == 0.0 and not engine.structured.states
 
 
 def test_async_scheduling_equals_sync(engine):

@@ -1,0 +1,106 @@
+"""A CPU engine's next mask rows, filled as soon as the step's tokens are consumed.
+
+On CUDA the forward pass is queued and `StructuredOutputs.prepare` fills the masks while the
+device runs it. On a CPU the forward pass blocks the host, so a mask filled in `prepare` adds its
+whole time to the step, cache-cold after the forward pass (about 110 µs for the first row
+against 30 µs right after its matcher consumed a token). Instead `advance`, where the matchers
+have just consumed the step's tokens, starts the next step's fill at once, on one worker thread,
+while the engine thread schedules the next step and runs its forward pass (llguidance fills every
+row in one call that drops the GIL; torch drops it inside its ops). The thread only helps on a
+core torch leaves idle (an earlier fill thread, a call per row, measured slower on a box with no
+idle core): with as many torch threads as cores the rows are filled right there in `advance`,
+their matchers still in the cache.
+`prepare` waits for that fill and keeps the rows that still match: the same request in the same
+mask row at the same output position. Rows that moved (a request left or joined the batch) are
+filled again there.
+
+No matcher may be touched while a fill runs (llguidance borrows it mutably): everything in
+`StructuredOutputs` that reads or changes a matcher calls `wait` first.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.grammar.backend import GrammarBackend, GrammarMatcher
+from engine.grammar.request_grammar import RequestGrammar
+
+
+def _num_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:      # not on Linux
+        return os.cpu_count() or 1
+
+
+class FillAhead:
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = threading.Lock()           # held from a job's start until the thread is done with it
+        self._thread: threading.Thread | None = None
+        self._pending = False
+        self._error: BaseException | None = None
+        self._number = 0        # numbers the starts: only the last one's rows are fresh, for one prepare
+        self._num_cores = _num_cores()
+
+    def start(self, backend: GrammarBackend, states: Sequence[RequestGrammar], host: np.ndarray) -> None:
+        """Fill `host[j]` for `states[j]` (matchers at their newest token), on the thread while
+        torch leaves a core idle."""
+        self.wait()
+        self._number += 1       # the rows of an earlier start are overwritten: stale
+        number = self._number
+        matchers = []
+        for j, state in enumerate(states):
+            state.ahead = (number, j, state.num_seen)
+            matchers.append((state.matcher, j))
+        if torch.get_num_threads() >= self._num_cores:
+            self._run(backend.fill_bitmask, matchers, host)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="cbserve-grammar-fill", daemon=True)
+            self._thread.start()
+        self._busy.acquire()
+        self._pending = True
+        self._jobs.put((backend.fill_bitmask_nogil, matchers, host))
+
+    def wait(self) -> None:
+        """Until no fill runs (a failed fill raises here, its rows stale)."""
+        if self._pending:
+            self._busy.acquire()
+            self._busy.release()
+            self._pending = False
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def stale(self, states: Sequence[RequestGrammar]) -> list[tuple[GrammarMatcher, int]]:
+        """A prepare's rows (`states[j]` takes row `j`) that the last `start` did not fill for it;
+        after this, every row counts as stale until the next `start`."""
+        self.wait()
+        number, self._number = self._number, self._number + 1
+        return [(state.matcher, j) for j, state in enumerate(states) if state.ahead != (number, j, state.num_seen)]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.wait()
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, fill, matchers, host) -> None:
+        try:
+            fill(matchers, host)
+        except BaseException as e:      # noqa: BLE001 - raised by the next `wait`
+            self._number += 1           # every row filled ahead is stale
+            self._error = e
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._run(*job)
+            self._busy.release()
