@@ -6,7 +6,6 @@ cluster runs the same commands as the Helm chart's containers.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -46,8 +45,7 @@ class ClusterSpec:
     gpu_memory_utilization: float | None = None
     prefix_caching: bool = True
     enforce_eager: bool = False
-    speculative_config: str | None = None   # --speculative-config JSON, for decode and colocated pods (and
-                                            # prefill pods with a draft model: they ship its KV)
+    speculative_config: str | None = None   # --speculative-config JSON, for decode and colocated pods
     threads_per_pod: int | None = None   # CBSERVE_NUM_THREADS / OMP_NUM_THREADS of each child
     startup_timeout: float = 300.0
     drain_seconds: float = 10.0
@@ -143,14 +141,9 @@ class ClusterSpec:
             argv += ["--tensor-parallel-size", str(tp)]
         if role == "colocated":
             argv.append("--colocated")
-        # Drafts are verified where decode steps run; a prefill pod given a draft model prefills it
-        # too and ships its KV with the target's (engine.spec_decode.draft_prefill).
-        if self.speculative_config and (role != "prefill" or self._ships_draft_kv()):
+        if self.speculative_config and role != "prefill":   # drafts are verified where decode steps run
             argv += ["--speculative-config", self.speculative_config]
         return argv + list(self.pod_args)
-
-    def _ships_draft_kv(self) -> bool:
-        return json.loads(self.speculative_config).get("method") == "draft_model"
 
     def router_argv(self, port: int, addresses: dict[str, list[str]], pods_file: str | None = None) -> list[str]:
         """`cbserve router ...`: the pods by address, or, with `pods_file`, the file listing them

@@ -77,8 +77,7 @@ def add_up_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any pod")
     p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
                    help="speculative decoding on the decode (or colocated) pods, vLLM's JSON keys "
-                        "(see `cbserve decode --help`); with a draft model the prefill pods get it too: "
-                        "they prefill the draft and ship its KV with the target's")
+                        "(see `cbserve decode --help`); prefill pods need none")
     p.add_argument("--threads-per-pod", type=int, default=None, metavar="N",
                    help="torch/OpenMP threads per process (env CBSERVE_NUM_THREADS)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")

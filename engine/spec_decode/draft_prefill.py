@@ -8,9 +8,11 @@ So the draft's KV of a prompt is complete when the step that completes the targe
 blocks ships the draft's same blocks beside them (`kvtransfer.draft_kv`), and the decode pod lands
 them and skips the draft's catch-up over the prompt (`DraftModelProposer.received`).
 
-Measured on CPU (`bench/draft_kv.py`): the draft's KV costs 6-60x less to move than to
-recompute, and the recompute on a decode pod stalls every running decode for its whole length,
-where here it lengthens one prefill step by the draft's share of the FLOPs.
+Opt-in (a prefill pod runs it only when given the config). Moving the draft's KV costs 6-60x
+less than recomputing it (`bench/draft_kv.py`), but this pod pays the draft's prefill on every
+prompt, where the decode pod's catch-up is lazy (only once it speculates for the request): end to
+end on CPU with a draft as large as the target, shipping doubled the time to the first token and
+saved nothing measurable (`bench/draft_kv_pd.py`, docs/benchmarks.md).
 
 Prefix-cache hits need nothing: every block this engine computed, both models computed (the
 only forwards a prefill engine runs are prefill chunks, and each one is paired). Freeing,

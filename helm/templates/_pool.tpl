@@ -111,11 +111,10 @@ spec:
             {{- if $pool.engine.enforceEager }}
             - --enforce-eager
             {{- end }}
-            {{- $spec := $root.Values.decode.engine.speculativeConfig }}
-            {{- if and $spec (or (eq $role "decode") (eq (toString (default "" $spec.method)) "draft_model")) }}
-            # Drafts are verified where decode steps run; a prefill pod given the draft model prefills
-            # it too and ships its KV with the target's (the decode pod then skips that prefill).
-            - {{ printf "--speculative-config=%s" (toJson $spec) | quote }}
+            {{- if $pool.engine.speculativeConfig }}
+            # Drafts are verified where decode steps run; a prefill pool given the decode pool's draft
+            # model (opt-in) prefills it too and ships its KV with the target's.
+            - {{ printf "--speculative-config=%s" (toJson $pool.engine.speculativeConfig) | quote }}
             {{- end }}
             {{- if gt $tp 1 }}
             # One process per rank; rank 0 spawns the others and they meet on 127.0.0.1.

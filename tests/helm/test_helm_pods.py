@@ -289,7 +289,7 @@ def test_enforce_eager_is_per_pool_and_off_by_default():
     assert "--enforce-eager" not in container(render().get("Deployment", name("decode")))["args"]
 
 
-def test_speculative_config_reaches_the_decode_pool_as_json_and_a_draft_model_the_prefill_pool():
+def test_speculative_config_reaches_the_decode_pool_as_json_and_the_prefill_pool_when_given():
     assert all("speculative-config" not in flags(container(d)["args"]) for d in deployments(render()).values())
     pools = deployments(render(sets=('decode.engine.speculativeConfig={"method":"ngram","num_speculative_tokens":4,'
                                      '"prompt_lookup_max":5}',)))
@@ -299,9 +299,12 @@ def test_speculative_config_reaches_the_decode_pool_as_json_and_a_draft_model_th
     assert SpeculativeConfig.from_json(value) == SpeculativeConfig("ngram", 4, 5, 5)
     with pytest.raises(HelmError, match="speculativeConfig"):
         render(sets=('decode.engine.speculativeConfig={"method":"eagle3","num_speculative_tokens":4}',))
-    # A draft model reaches the prefill pool too: it prefills the draft and ships its KV.
-    pools = deployments(render(sets=('decode.engine.speculativeConfig={"method":"draft_model",'
-                                     '"model":"/models/draft","num_speculative_tokens":4}',)))
+    # The prefill pool ships a draft's KV only when given the draft (opt-in).
+    draft = '{"method":"draft_model","model":"/models/draft","num_speculative_tokens":4}'
+    pools = deployments(render(sets=(f"decode.engine.speculativeConfig={draft}",)))
+    assert "speculative-config" not in flags(container(pools["prefill"])["args"])
+    pools = deployments(render(sets=(f"decode.engine.speculativeConfig={draft}",
+                                     f"prefill.engine.speculativeConfig={draft}")))
     for pool in ("prefill", "decode"):
         value = flags(container(pools[pool])["args"])["speculative-config"]
         assert SpeculativeConfig.from_json(value) == SpeculativeConfig("draft_model", 4, model="/models/draft")

@@ -39,7 +39,7 @@ def test_a_bad_speculative_config_is_refused_naming_the_key(capsys):
     assert "num_speculative_tokens" in capsys.readouterr().err
 
 
-def test_up_passes_it_to_decode_and_colocated_pods_and_a_draft_model_to_prefill_pods():
+def test_up_passes_it_to_decode_and_colocated_pods_only():
     spec = spec_from_args(build_parser().parse_args(["up", "--speculative-config", NGRAM]))
     for name, role in spec.pod_roles():
         argv = spec.pod_argv(name, role, 1, 2, 3)
@@ -52,14 +52,6 @@ def test_up_passes_it_to_decode_and_colocated_pods_and_a_draft_model_to_prefill_
     assert all("--speculative-config" in colocated.pod_argv(n, r, 1, 2, 3) for n, r in colocated.pod_roles())
     plain = spec_from_args(build_parser().parse_args(["up"]))
     assert not any("--speculative-config" in plain.pod_argv(n, r, 1, 2, 3) for n, r in plain.pod_roles())
-    # A draft model goes to the prefill pods too: they prefill it and ship its KV with the target's.
-    draft = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}'
-    shipping = spec_from_args(build_parser().parse_args(["up", "--speculative-config", draft]))
-    assert {r for _, r in shipping.pod_roles()} >= {"prefill", "decode"}
-    for name, role in shipping.pod_roles():
-        argv = shipping.pod_argv(name, role, 1, 2, 3)
-        assert SpeculativeConfig.from_json(argv[argv.index("--speculative-config") + 1]) == \
-            SpeculativeConfig.from_json(draft)
 
 
 def test_generate_with_speculation_prints_the_plain_text():
