@@ -380,9 +380,7 @@ class StepInputs:
             qsl[num_real + 1:] = num_real_tokens + np.arange(1, num_seqs - num_real + 1)
             seq_lens[num_real:] = 1
 
-        if not self.on_cpu:
-            self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
-            self._copied.record(torch.cuda.current_stream(self.device))
+        self._upload(layout)
         t = self._tensors = self.tensors(layout, num_real)
         t.fill_in_order = self._filled_in_order = fill_in_order
         return t
@@ -423,10 +421,14 @@ class StepInputs:
                 row = table[i]
                 row[:len(blocks)] = blocks
                 row[len(blocks):] = 0
+        self._upload(layout)
+        return self._tensors     # the previous step's: the same views, rows and order
+
+    def _upload(self, layout: Layout) -> None:
+        """The staged step to the device (one non-blocking copy; the next prepare waits for it)."""
         if not self.on_cpu:
             self.device_buf[:layout.nbytes].copy_(self.host[:layout.nbytes], non_blocking=True)
             self._copied.record(torch.cuda.current_stream(self.device))
-        return self._tensors     # the previous step's: the same views, rows and order
 
     def _fill_groups(self, h: dict[str, np.ndarray], request_ids, num_seqs: int, seq_index: np.ndarray,
                      pos: np.ndarray, unwritten: np.ndarray | None, key: tuple) -> None:
