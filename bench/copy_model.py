@@ -180,7 +180,7 @@ def check(shape: str, max_tokens: int = 48, batch: int = 4) -> None:
     from transformers import AutoModelForCausalLM
 
     from engine.engine import Engine, EngineConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     path = build(shape)
     prompts, expected = copy_prompts(batch, seed=123)

@@ -42,7 +42,7 @@ from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, Scheduler
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.kv_cache import bytes_per_block  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

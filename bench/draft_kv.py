@@ -32,7 +32,7 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
-from engine.scheduler_output import ScheduledSeq
+from engine.scheduling.output import ScheduledSeq
 from kvtransfer.layout import KVLayout
 from kvtransfer.packing import resolve_max_chunk_bytes
 

@@ -67,7 +67,7 @@ def measure(args, batch: int) -> dict:
     from engine.config import CacheConfig, SchedulerConfig
     from engine.engine import Engine, EngineConfig
     from engine.model_runner import ModelRunner
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     torch.set_num_threads(1)
     prompt_len, block, churn = 32, 16, args.churn

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from engine.kv_groups.spec import KVGroups  # noqa: E402
 from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
+from engine.scheduling.scheduler import Scheduler  # noqa: E402
 
 GiB = 1 << 30
 # name: (layer windows, kv heads, head dim): bf16 KV.

@@ -44,7 +44,7 @@ from engine.engine import Engine, EngineConfig
 from engine.lora.config import LoRAConfig
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model_dir
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 

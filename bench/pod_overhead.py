@@ -111,7 +111,7 @@ def offline(args) -> dict:
 
     from engine.config import CacheConfig, SchedulerConfig
     from engine.engine import Engine, EngineConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -189,7 +189,7 @@ async def drive(address: str, prompts: list[list[int]], args, tag: str, api: str
 
     from wire import cbserve_pb2 as pb
     from wire import cbserve_pb2_grpc as pb_grpc
-    from engine.sampling_params import SamplingParams, to_proto
+    from engine.sampling.params import SamplingParams, to_proto
     from router.pod_session import DecodeSession
 
     sampling = to_proto(SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))

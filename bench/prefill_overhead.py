@@ -45,7 +45,7 @@ def offline(args) -> dict:
 
     from cbserve.cli import build_parser, engine_config_from_args
     from engine.engine import Engine
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     config = engine_config_from_args(build_parser().parse_args(["prefill", *engine_flags(args)]), "prefill")
@@ -74,7 +74,7 @@ def chunk_stats(samples, args) -> dict:
 async def drive(address: str, prompts: list[list[int]], args, tag: str) -> dict:
     import grpc
 
-    from engine.sampling_params import SamplingParams, to_proto
+    from engine.sampling.params import SamplingParams, to_proto
     from kvtransfer.handles import KVHandles
     from wire import cbserve_pb2 as pb
     from wire import cbserve_pb2_grpc as pb_grpc

@@ -34,7 +34,7 @@ def child(args: argparse.Namespace) -> None:
 
     from engine.config import SchedulerConfig
     from engine.engine import Engine, EngineConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, scheduler=SchedulerConfig(max_num_batched_tokens=args.budget,

@@ -18,8 +18,8 @@ import time
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler
+from engine.sampling.params import SamplingParams
 
 SETTINGS: dict[str, dict] = {
     "greedy": dict(temperature=0.0),

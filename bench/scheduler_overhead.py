@@ -18,8 +18,8 @@ import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 
 
 def build(num_requests: int, block_size: int, max_tokens: int, seed: int) -> Scheduler:

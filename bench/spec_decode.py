@@ -65,7 +65,7 @@ def _documents(batch: int, seed: int) -> list[list[int]]:
 
 def _prompts(workload: str, batch: int, seed: int, plain, max_tokens: int) -> list[list[int]]:
     """`free`: the documents; `edit`: document + the plain engine's greedy continuation + document."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     if workload == "copy":
         from bench.copy_model import copy_prompts
@@ -79,7 +79,7 @@ def _prompts(workload: str, batch: int, seed: int, plain, max_tokens: int) -> li
 
 
 def _params(workload: str, batch: int, max_tokens: int, seed: int):
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     if workload in ("edit", "copy"):
         return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * batch

@@ -31,7 +31,7 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.presets import resolve_model_dir  # noqa: E402
 from engine.progress import progress  # noqa: E402
 from engine.quant import quantize_model  # noqa: E402
-from engine.scheduler import ScheduledSeq  # noqa: E402
+from engine.scheduling.scheduler import ScheduledSeq  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Pseudo-dtypes: (model dtype, --quantization).

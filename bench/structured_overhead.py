@@ -53,7 +53,7 @@ from engine.grammar.source import json_whitespace_options  # noqa: E402
 from engine.grammar.spec import StructuredSpec, canonical_json  # noqa: E402
 from engine.grammar.structured_outputs import StructuredOutputs  # noqa: E402
 from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 from engine.tokenizer import Tokenizer, _byte_to_unicode  # noqa: E402
 
 VOCAB_128K = 128256

@@ -31,7 +31,7 @@ if __package__ in (None, ""):   # `python bench/throughput.py`
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import bytes_per_block
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def workload(n: int, vocab: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int):

@@ -33,7 +33,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.presets import resolve_model_dir  # noqa: E402
-from engine.scheduler import ScheduledSeq  # noqa: E402
+from engine.scheduling.scheduler import ScheduledSeq  # noqa: E402
 
 
 def layouts(num_layers: int, window: int) -> dict[str, tuple[int, ...]]:

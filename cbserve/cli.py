@@ -81,7 +81,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine, EngineRequestError
-    from engine.sampling_params import SamplingParams, SamplingParamsError
+    from engine.sampling.params import SamplingParams, SamplingParamsError
 
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     from engine.spec_decode.config import SpeculativeConfigError
     from engine.lora.errors import LoRAError
-    from engine.tp_shard import TensorParallelError
+    from engine.tp.shard import TensorParallelError
 
     try:
         engine = Engine(engine_config_from_args(args, "colocated"))
@@ -170,7 +170,7 @@ def cmd_pod(args: argparse.Namespace) -> int:
                     stall_seconds=args.stall_seconds)
     engine_role = "prefill" if role == "prefill" else "decode"
     from engine.lora.errors import LoRAError
-    from engine.tp_shard import TensorParallelError
+    from engine.tp.shard import TensorParallelError
 
     try:
         engine_config = engine_config_from_args(args, engine_role)

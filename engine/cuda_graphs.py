@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from engine.progress import progress
-from engine.scheduler_output import DecodeSeqs
+from engine.scheduling.output import DecodeSeqs
 from engine.step_inputs import StepInputs, max_layout_bytes
 
 log = logging.getLogger(__name__)

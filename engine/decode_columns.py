@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, DecodeSeqs, SchedulerOutput
+from engine.scheduling.output import PLACEHOLDER_TOKEN_ID, DecodeSeqs, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+    from engine.scheduling.scheduler import Scheduler
 
 _RUNNING, _ABORTED = RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED
 _TOKENS, _OUTPUTS, _COMPUTED, _ID, _PROMPT, _PARAMS, _FIRST_TOKEN, _STATUS = (operator.attrgetter(name) for name in (

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 # Prompt tokens kept as left context for the first output tokens (vLLM uses the same number).
 PROMPT_CONTEXT_TOKENS = 5

@@ -44,10 +44,10 @@ from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from engine.quant import quantize_model
 from engine.request import Request, RequestStatus
 from engine.runner.inference import inference_mode
-from engine.sampler import DeviceSample, Sampler, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ROLES, Scheduler
-from engine.scheduler_output import sampled_requests
+from engine.sampling.sampler import DeviceSample, Sampler, TokenLogprobs
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import ROLES, Scheduler
+from engine.scheduling.output import sampled_requests
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.draft_prefill import DraftPrefill
@@ -55,10 +55,10 @@ from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 from engine.step_outputs import StepOutputs, other_rows, split
 from engine.telemetry.step_stats import StepStats
 from engine.tokenizer import Tokenizer
-from engine.tp_kv import TPKVBlocks
-from engine.tp_launch import TPDriver
-from engine.tp_shard import TensorParallelError, TPShard, check_divisible
-from engine.tp_worker import WorkerSpec
+from engine.tp.kv import TPKVBlocks
+from engine.tp.launch import TPDriver
+from engine.tp.shard import TensorParallelError, TPShard, check_divisible
+from engine.tp.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 _OUTPUTS, _REQUEST_ID, _LAST = operator.attrgetter("output_token_ids"), operator.attrgetter("request_id"), \

@@ -32,8 +32,8 @@ from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_m
 from engine.kv_groups.spec import cache_groups
 from engine.models.causal_lm import CausalLM
 from engine.progress import stage
-from engine.sampler import Sampler, SamplerOutput
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling.sampler import Sampler, SamplerOutput
+from engine.sampling.params import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from engine.models.causal_lm import CausalLM
 from engine.models.registry import model_class
 from engine.models.weights import WeightTarget, covered_pieces, expected_pieces, map_name, part_sizes
 from engine.progress import progress
-from engine.tp_shard import TPShard
+from engine.tp.shard import TPShard
 
 
 # Biases of row-parallel projections: rank 0 alone adds them (the all-reduce sums the ranks' outputs).
@@ -59,7 +59,7 @@ def _destination(cfg: ModelConfig, param: torch.Tensor, target: WeightTarget) ->
 
 def load_weights(model: CausalLM, path: Path, shard: TPShard | None = None) -> None:
     """Fill `model` from the checkpoint at `path`; with a `shard` (tensor parallelism), only the
-    rows/columns that rank owns are read from the files (`engine.tp_shard`), never a full tensor."""
+    rows/columns that rank owns are read from the files (`engine.tp.shard`), never a full tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     pieces = {name: expected_pieces(name, tuple(p.shape)) for name, p in params.items()}
@@ -170,7 +170,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_position: int | None = None, shard: TPShard | None = None, comm=None) -> CausalLM:
     """`cfg` is the global config; with `shard`/`comm` (tensor parallelism) the model holds and
-    reads only that rank's share, and `comm` (`engine.tp_comm.TPComm`) runs its collectives."""
+    reads only that rank's share, and `comm` (`engine.tp.comm.TPComm`) runs its collectives."""
     model = build_model(cfg, dtype, device, max_position, shard=shard, comm=comm)
     load_weights(model, path, shard)
     return model.eval()

@@ -66,7 +66,7 @@ class ModelRunner:
                  max_model_len: int = 2048, enforce_eager: bool | None = None, tp=None,
                  lora_slot_of: dict[str, int] | None = None, hidden_sink=None,
                  verify: tuple[int, int] | None = None) -> None:
-        """`tp` (`engine.tp_launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
+        """`tp` (`engine.tp.launch.TPDriver`, rank 0 of a tensor-parallel group): every step's
         inputs go to the other ranks first; steps run eagerly (no padded buckets or graphs).
         `lora_slot_of` (LoRA enabled): request id -> its adapter's slot, kept current by the
         scheduler (`engine.lora.slots`); each step stages its tokens' slots from it.

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # torch-free at run time: the capacity planner builds these without torch
     from engine.prompt_logprobs import PromptLogprobs
-    from engine.sampler import TokenLogprobs
+    from engine.sampling.sampler import TokenLogprobs
     from engine.spec_decode.stats import SpecDecodeStats
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.lora.request import LoRARequest
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

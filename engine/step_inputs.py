@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, DecodeSeqs
+from engine.scheduling.output import PLACEHOLDER_TOKEN_ID, DecodeSeqs
 
 SMALL_BATCH = 16    # sequences: up to this a steady decode batch is staged in plain Python (`_prepare_steady`)
 ALIGN = 16    # bytes: Triton's pointer-alignment specialisation (module docstring)
@@ -476,7 +476,7 @@ class StepInputs:
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the device buffer, grown if needed: where a tensor-parallel rank
-        receives rank 0's staged step (`engine.tp_comm`)."""
+        receives rank 0's staged step (`engine.tp.comm`)."""
         if nbytes > self.capacity:
             self._allocate(2 * nbytes)
         self._table_state, self._signature = {}, None      # someone else writes the buffer now

@@ -34,9 +34,9 @@ from engine.engine import Engine, EngineConfig, EngineRequestError
 from engine.loop import EngineLoop
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto
-from engine.tp_shard import TensorParallelError
+from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.params import SamplingParams, SamplingParamsError, from_proto
+from engine.tp.shard import TensorParallelError
 from kvtransfer.grpc_options import server_options
 from kvtransfer.layout import KVLayout, check_compatible
 from pod.draft_kv import advertise_draft_kv
@@ -131,7 +131,7 @@ class PodRuntime:
         self.pod = pod
         self.role_label = role_label
         if engine_config.tensor_parallel_size > 1 and pod.kv_transport != "grpc":
-            # KV of a tensor-parallel pod is gathered to / scattered from rank 0 (engine/tp_kv.py),
+            # KV of a tensor-parallel pod is gathered to / scattered from rank 0 (engine/tp/kv.py),
             # which the gRPC transport does; the pair process group would bypass it.
             raise TensorParallelError(
                 f"--tensor-parallel-size {engine_config.tensor_parallel_size} needs --kv-transport grpc "

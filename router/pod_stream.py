@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from wire import cbserve_pb2 as pb
-from engine.sampling_params import to_proto
+from engine.sampling.params import to_proto
 from router.errors import APIError, upstream_error
 from router.sequence import SequenceSpec, SequenceTrace
 from router.structured.handoff import FirstTokenHandoff

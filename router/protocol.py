@@ -3,7 +3,7 @@
 Strict: a string where a number belongs is a 400, not a silent coercion (pydantic's strict mode still
 takes an integer for a float, as JSON does). Unknown fields are ignored, as OpenAI and vLLM do, so
 clients that send `user` or newer fields keep working. Ranges are checked by
-`engine.sampling_params.SamplingParams`, the same code the pods run, so router and pods agree.
+`engine.sampling.params.SamplingParams`, the same code the pods run, so router and pods agree.
 
 Every list has a cap checked while it is parsed, and stops at its first bad item (`fail_fast`): a
 16 MiB body of a million tiny lists is refused after 65 of them, not after building a million
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling.params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from router.structured.fields import GuidedFields, ResponseFormat, StructuredOutputs
 from router.tools.fields import FunctionCall, FunctionCallChoice, FunctionDefinition, MessageToolCall, Tool, ToolChoice
 from router.tools.messages import template_message

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wire import cbserve_pb2 as pb
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from router.policy.base import RoutingRequest
 
 

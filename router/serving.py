@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling.params import SamplingParams, SamplingParamsError
 from engine.tokenizer import Tokenizer
 from router import responses as R
 from router.config import RouterConfig

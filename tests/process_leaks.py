@@ -21,7 +21,7 @@ from pathlib import Path
 SESSION_ENV = "CBSERVE_TEST_SESSION"
 # What counts as a cbserve process: `python -m cbserve.cli ...` (router, pods, `up`, engine
 # cores), the image's `cbserve` entry point (and its tini and `buildah run`), tensor-parallel ranks.
-CBSERVE_MARKERS = ("cbserve", "engine.tp_worker")
+CBSERVE_MARKERS = ("cbserve", "engine.tp.worker")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pod.auth import auth_metadata
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = dict(temperature=0.0, max_tokens=24, extra_body={"ignore_eos": True})

@@ -7,7 +7,7 @@ other share a piece that belongs below both (e.g. `router.sequence` under `route
 other's part as a narrow Protocol or a callable (`decode_pod.session.OpenRequestFn`).
 
 `engine/` is left out: its tensor-parallel launcher and worker import the engine that imports
-them (engine.engine -> engine.tp_launch -> engine.tp_worker -> engine.engine), and the engine's
+them (engine.engine -> engine.tp.launch -> engine.tp.worker -> engine.engine), and the engine's
 files belong to whoever works there.
 """
 

@@ -17,7 +17,7 @@ from cbserve.local_cluster import LocalCluster
 from engine.config import CacheConfig
 from engine.engine import Engine, EngineConfig
 from engine.lora.config import LoRAConfig, LoRAModule
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.pods.lora_fixtures import lora_pod_args, tiny_adapters
 
 pytestmark = pytest.mark.slow

@@ -40,8 +40,8 @@ from cbserve.planner.cpu_share import CpuShare, CpuShareCosts
 from cbserve.planner.sim_pod import SAMPLED_TOKEN_ID, Jitter, PodCosts, SimPod
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
+from engine.sampling.params import SamplingParams
+from engine.scheduling.output import SchedulerOutput
 from router.config import RouterConfig
 from router.discovery.base import PodEndpoint
 from router.dispatch import SequenceSpec, SequenceTrace, build_dispatcher

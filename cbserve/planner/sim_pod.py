@@ -29,8 +29,8 @@ from cbserve.planner.cpu_share import CpuShare
 from cbserve.planner.step_shape import StepShape
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.output import SchedulerOutput
 from engine.telemetry.step_stats import StepStats
 from pod.load_report import REFRESH_SECONDS, build_load_report
 from wire import cbserve_pb2

@@ -139,7 +139,7 @@ class StepGrid:
 
     def __init__(self, engine, repeats: int, max_context: int, seed: int = 0,
                  timer: Callable[[], float] | None = None) -> None:
-        from engine.sampling_params import SamplingParams
+        from engine.sampling.params import SamplingParams
 
         self.engine = engine
         self.timer = timer or step_timer(engine.device.type, 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduling.output import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import kernels
-from engine.random_sampling import to_device
+from engine.sampling.random_sampling import to_device
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from engine.grammar.backend import CompiledGrammar, GrammarMatcher
 from engine.grammar.spec import StructuredSpec
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID
+from engine.scheduling.output import PLACEHOLDER_TOKEN_ID
 
 
 class RequestGrammar:

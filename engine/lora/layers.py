@@ -14,7 +14,7 @@ allocated once, at start, for `--max-loras` slots of `--max-lora-rank` (rounded 
 two >= 16: the kernels' tile): registering more adapters costs no device memory, and loading
 one into a slot is one copy of one row (`engine/lora/pack.py` builds that row on the host).
 
-Tensor parallelism follows the base layer's layout (Megatron, engine/tp_shard.py): a
+Tensor parallelism follows the base layer's layout (Megatron, engine/tp/shard.py): a
 column-parallel layer (qkv, gate/up) keeps A whole and splits B's rows as its own; a row-parallel
 layer (o, down) splits A's columns as its own and keeps B whole, and adds its partial product
 before the layer's all-reduce, since `sum_i B (A_i x_i) = B (A x)`: no new collective.
@@ -169,7 +169,7 @@ def _global_shapes(target_param: str, in_features: int, sizes: list[int],
 
 def attach_lora(model: nn.Module, num_slots: int, rank: int, shard=None) -> LoRAModel:
     """Wrap `model`'s projections (after loading and quantizing, before the runner packs them)
-    and allocate `num_slots` zeroed slots of `rank`; `shard` (engine.tp_shard.TPShard): this
+    and allocate `num_slots` zeroed slots of `rank`; `shard` (engine.tp.shard.TPShard): this
     rank's share under tensor parallelism."""
     sites = []
     for path, module in model.named_modules():

@@ -27,15 +27,15 @@ from engine.lora.request import LoadedAdapter, LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.lora.stats import LoRAAdapterStats
 from engine.model_config import ModelConfig
-from engine.tp_comm import CMD_LORA_SLOT
-from engine.tp_shard import TPShard
+from engine.tp.comm import CMD_LORA_SLOT
+from engine.tp.shard import TPShard
 
 log = logging.getLogger(__name__)
 
 
 class LoRAManager:
     def __init__(self, config: LoRAConfig, model, model_cfg: ModelConfig, tp=None) -> None:
-        """`model_cfg`: the global config; `tp` (`engine.tp_launch.TPDriver`): rank 0 of a group."""
+        """`model_cfg`: the global config; `tp` (`engine.tp.launch.TPDriver`): rank 0 of a group."""
         self.config = config
         self.tp = tp
         size = 1 if tp is None else tp.comm.size

@@ -2,7 +2,7 @@
 
 Built on the host, off the engine thread (when the adapter is read), once per tensor-parallel
 rank: each rank's row holds its shard, cut exactly as the base layer is cut
-(`engine.tp_shard.TPShard.split` on the projection's own parameter and part): B's rows for a
+(`engine.tp.shard.TPShard.split` on the projection's own parameter and part): B's rows for a
 column-parallel part, A's columns for a row-parallel one. The LoRA scaling is folded into B (in
 fp32, then rounded to the model dtype once); ranks below the slot rank and modules the adapter
 does not target stay zero, so they add nothing. Loading the adapter into a slot is then one copy

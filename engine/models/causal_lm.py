@@ -8,7 +8,7 @@ matmul each (the loader stacks the checkpoint's separate tensors, engine/models/
 A family (engine/models/<family>.py) subclasses `CausalLM` and says what differs: `make_mlp`
 (dense, or a mixture of experts, per layer), `make_layer` (its decoder layer), `hf_renames` (its
 checkpoint's module names) and `hf_ignored` (tensors it does not load).
-Tensor parallelism: with a `shard`, the model holds only that rank's share (engine/tp_shard.py).
+Tensor parallelism: with a `shard`, the model holds only that rank's share (engine/tp/shard.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  max_position: int | None = None, shard=None, comm=None) -> None:
-        """`shard` (`engine.tp_shard.TPShard`, with `comm` its collectives): build only that
+        """`shard` (`engine.tp.shard.TPShard`, with `comm` its collectives): build only that
         tensor-parallel rank's share; `cfg` is the global config, `self.cfg` the rank's."""
         super().__init__()
         self.comm = comm if shard is not None and shard.size > 1 else None

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine.scheduler_output import ScheduledSeq
+from engine.scheduling.output import ScheduledSeq
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch
 from engine.config import CacheConfig
 from engine.model_config import ModelConfig
 from engine.request import RequestStatus
-from engine.sampler import Sampler
+from engine.sampling.sampler import Sampler
 from engine.spec_decode.adaptive import SpecController
 from engine.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer, fit_cache

@@ -38,7 +38,7 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
-from engine.random_sampling import row_argmax
+from engine.sampling.random_sampling import row_argmax
 from engine.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfigError
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ is the target's distribution for output position `m + i` (`m` = tokens it has), 
 before it. Every row is *sampled exactly as the non-speculative sampler would sample that
 position* — the same penalties (over the outputs plus the drafts before the row), min_tokens mask,
 temperature, top-k/p, min-p, and for seeded requests the same `(seed, m + i)` noise — by handing
-`engine.sampler.Sampler` one `DraftRow` per row. Drafts are accepted while they equal the sampled
+`engine.sampling.sampler.Sampler` one `DraftRow` per row. Drafts are accepted while they equal the sampled
 token; the first sampled token that differs (or the one after the last draft: the bonus) ends
 the run. So the emitted tokens are, token for token, what the plain sampler emits one step at a
 time (greedy: the argmax; seeded: the same draws), and the output distribution is the target's
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar.mask import GrammarMask
-from engine.sampler import Sampler, TokenLogprobs
+from engine.sampling.sampler import Sampler, TokenLogprobs
 
 
 class _Extended(Sequence):

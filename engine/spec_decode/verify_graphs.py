@@ -39,7 +39,7 @@ import torch
 
 from engine.cuda_graphs import (_BLOCKS, _TOKENS, DecodeBuckets, MAX_GRAPH_CONTEXT, batch_size_buckets, capture_graphs,
                                 smallest_at_least)
-from engine.scheduler_output import ScheduledSeq
+from engine.scheduling.output import ScheduledSeq
 from engine.step_inputs import StepInputs, max_layout_bytes
 
 log = logging.getLogger(__name__)

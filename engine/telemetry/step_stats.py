@@ -12,8 +12,8 @@ import operator
 from collections import deque
 
 from engine.outputs import EngineStats, StepSample
-from engine.scheduler_output import DecodeSeqs, SchedulerOutput
-from engine.scheduler_state import SchedulerState
+from engine.scheduling.output import DecodeSeqs, SchedulerOutput
+from engine.scheduling.state import SchedulerState
 
 EWMA_ALPHA = 0.1
 _START = operator.itemgetter(2)      # ScheduledSeq.start_position (a NamedTuple: C-level read)

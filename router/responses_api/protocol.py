@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from router.errors import bad_request
 from router.protocol import MAX_MESSAGES, MAX_TOOLS, ChatMessage, _capped, _SamplingFields, _Strict
 from router.responses_api.conversation import ChatToolFields, chat_messages, chat_tool_fields

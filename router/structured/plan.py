@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.grammar.spec import StructuredSpec
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.chat_output import OutputSpec
 from router.errors import bad_request

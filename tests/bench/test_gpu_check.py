@@ -133,7 +133,7 @@ def test_shape_checkpoint_loads_in_cbserve_and_transformers(tmp_path, monkeypatc
 
     from engine.engine import Engine, EngineConfig
     from engine.presets import PRESETS
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path))
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

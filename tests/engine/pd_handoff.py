@@ -8,7 +8,7 @@ blocks are copied into the decode engine's draft cache too, as a pull that ships
 from __future__ import annotations
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],

@@ -16,9 +16,9 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 import engine.engine as engine_module
-import engine.scheduler as scheduler_module
+import engine.scheduling.scheduler as scheduler_module
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.step_outputs import StepOutputs, split
 from tests.engine.pd_handoff import run_disaggregated
 

@@ -24,7 +24,7 @@ from engine.models.causal_lm import CausalLM as LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
-from engine.scheduler_output import ScheduledSeq
+from engine.scheduling.output import ScheduledSeq
 from kernels import backend
 from triton_keys import KeyRecorder
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.spec_decode.adaptive import FixedController
 from engine.spec_decode.config import SpeculativeConfig
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-import engine.scheduler as scheduler_module
+import engine.scheduling.scheduler as scheduler_module
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import DecodeSeqs, sampled_requests
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.output import DecodeSeqs, sampled_requests
 from engine.step_inputs import PrevSample, StepInputs, max_layout_bytes
 
 EOS, STOP, VOCAB = 2, 6, 40

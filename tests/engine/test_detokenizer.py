@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.tokenizer import Tokenizer, build_byte_level_tokenizer
 
 BOS, EOS = 1, 2

@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig, EngineRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def make_engine(**sched) -> Engine:

@@ -7,7 +7,7 @@ from dataclasses import MISSING, fields
 
 from engine.engine import Engine, EngineConfig
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 EMITTED = ["request_id", "new_token_ids", "new_logprobs", "text_delta", "finished", "finish_reason",
            "num_prompt_tokens", "num_cached_tokens", "output_token_ids", "text", "first_token_time",

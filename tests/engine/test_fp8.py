@@ -150,7 +150,7 @@ def test_fp8_engine_on_the_gpu_stays_close_to_bf16():
     step's logits within 15% of the bf16 engine's (the CPU bound for per-tensor checkpoints)."""
     from engine.config import CacheConfig, SchedulerConfig
     from engine.engine import Engine, EngineConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no fp8 tensor cores")

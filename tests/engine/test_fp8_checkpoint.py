@@ -22,7 +22,7 @@ from engine.engine import Engine, EngineConfig
 from engine.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_weight_fp8
 from engine.loader import CheckpointError
 from engine.presets import resolve_model_dir
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from engine.grammar.spec import StructuredSpec, StructuredSpecError, canonical_json
-from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto, to_proto
+from engine.sampling.params import SamplingParams, SamplingParamsError, from_proto, to_proto
 
 
 def test_equal_schemas_share_a_key_and_options_change_it():

@@ -14,7 +14,7 @@ from transformers.utils.import_utils import is_kernels_available
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.hf_models import CONFIGS, make_hf_model
 
 NUM_TOKENS = 32

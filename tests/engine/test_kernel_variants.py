@@ -23,7 +23,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PrevSample
 from engine.presets import resolve_model_dir
 from engine.runner.warmup import warm_up
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
+from engine.scheduling.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
 from kernels import backend
 from triton_keys import KeyRecorder
 

@@ -15,7 +15,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

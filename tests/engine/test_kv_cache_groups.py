@@ -20,8 +20,8 @@ from engine.block_pool import NULL_BLOCK_ID
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_groups.spec import KVGroups, cache_groups, serving_groups
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 from test_scheduler_properties import MAX_MODEL_LEN, SAMPLED_VOCAB, check_output, draw_request, fits, pick, schedulers
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True) -> KVCacheManager:

@@ -14,7 +14,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import bytes_per_block
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from kvtransfer.layout import KVLayout, check_compatible
 
 SCHED = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8)

@@ -19,8 +19,8 @@ from engine.kv_sizing import (CUDA_GRAPH_POOL_BYTES, NCCL_BYTES, GiB, MemorySnap
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model_dir
-from engine.sampler import Sampler
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling.sampler import Sampler
+from engine.sampling.params import MAX_LOGPROBS
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 TOTAL = 140 * GiB

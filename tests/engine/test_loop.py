@@ -7,7 +7,7 @@ import asyncio
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.loop import EngineLoop, drain
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def test_drain_waits_for_one_item_then_takes_the_rest():

@@ -17,7 +17,7 @@ from engine.engine import Engine, EngineConfig
 from engine.lora.config import LoRAConfig, LoRAModule, parse_lora_module
 from engine.lora.errors import (LoRAAdapterError, LoRAExistsError, LoRANotFoundError,
                                 LoRAPermissionError)
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.hf_models import make_hf_model
 from tests.engine.lora_adapters import make_adapter
 

@@ -23,7 +23,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.fp8 import Fp8Linear
 from engine.lora.config import LoRAConfig, LoRAModule
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.hf_models import make_hf_model
 from tests.engine.hf_window_models import WINDOW_CONFIGS, make_window_model
 from tests.engine.lora_adapters import greedy, make_adapter, peft_model

@@ -11,8 +11,8 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 
 
 def _req(request_id: str, adapter: str | None, prompt_len: int = 4, max_tokens: int = 3) -> Request:

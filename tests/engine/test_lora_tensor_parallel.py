@@ -13,7 +13,7 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.lora.config import LoRAConfig, LoRAModule
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.hf_models import make_hf_model
 from tests.engine.lora_adapters import make_adapter
 from tests.engine.test_tensor_parallel import LOGPROB_TOLERANCE, TP_CONFIGS, _prompts

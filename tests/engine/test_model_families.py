@@ -176,7 +176,7 @@ def test_padded_moe_decode_step_equals_the_unpadded_one(saved):
     experts too, and must change nothing for the real rows."""
     from engine.kv_cache import allocate_kv_cache
     from engine.model_runner import ModelRunner
-    from engine.scheduler import ScheduledSeq
+    from engine.scheduling.scheduler import ScheduledSeq
 
     path = saved["mixtral"][0]
     cfg = ModelConfig.from_dir(path)

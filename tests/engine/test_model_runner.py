@@ -11,7 +11,7 @@ from engine.models.linear import Linear, onednn_linear_available
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import resolve_model_dir
-from engine.scheduler import ScheduledSeq
+from engine.scheduling.scheduler import ScheduledSeq
 
 BLOCK = 4
 CPU = torch.device("cpu")
@@ -87,7 +87,7 @@ def test_prepare_marks_placeholder_tokens_for_the_device_fill(tiny):
     """Async scheduling: a decode whose token is still on the device has PLACEHOLDER_TOKEN_ID;
     prepare names its token row and the row of the previous sample that holds it."""
     from engine.model_runner import PrevSample
-    from engine.scheduler_output import PLACEHOLDER_TOKEN_ID
+    from engine.scheduling.output import PLACEHOLDER_TOKEN_ID
 
     path, cfg = tiny
     runner = ModelRunner(load_model(path, cfg, torch.float32, CPU),

@@ -8,7 +8,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.hf_models import make_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

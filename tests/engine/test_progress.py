@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 from engine.engine import Engine, EngineConfig
 from engine.config import CacheConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 engine = Engine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=64)))
 engine.generate(["a", "b", "c"], SamplingParams(max_tokens=2), progress_desc="bench run")
 print("done", flush=True)

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling.params import SamplingParams, SamplingParamsError
 from tests.engine.hf_models import make_hf_model
 
 TOP = 3
@@ -197,7 +197,7 @@ def test_runner_skips_decode_buckets_and_slices_the_extra_rows(checkpoint):
     from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner
     from engine.prompt_logprobs import StepRows
-    from engine.scheduler_output import ScheduledSeq
+    from engine.scheduling.output import ScheduledSeq
 
     path, hf = checkpoint
     cfg = ModelConfig.from_dir(path)

@@ -15,7 +15,7 @@ from torch import nn
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.quant import Int8Linear, quantize_model, quantize_rows, quantize_weight
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> nn.Linear:

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.random_sampling import Knobs, _sorted_survivors, nucleus_threshold, row_argmax, sample_full, \
+from engine.sampling.random_sampling import Knobs, _sorted_survivors, nucleus_threshold, row_argmax, sample_full, \
     sample_sliced, sort_descending
 from engine.request import Request
-from engine.sampler import Sampler, _count_keys, _token_keys
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler, _count_keys, _token_keys
+from engine.sampling.params import SamplingParams
 
 EOS = 5
 

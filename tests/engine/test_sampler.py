@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, TokenLogprobs, _apply_top_k, _apply_top_p, derive_seed
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler, TokenLogprobs, _apply_top_k, _apply_top_p, derive_seed
+from engine.sampling.params import SamplingParams
 
 EOS = 5
 
@@ -156,7 +156,7 @@ def test_seeded_sampling_follows_the_distribution():
 def test_seeded_sampling_is_the_same_in_another_process():
     code = (
         "import torch; from engine.sampler import Sampler; from engine.request import Request;"
-        "from engine.sampling_params import SamplingParams as P;"
+        "from engine.sampling.params import SamplingParams as P;"
         "g = torch.Generator().manual_seed(1); logits = torch.randn(3, 64, generator=g);"
         "reqs = [Request('r', [1], P(seed=s, temperature=0.8, min_p=0.01)) for s in (1, 2, 3)];"
         "print(Sampler([0]).sample(logits, reqs).token_ids)"

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import random_sampling
+from engine.sampling import random_sampling
 from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler
+from engine.sampling.params import SamplingParams
 
 EOS = 5
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import random_sampling
+from engine.sampling import random_sampling
 from engine.request import Request
-from engine.sampler import DeviceSample, PinnedBuffers, Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import DeviceSample, PinnedBuffers, Sampler
+from engine.sampling.params import SamplingParams
 
 EOS = 5
 aten = torch.ops.aten

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from wire import cbserve_pb2
-from engine.sampling_params import SamplingParams, SamplingParamsError, from_proto, to_proto
+from engine.sampling.params import SamplingParams, SamplingParamsError, from_proto, to_proto
 
 
 def test_defaults_match_the_contract():
@@ -99,7 +99,7 @@ def test_text_side_modules_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, engine.sampling_params, engine.tokenizer, engine.detokenizer;"
+    code = ("import sys, engine.sampling.params, engine.tokenizer, engine.detokenizer;"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"

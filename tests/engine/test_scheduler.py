@@ -8,8 +8,8 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 _bases = itertools.count(1000, 1000)

@@ -7,9 +7,9 @@ import copy
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.request_queue import FCFSQueue, PriorityQueue
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduling.request_queue import FCFSQueue, PriorityQueue
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 
 
 def step(scheduler: Scheduler):

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ROLES, Scheduler, SchedulerOutput
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import ROLES, Scheduler, SchedulerOutput
 
 EOS = 2
 VOCAB = 8                 # prompt tokens: tiny, so prompts share prefixes

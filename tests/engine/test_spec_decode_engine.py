@@ -24,8 +24,8 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledSeq
+from engine.sampling.params import SamplingParams
+from engine.scheduling.output import ScheduledSeq
 from engine.spec_decode.adaptive import FixedController, SpecController
 from engine.presets import resolve_model_dir
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError

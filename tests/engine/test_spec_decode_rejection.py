@@ -17,9 +17,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledSeq
+from engine.sampling.sampler import Sampler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.output import ScheduledSeq
 from engine.spec_decode.rejection_sampler import num_accepted, verify
 
 VOCAB = 6

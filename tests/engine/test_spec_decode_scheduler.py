@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler_output import ScheduledSeq
+from engine.scheduling.output import ScheduledSeq
 from engine.step_inputs import StepInputs, max_layout_bytes
 from tests.engine.test_scheduler import make_request, make_scheduler, step
 

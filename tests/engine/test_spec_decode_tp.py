@@ -11,7 +11,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.spec_decode.adaptive import FixedController
 from engine.spec_decode.config import SpeculativeConfig
 from tests.engine.test_tensor_parallel import LOGPROB_TOLERANCE

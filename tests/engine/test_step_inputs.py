@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
+from engine.scheduling.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
 from engine.step_inputs import ALIGN, Layout, PrevSample, StepInputs, max_layout_bytes
 
 BLOCK = 4

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.structured_cases import SMALL_SPECS, SPECS, check_complete
 
 pytestmark = pytest.mark.gpu

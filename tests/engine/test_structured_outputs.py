@@ -26,7 +26,7 @@ from engine.grammar.backend import GrammarCompileError
 from engine.grammar.spec import StructuredSpec, canonical_json
 from engine.grammar.structured_outputs import FirstTokenRejected
 from engine.presets import resolve_model_dir
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.structured_cases import SMALL_SPECS, SPECS, check_complete, choice_spec, json_spec, regex_spec
 
 ENOUGH = 96   # max_tokens that every bounded spec below fits in

@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.structured_cases import SMALL_SPECS, check_complete
 
 pytestmark = pytest.mark.slow

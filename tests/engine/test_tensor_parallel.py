@@ -22,8 +22,8 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model_dir
-from engine.sampling_params import SamplingParams
-from engine.tp_shard import TensorParallelError, TPShard, check_divisible
+from engine.sampling.params import SamplingParams
+from engine.tp.shard import TensorParallelError, TPShard, check_divisible
 from tests.engine.hf_models import make_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]

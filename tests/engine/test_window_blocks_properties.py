@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from engine.block_pool import NULL_BLOCK_ID
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 from test_scheduler_properties import SAMPLED_VOCAB, check_output, draw_request, fits, pick, schedulers
 
 WINDOWS = st.sampled_from([1, 2, 3, 5, 8, 13])

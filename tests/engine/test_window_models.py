@@ -17,7 +17,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine.hf_window_models import WINDOW_CONFIGS, make_window_model
 from tests.engine.test_hf_equivalence import (check_against_transformers, transformers_greedy,
                                              transformers_next_token_logits)
@@ -145,7 +145,7 @@ def test_padded_decode_step_equals_the_unpadded_one(checkpoint):
     from engine.loader import load_model
     from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner
-    from engine.scheduler_output import ScheduledSeq
+    from engine.scheduling.output import ScheduledSeq
 
     from engine.kv_groups.spec import KVGroups
 

@@ -9,7 +9,7 @@ import pytest
 
 from cbserve.planner.cost_model import FEATURES, StepCostModel, relative_errors
 from cbserve.planner.step_shape import StepShape
-from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.scheduling.output import ScheduledSeq, SchedulerOutput
 
 
 def test_shape_of_a_scheduler_output():

@@ -11,8 +11,8 @@ from cbserve.planner.virtual_loop import run_virtual
 from engine.config import CacheConfig, SchedulerConfig
 from engine.outputs import EngineStats, StepSample
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 from pod.load_report import build_load_report
 from router.config import RouterConfig
 from router.discovery.base import PodEndpoint

@@ -25,7 +25,7 @@ from cbserve.planner.virtual_loop import run_virtual
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 # Any fixed costs will do: both sides must step at the same instants.
 COST = StepCostModel(tuple([0.004, 0.03] + [0.0] * (len(FEATURES) - 2)))

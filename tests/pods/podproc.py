@@ -156,7 +156,7 @@ def pod_pair(*args: str):
 
 
 def sampling(**kw) -> pb.SamplingParams:
-    from engine.sampling_params import SamplingParams, to_proto
+    from engine.sampling.params import SamplingParams, to_proto
 
     return to_proto(SamplingParams(**kw))
 

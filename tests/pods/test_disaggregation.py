@@ -13,7 +13,7 @@ from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.pods.podproc import Pod, disaggregated, pod_channel, pod_pair, run, sampling, vouched
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from kvtransfer.grpc_transport import KVSource
 from kvtransfer.progress import KVProgress
 from tests.pods.podproc import Pod, disaggregated, pod_channel, run, sampling, vouched

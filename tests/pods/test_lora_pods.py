@@ -18,7 +18,7 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.lora.config import LoRAConfig, LoRAModule
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.pods.lora_fixtures import lora_pod_args, tiny_adapters
 from tests.pods.podproc import AUTH, Pod, disaggregated, pod_channel, run, sampling
 from wire import cbserve_pb2 as pb

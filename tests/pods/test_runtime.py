@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from pod import runtime as runtime_mod
 from pod.runtime import PodConfig, PodRuntime
 

@@ -19,7 +19,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.pods.podproc import Pod, disaggregated, run, sampling
 from wire import cbserve_pb2 as pb
 

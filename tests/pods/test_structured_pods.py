@@ -20,7 +20,7 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.grammar.spec import StructuredSpec
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from prefill_pod.core import FAULT_FIRST_TOKEN_ENV
 from tests.engine.structured_cases import SMALL_SPECS, check_complete, choice_spec, regex_spec
 from tests.pods.podproc import Pod, disaggregated, pod_channel, run, sampling, vouched

@@ -16,8 +16,8 @@ import pytest
 
 from engine.config import CacheConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.tp_launch import EXIT_RANK_LOST
+from engine.sampling.params import SamplingParams
+from engine.tp.launch import EXIT_RANK_LOST
 from tests.pods.podproc import AUTH, Pod, disaggregated, run, sampling
 from wire import cbserve_pb2 as pb
 from wire import cbserve_pb2_grpc as pb_grpc

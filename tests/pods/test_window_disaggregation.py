@@ -20,7 +20,7 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from kvtransfer.layout import KVLayout
 from tests.engine.hf_window_models import make_window_model
 from tests.pods.podproc import AUTH, disaggregated, pod_channel, pod_pair, run, sampling, vouched

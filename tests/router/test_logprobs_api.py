@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engine.sampling_params import from_proto
+from engine.sampling.params import from_proto
 from fake_pods import Script, expected_tokens, fake_prompt_logprobs
 from router_harness import running_router
 

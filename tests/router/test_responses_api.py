@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine.grammar.spec import StructuredSpec, canonical_json
-from engine.sampling_params import from_proto
+from engine.sampling.params import from_proto
 from fake_pods import Script, expected_tokens
 from router_harness import running_router
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engine.sampling_params import from_proto
+from engine.sampling.params import from_proto
 from fake_pods import BYTE_OFFSET, Script
 from router_harness import RouterThread, byte_tokenizer_with_template
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0: `python -m engine.tp_worker` (spawned by `engine.tp_launch`).
+"""A tensor-parallel rank other than 0: `python -m engine.tp.worker` (spawned by `engine.tp.launch`).
 
 It builds what rank 0's `Engine` builds, in the same order so the collectives pair up: join the
 group, load its share of the weights (only its slices are read from the files), size its KV cache
@@ -25,7 +25,7 @@ from pathlib import Path
 
 SPEC_ENV = "CBSERVE_TP_SPEC"
 PARENT_POLL_SECONDS = 0.5
-log = logging.getLogger("engine.tp_worker")
+log = logging.getLogger("engine.tp.worker")
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,10 @@ def run(spec: WorkerSpec) -> None:
     from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner
     from engine.quant import quantize_model
-    from engine.sampler import Sampler
-    from engine.tp_comm import CMD_KV_GATHER, CMD_KV_SCATTER, CMD_LORA_SLOT, CMD_STEP, CMD_STOP, TPComm
-    from engine.tp_kv import serve_kv_command
-    from engine.tp_shard import TPShard
+    from engine.sampling.sampler import Sampler
+    from engine.tp.comm import CMD_KV_GATHER, CMD_KV_SCATTER, CMD_LORA_SLOT, CMD_STEP, CMD_STOP, TPComm
+    from engine.tp.kv import serve_kv_command
+    from engine.tp.shard import TPShard
 
     device, dtype = torch.device(spec.device), DTYPES[spec.dtype]
     if device.type == "cuda":

@@ -12,7 +12,7 @@ scheduler.update(out, sampled)`. `schedule()` changes only block tables and queu
 advance in `update()`, once the runner has computed them.
 
 The containers and every event that is not a step (intake, endings, the disaggregation roles'
-edges, metrics queries) live in `engine.scheduler_state.SchedulerState`, which `Scheduler` extends.
+edges, metrics queries) live in `engine.scheduling.state.SchedulerState`, which `Scheduler` extends.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from collections.abc import Mapping, Sequence
 from engine.decode_columns import (COLUMNS_MIN_BATCH, DecodeColumns, reads_host_tokens, resolve_columns,
                                    schedule_columns, update_columns)
 from engine.request import Request, RequestStatus
-from engine.request_queue import priority_key
-from engine.scheduler_output import (PLACEHOLDER_TOKEN_ID, DecodeSeqs, ScheduledSeq, SchedulerOutput,
+from engine.scheduling.request_queue import priority_key
+from engine.scheduling.output import (PLACEHOLDER_TOKEN_ID, DecodeSeqs, ScheduledSeq, SchedulerOutput,
                                      new_scheduled_seq)
-from engine.scheduler_state import ROLES, SchedulerState
+from engine.scheduling.state import ROLES, SchedulerState
 
 __all__ = ["ROLES", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
 

@@ -96,7 +96,7 @@ class Knobs:
     top_k: tuple[int, ...]              # 0: off (so is k >= vocab)
     top_p: tuple[float, ...]            # 1: off
     min_p: tuple[float, ...]            # 0: off
-    seeds: tuple[int | None, ...]       # generator seeds (`engine.sampler.derive_seed`); None: unseeded
+    seeds: tuple[int | None, ...]       # generator seeds (`engine.sampling.sampler.derive_seed`); None: unseeded
     device_top_k: torch.Tensor          # [n] int64
     device_top_p: torch.Tensor          # [n] fp32
     device_min_p: torch.Tensor          # [n] fp32

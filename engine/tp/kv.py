@@ -1,6 +1,6 @@
 """KV blocks of a tensor-parallel engine as whole-model blocks, for P/D transfer.
 
-Each rank's cache holds only its KV heads (`engine.tp_shard`). On the wire a block always has
+Each rank's cache holds only its KV heads (`engine.tp.shard`). On the wire a block always has
 every KV head (`KVLayout` with the model's `num_kv_heads`), whatever the tensor-parallel degree of
 either pod, so a prefill pod at TP=p and a decode pod at TP=d exchange blocks with no mapping
 beyond this module: the source's rank 0 gathers a run's heads from its ranks (one `gather` over
@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 
 from engine.model_config import ModelConfig
-from engine.tp_comm import CMD_KV_GATHER, CMD_KV_SCATTER, TPComm
-from engine.tp_shard import TPShard
+from engine.tp.comm import CMD_KV_GATHER, CMD_KV_SCATTER, TPComm
+from engine.tp.shard import TPShard
 
 
 def _owned(cfg: ModelConfig, size: int) -> list[range]:

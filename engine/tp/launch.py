@@ -1,7 +1,7 @@
 """Rank 0 of a tensor-parallel engine: spawns the other ranks, drives their steps, watches them.
 
 The pod (or `cbserve generate`) process is rank 0: it creates the rendezvous store, starts ranks
-1..N-1 as `python -m engine.tp_worker` subprocesses (their settings travel as JSON in an environment
+1..N-1 as `python -m engine.tp.worker` subprocesses (their settings travel as JSON in an environment
 variable: no pickled closures), and joins the group with them. The store is a file (torch's
 `FileStore`) in a directory only this user can open (`tempfile.mkdtemp`, mode 0700), removed when
 the group closes: all ranks run on one machine, so the rendezvous needs no listener, and a store
@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.tp_comm import CMD_HEARTBEAT, CMD_STEP, CMD_STOP, TPComm
-from engine.tp_worker import SPEC_ENV, WorkerSpec
+from engine.tp.comm import CMD_HEARTBEAT, CMD_STEP, CMD_STOP, TPComm
+from engine.tp.worker import SPEC_ENV, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class TPDriver:
             # stdout belongs to rank 0 (`cbserve generate` prints the text there): workers log to
             # stderr. Their own session: signals to the pod's process group (Ctrl-C, `kill -- -pgid`)
             # reach rank 0 alone, which drains and then stops them; they follow rank 0's exit.
-            procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp_worker"], env=env,
+            procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp.worker"], env=env,
                                           stdout=sys.stderr.fileno(), start_new_session=True))
             log.info("tensor-parallel rank %d/%d started (pid %d)", rank, size, procs[-1].pid)
         watchdog = _Watchdog(procs, store_dir)
@@ -109,7 +109,7 @@ class TPDriver:
     @contextlib.contextmanager
     def exclusive(self, command: int, count: int):
         """Between steps (any thread): announce a KV command over `count` blocks; the caller runs
-        its collectives inside (`engine.tp_kv`)."""
+        its collectives inside (`engine.tp.kv`)."""
         with self._lock, self._fatal("KV transfer"):
             self.comm.send_header(command, count=count)
             yield self.comm

@@ -3,7 +3,7 @@
 Order (as vLLM): a structured-output mask first (`engine.grammar.mask`: rows with a grammar
 only); logprobs are taken from the (masked) raw logits; then repetition/presence/frequency
 penalties, the min_tokens mask, and for non-greedy rows temperature, top-k, top-p, min-p and a draw
-(`engine.random_sampling`). Every stage runs once over all the rows that need it, so the cost does
+(`engine.sampling.random_sampling`). Every stage runs once over all the rows that need it, so the cost does
 not grow with the number of distinct settings in the batch; an all-greedy batch is one argmax.
 Penalties touch only the (row, token) pairs that occur, never a whole `[rows, vocab]` pass.
 
@@ -29,13 +29,13 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from engine.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_random, seeded_first, \
+from engine.sampling.random_sampling import Knobs, nucleus_threshold, row_argmax, sample_random, seeded_first, \
     sort_descending, to_device, upload
-from engine.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, TokenLogprobs, device_logprobs
+from engine.sampling.device_sample import DeviceSample, PinnedBuffers, SamplerOutput, TokenLogprobs, device_logprobs
 from engine.grammar.mask import GrammarMask
 from engine.runner.inference import inference_mode
-from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
-from engine.sampling_screen import ScreenCache
+from engine.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from engine.sampling.screen import ScreenCache
 
 _MASK64 = (1 << 64) - 1
 _PARAMS = operator.attrgetter("sampling_params")
@@ -90,7 +90,7 @@ class Sampler:
         if grammar is not None:
             raw_logits = grammar.apply(raw_logits.clone() if raw_logits is logits else raw_logits)
         # The batch's params screened (penalties? logprobs? random rows?), reused while the batch
-        # stays (`engine.sampling_screen`): this runs for every request every step.
+        # stays (`engine.sampling.screen`): this runs for every request every step.
         params = list(map(_PARAMS, requests))
         screen = self._screens.screen(params)
         logits = self._apply_penalties(raw_logits, requests) if screen.penalized else raw_logits
@@ -185,7 +185,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, requests: Sequence[SamplingRequest], random_rows: list[int],
                        logprob_rows: list[int], in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Ids for every row: argmax for greedy rows; for `random_rows` temperature, then top-k,
-        top-p, min-p and one draw (`engine.random_sampling`). Also returns `logprob_rows` on the
+        top-p, min-p and one draw (`engine.sampling.random_sampling`). Also returns `logprob_rows` on the
         device (None when empty), sent in the same copy as the knobs. `in_place`: `logits` is a
         private copy that may be overwritten."""
         device = logits.device

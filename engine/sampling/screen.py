@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 from typing import NamedTuple
 
-from engine.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from engine.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _LOGPROBS, _TEMPERATURE, _MIN_TOKENS, _PENALIZED = (
     operator.attrgetter(name) for name in ("logprobs", "temperature", "min_tokens", "penalized"))

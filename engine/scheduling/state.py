@@ -4,7 +4,7 @@
 for disaggregation `waiting_for_blocks` / `waiting_for_remote_kv` (decode role) and `held`
 (prefill role) — and the edges that move requests between them: intake, endings (finish, abort,
 release), the decode role's remote-KV events, queries for metrics, and `check_invariants`.
-`engine.scheduler.Scheduler` adds the step itself (`schedule` / `update`).
+`engine.scheduling.scheduler.Scheduler` adds the step itself (`schedule` / `update`).
 
 Roles change only the edges (`docs/architecture.md`): `prefill` ends a request after its first
 token and keeps its blocks referenced until `release_request`; `decode` reserves a prompt's blocks
@@ -29,8 +29,8 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.request_queue import FCFSQueue, PriorityQueue
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduling.request_queue import FCFSQueue, PriorityQueue
+from engine.scheduling.output import SchedulerOutput
 
 ROLES = ("colocated", "prefill", "decode")
 _RUNNING = RequestStatus.RUNNING

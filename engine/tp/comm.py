@@ -21,7 +21,7 @@ import torch.distributed as dist
 from engine.step_inputs import Layout
 
 CMD_STEP, CMD_HEARTBEAT, CMD_STOP = 1, 2, 3
-CMD_KV_GATHER, CMD_KV_SCATTER = 4, 5     # KV transfer of a P/D pod (engine/tp_kv.py)
+CMD_KV_GATHER, CMD_KV_SCATTER = 4, 5     # KV transfer of a P/D pod (engine/tp/kv.py)
 CMD_LORA_SLOT = 6                        # an adapter into a slot (engine/lora/manager.py), count = slot
 HEADER_LEN = 8
 
