@@ -155,7 +155,7 @@ def test_seeded_sampling_follows_the_distribution():
 
 def test_seeded_sampling_is_the_same_in_another_process():
     code = (
-        "import torch; from engine.sampler import Sampler; from engine.request import Request;"
+        "import torch; from engine.sampling.sampler import Sampler; from engine.request import Request;"
         "from engine.sampling.params import SamplingParams as P;"
         "g = torch.Generator().manual_seed(1); logits = torch.randn(3, 64, generator=g);"
         "reqs = [Request('r', [1], P(seed=s, temperature=0.8, min_p=0.01)) for s in (1, 2, 3)];"

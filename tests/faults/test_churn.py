@@ -59,7 +59,7 @@ async def _complete(client: httpx.AsyncClient, prompt: str, stream: bool) -> dic
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "stream": stream}
     start = time.monotonic()
-    out = {"prompt": prompt, "stream": stream, "text": "", "status": None, "how": None}
+    out = {"prompt": prompt, "stream": stream, "text": "", "status": None, "how": None, "started": start}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             out["status"] = response.status_code
@@ -182,9 +182,11 @@ def test_churn_under_load_loses_nothing_silently_and_leaks_no_kv(tmp_path):
         results: list[dict] = []
         loader = threading.Thread(target=lambda: results.extend(asyncio.run(_open_loop(cluster, stop, random.Random(0)))))
         loader.start()
+        churn_started = time.monotonic()
         try:
             _churn(cluster, log)
         finally:
+            churn_ended = time.monotonic()
             stop.set()
             loader.join(DEADLINE + SLACK + 30)
         assert not loader.is_alive(), "requests still open long after their deadline"
@@ -193,7 +195,13 @@ def test_churn_under_load_loses_nothing_silently_and_leaks_no_kv(tmp_path):
         print(f"\nchurn: {' / '.join(log)}\n{len(results)} requests: {dict(hows)}; "
               f"slowest {max(r['seconds'] for r in results):.1f} s; restarts "
               f"{ {n: cluster.restarts(n) for n in cluster.processes if cluster.restarts(n)} }")
-        assert len(results) >= 60, "the load did not run through the churn"
+        # The load ran through the churn: requests began before the first fault and after the
+        # healed cluster was back, and the open loop kept (at least half) its rate all along. A
+        # fixed count would measure how long the faults took on this box, not the load.
+        starts = sorted(r["started"] for r in results)
+        assert starts[0] <= churn_started + FREEZE_SECONDS and starts[-1] >= churn_ended - 3, \
+            "the load did not run through the churn"
+        assert len(results) >= RATE * (churn_ended - churn_started) / 2, (len(results), churn_ended - churn_started)
         hung = [r for r in results if r["seconds"] > DEADLINE + SLACK]
         assert not hung, hung
         unclear = [r for r in results if r["how"] not in ("ok", "sse error", "503+retry-after")]

@@ -9,6 +9,7 @@ KV only against the router's handle for that request and its own address. The po
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -159,6 +160,8 @@ def test_generate_dials_only_a_vouched_prefill_address(pods):
         "expired": HANDLES.issue("ssrf", target.address, now - CLOCK_SKEW_SECONDS - 5),
     }
 
+    after_ids = itertools.count()
+
     async def on_session(handle):
         """The same request on a Session (how the router sends it): refused alone, session intact."""
         request = pb.GenerateRequest(request_id="ssrf-session", prompt_token_ids=PROMPT,
@@ -170,7 +173,10 @@ def test_generate_dials_only_a_vouched_prefill_address(pods):
             try:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await session.generate(request, timeout=60).read()
-                ok = session.generate(pb.GenerateRequest(request_id="local-after", prompt_token_ids=PROMPT,
+                # A fresh id each time: the previous one may still be finishing on the pod (it
+                # was read only up to its first token), and a reused id is refused as in use.
+                ok = session.generate(pb.GenerateRequest(request_id=f"local-after-{next(after_ids)}",
+                                                         prompt_token_ids=PROMPT,
                                                          sampling=sampling(max_tokens=2)), timeout=60)
                 assert (await ok.read()).token_ids
                 return refused.value
