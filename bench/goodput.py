@@ -111,14 +111,25 @@ def scrape_all(cluster: LocalCluster) -> tuple[prom.Samples, prom.Samples]:
     return prom.scrape(cluster.metrics_url), pods
 
 
+def _step_seconds(pods: prom.Samples) -> dict[str, float]:
+    """Each pod's seconds in engine steps (its `cbserve_step_seconds` sum)."""
+    out: dict[str, float] = {}
+    for (name, labels), value in pods.items():
+        if name == "cbserve_step_seconds_sum":
+            pod = dict(labels).get("scraped_pod", "")
+            out[pod] = out.get(pod, 0.0) + value
+    return out
+
+
 def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, rate: float, model_id: str) -> dict:
     requests = mix.requests(rate, args.duration, args.seed)
     router_before, pods_before = scrape_all(cluster)
-    cpu_before = cpu.cluster_cpu_seconds(cluster)
+    cpu_before, threads_before = cpu.cluster_cpu_seconds(cluster), cpu.cluster_thread_cpu_seconds(cluster)
     results, elapsed = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=args.request_timeout,
                                                  api_key=os.environ.get("CBSERVE_API_KEY"),
                                                  desc=f"{mix.name} at {rate:g} req/s"))
     cpu_used = cpu.delta(cpu.cluster_cpu_seconds(cluster), cpu_before)
+    threads = cpu.thread_split(cpu.cluster_thread_cpu_seconds(cluster), threads_before)
     router_after, pods_after = scrape_all(cluster)
     router = prom.delta(router_after, router_before)
     queue_p95 = prom.histogram_quantile(0.95, router, "cbserve_request_phase_seconds", phase="router_queue")
@@ -130,7 +141,9 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, 
                                # each role's mean engine step in the run (what the planner's contention scales)
                                "mean_step_s": prom.mean_by_label(prom.delta(pods_after, pods_before),
                                                                  "cbserve_step_seconds"),
-                               "cpu_s": cpu_used}      # each process's CPU seconds in the run (the cores' load)
+                               "cpu_s": cpu_used,      # each process's CPU seconds in the run (the cores' load)
+                               # ... a pod's by thread, beside its engine's own step seconds: what its CPU is
+                               "cpu_threads_s": threads, "step_s": _step_seconds(prom.delta(pods_after, pods_before))}
     if args.save_requests:
         row["requests"] = [asdict(r) for r in results]
     return row

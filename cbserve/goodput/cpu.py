@@ -8,6 +8,12 @@ charges the cores besides the steps. A process's figure includes its descendants
 runs in an engine-core child process (`pod.core_client`), and without it a busy pod's CPU read as
 a small part of what its steps took. Linux only (`/proc/<pid>/stat`); elsewhere the pods' figures are
 absent and the model falls back on the measured contention alone.
+
+`cluster_thread_cpu_seconds` splits a pod's figure by thread (`/proc/<pid>/task/<tid>/stat`): its
+server process, the busiest thread of its engine core (the engine thread: it runs every step;
+Python 3.11 does not name OS threads, so it is told by its CPU) and the core's other threads (the
+writer that builds each step's message, the command reader, the event loop). What a pod's CPU is
+made of in overload, steps or the work around them, decides what the cores model charges.
 """
 
 from __future__ import annotations
@@ -25,6 +31,30 @@ def _own_cpu_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _TICKS      # utime + stime (fields 14, 15)
+
+
+def _thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """tid -> CPU seconds of each live thread of `pid`."""
+    out: dict[int, float] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for child in _children(pid):
+        out += [child] + _descendants(child)
+    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -64,3 +94,33 @@ def cluster_cpu_seconds(cluster) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before[k] for k, v in after.items() if k in before}
+
+
+def cluster_thread_cpu_seconds(cluster) -> dict[str, dict[str, dict[int, float]]]:
+    """name -> {"server": tid -> CPU seconds, "core": tid -> CPU seconds} of each of `cluster`'s
+    processes (the process itself; its descendants, a pod's engine core). Take two and give
+    them to `thread_split`."""
+    out = {}
+    for name, proc in cluster.processes.items():
+        if not proc.pid:
+            continue
+        core: dict[int, float] = {}
+        for child in _descendants(proc.pid):
+            core |= _thread_cpu_seconds(child)
+        out[name] = {"server": _thread_cpu_seconds(proc.pid), "core": core}
+    return out
+
+
+def thread_split(after: dict, before: dict) -> dict[str, dict[str, float]]:
+    """name -> the CPU seconds between two `cluster_thread_cpu_seconds` of its server process
+    (`server`), of its engine core's busiest thread (`engine`: the engine thread) and of the core's
+    other threads (`core_other`). A thread that started in between counts from 0; one that ended
+    is not counted."""
+    out = {}
+    for name, now in after.items():
+        then = before.get(name, {"server": {}, "core": {}})
+        used = {part: {tid: s - then[part].get(tid, 0.0) for tid, s in now[part].items()} for part in now}
+        core = sorted(used["core"].values(), reverse=True)
+        out[name] = {"server": sum(used["server"].values()), "engine": core[0] if core else 0.0,
+                     "core_other": sum(core[1:])}
+    return out

@@ -6,10 +6,16 @@ a core to itself. With n processes wanting the c cores, each runs at c/n of a co
 fair share), so the step's wall time is its CPU time times max(1, n/c). What wants a core:
 - this pod (one torch thread: one core while it steps);
 - every other pod, for the share of the last `window_s` it spent in steps;
-- the serving path (the router's HTTP, SSE and routing, the pods' gRPC and load reports, the
-  client): `cpu_per_token_s` CPU seconds per token streamed to the client, over the same window
-  (measured in situ from the processes' CPU seconds; per token, since the streamed tokens are
-  what the router and the client spend most of their CPU on).
+- the serving path (the router's HTTP, SSE and routing, the pods' gRPC servers, their engine
+  cores' message writer, the client): `cpu_per_token_s` CPU seconds per token streamed to the
+  client, over the same window (measured in situ from the processes' CPU seconds; per token, since
+  the streamed tokens are what the router and the client spend most of their CPU on). It is all
+  the CPU the processes used less what the pods' engine threads used, not less the profiled cost
+  of the steps: a step in situ takes more CPU than the profiler's (caches and the sibling
+  hyperthread shared), and that excess is already in each role's contention factor; counted as
+  serving work too, it made two colocated pods in overload want a core more than they do. A
+  disaggregated cluster's serving path costs more per token (two RPCs per request, the KV pull)
+  than a colocated one's: each is measured on its own in-situ run.
 So contention is a property of the deployment's co-location and of the traffic at that moment,
 not a constant: a colocated pair near its knee, both pods stepping and the router streaming
 hundreds of tokens a second, is slowed more than the same pair at a tenth of the rate. What the
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -29,8 +35,15 @@ class CpuShareCosts:
     """The cores the processes share (0: every pod has its own device) and the serving path's CPU."""
 
     cores: float = 0.0
-    cpu_per_token_s: float = 0.0
+    cpu_per_token_s: float = 0.0                    # disaggregated clusters
+    colocated_cpu_per_token_s: float | None = None  # colocated ones (None: the same)
     window_s: float = 1.0
+
+    def of(self, colocated: bool) -> CpuShareCosts:
+        """The costs of one cluster: `cpu_per_token_s` is its kind's."""
+        if not colocated or self.colocated_cpu_per_token_s is None:
+            return self
+        return replace(self, cpu_per_token_s=self.colocated_cpu_per_token_s)
 
 
 class _Window:

@@ -156,36 +156,48 @@ def _serving_from_probes(fit: dict, kv_bytes_per_token: int) -> ServingProfile:
                           kv_bytes_per_s=kv_bytes_per_token / slope if slope > 0 else float("inf"))
 
 
-def _serving_cpu(profile: Profile, requests: list[RequestSpec], results: list[RequestResult],
-                 cpu_seconds: dict[str, float], fields: dict) -> tuple[float, int]:
+def _engine_cpu(cpu_seconds: dict[str, float], step_seconds: dict, threads: dict | None) -> float:
+    """What the pods' engine threads used in one load run: each pod's engine thread's CPU where
+    the run recorded it by thread (`cpu.thread_split`), else the pods' seconds in steps (their
+    `cbserve_step_seconds`: a step's wall time, of which the CPU is at most the pod's)."""
+    if threads:
+        return sum(t.get("engine", 0.0) for t in threads.values())
+    pods = sum(v for k, v in cpu_seconds.items() if k not in ("client", "router", "wall"))
+    return min(pods, sum(total for total, _ in step_seconds.values()))
+
+
+def _serving_cpu(results: list[RequestResult], cpu_seconds: dict[str, float], step_seconds: dict,
+                 threads: dict | None) -> tuple[float, int]:
     """(CPU seconds of the serving path, tokens streamed) in one load run: every process's CPU
-    (router, pods, the client) less what the pods' steps took (the cost model on the simulated
-    run's steps: the same requests' batches)."""
-    _, steps = _simulate(with_serving(profile, ServingProfile()), requests, fields)
+    (router, pods, the client) less what the pods' engine threads took (`cpu_share`: the steps'
+    own excess over the profile is their role's contention, not serving work)."""
     total = sum(v for k, v in cpu_seconds.items() if k != "wall")
     tokens = sum(r.num_output_tokens for r in results)
-    return max(0.0, total - sum(busy for busy, _ in steps.values())), tokens
+    return max(0.0, total - _engine_cpu(cpu_seconds, step_seconds, threads)), tokens
 
 
 def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: ServingProfile) -> ServingProfile:
     """The cores the in-situ processes shared and the serving path's CPU per streamed token, from
-    both load runs' process CPU seconds (profiles made before they were recorded: no sharing)."""
+    each load run's process CPU seconds: the 1P+1D run's for disaggregated clusters, the
+    colocated-2 run's for colocated ones (profiles made before they were recorded: no sharing)."""
     device = profile.data.get("device", {})
     if device.get("type") != "cpu":     # the host's cores are not what a device's steps wait for
         return serving
-    runs = [(raw["load_rate"], raw.get("load", []), raw.get("cpu_seconds"), PD)]
     colocated = raw.get("colocated") or {}
-    runs.append((colocated.get("load_rate"), colocated.get("load", []), colocated.get("cpu_seconds"), COLOCATED))
-    serving_cpu, tokens = 0.0, 0
-    for rate, results, cpu_seconds, fields in runs:
-        if not cpu_seconds or rate is None:
+    per_token = []
+    for run in (raw, colocated):
+        if not run.get("cpu_seconds") or run.get("load_rate") is None:
+            per_token.append(None)
             continue
-        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
-        c, n = _serving_cpu(profile, requests, [RequestResult(**r) for r in results], cpu_seconds, fields)
-        serving_cpu, tokens = serving_cpu + c, tokens + n
-    if not tokens:
+        c, n = _serving_cpu([RequestResult(**r) for r in run.get("load", [])], run["cpu_seconds"],
+                            run.get("step_seconds", {}), run.get("cpu_threads"))
+        per_token.append(c / n if n else None)
+    disaggregated, colocated_rate = per_token
+    if disaggregated is None and colocated_rate is None:
         return serving
-    return replace(serving, cores=float(device.get("cpu_count") or 1), cpu_per_token_s=serving_cpu / tokens)
+    return replace(serving, cores=float(device.get("cpu_count") or 1),
+                   cpu_per_token_s=disaggregated if disaggregated is not None else colocated_rate,
+                   colocated_cpu_per_token_s=colocated_rate)
 
 
 def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
@@ -296,18 +308,20 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         model_id = args.model
         asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
         probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
-        load_results, step_seconds, cpu_used = _load_run(cluster, load, model_id)
+        load_results, step_seconds, cpu_used, threads = _load_run(cluster, load, model_id)
     # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run.
     colocated_rate = _load_rate(with_serving(profile, ServingProfile()), settings, COLOCATED)
     colocated_load = mix.requests(colocated_rate, settings.seconds, settings.seed)
     log(f"# profile: in situ on a colocated-2 cluster: {settings.mix} at {colocated_rate:g} req/s")
     with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=2), log_dir=log_dir) as cluster:
         asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
-        colocated_results, colocated_steps, colocated_cpu = _load_run(cluster, colocated_load, args.model)
+        colocated_results, colocated_steps, colocated_cpu, colocated_threads = _load_run(cluster, colocated_load,
+                                                                                         args.model)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
-           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used,
+           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads,
            "colocated": {"load_rate": colocated_rate, "load": [_result_json(r) for r in colocated_results],
-                         "step_seconds": colocated_steps, "cpu_seconds": colocated_cpu},
+                         "step_seconds": colocated_steps, "cpu_seconds": colocated_cpu,
+                         "cpu_threads": colocated_threads},
            "seconds": time.monotonic() - started}
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
@@ -317,15 +331,17 @@ def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str)
     """The client's results and each role's (sum, count) of step seconds over the run."""
     before = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
     cpu_before, started = cpu.cluster_cpu_seconds(cluster), time.monotonic()
+    threads_before = cpu.cluster_thread_cpu_seconds(cluster)
     results, _ = asyncio.run(run_open_loop(cluster.url, model_id, requests, timeout_s=120, desc="load"))
     cpu_used = cpu.delta(cpu.cluster_cpu_seconds(cluster), cpu_before) | {"wall": time.monotonic() - started}
+    threads = cpu.thread_split(cpu.cluster_thread_cpu_seconds(cluster), threads_before)
     after = {p.name: prom.scrape(p.metrics_url) for p in cluster.pods}
     by_role: dict[str, prom.Samples] = {}
     for p in cluster.pods:
         for key, value in prom.delta(after[p.name], before[p.name]).items():
             by_role.setdefault(p.role, {})
             by_role[p.role][key] = by_role[p.role].get(key, 0.0) + value
-    return results, _step_means(by_role), cpu_used
+    return results, _step_means(by_role), cpu_used, threads
 
 
 def _result_json(r: RequestResult) -> dict:

@@ -7,7 +7,7 @@
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
      "grid": [measurements], "held_out_points": [measurements],
      "serving": {"contention", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s",
-                 "kv_bytes_per_s", "jitter_sigma", "cores", "cpu_per_token_s",
+                 "kv_bytes_per_s", "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "in_situ": {...what was measured}} | null,
      "seconds": {"grid", "in_situ"}}
 
@@ -54,6 +54,7 @@ class ServingProfile:
     jitter_period_s: float = 1.0
     cores: float = 0.0                # the cores pods, router and client share (`cpu_share`; 0: none)
     cpu_per_token_s: float = 0.0      # the serving path's CPU per streamed token, on those cores
+    colocated_cpu_per_token_s: float | None = None  # ... in a colocated cluster (None: the same)
     in_situ: dict = field(default_factory=dict)     # the measurements behind these numbers
 
     def contention_of(self, role: str) -> float:
@@ -66,14 +67,15 @@ class ServingProfile:
 
     def costs(self) -> ServingCosts:
         return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s,
-                            CpuShareCosts(self.cores, self.cpu_per_token_s))
+                            CpuShareCosts(self.cores, self.cpu_per_token_s, self.colocated_cpu_per_token_s))
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
-                      "cores": self.cores, "cpu_per_token_s": self.cpu_per_token_s, "in_situ": self.in_situ}
+                      "cores": self.cores, "cpu_per_token_s": self.cpu_per_token_s,
+                      "colocated_cpu_per_token_s": self.colocated_cpu_per_token_s, "in_situ": self.in_situ}
 
     @classmethod
     def from_json(cls, value: dict) -> ServingProfile:
@@ -84,7 +86,9 @@ class ServingProfile:
                    float(value["rpc_s"]), float(value["token_out_s"]), float(value["kv_message_s"]),
                    float("inf") if rate is None else float(rate), float(value.get("jitter_sigma", 0.0)),
                    float(value.get("jitter_period_s", 1.0)), float(value.get("cores", 0.0)),
-                   float(value.get("cpu_per_token_s", 0.0)), dict(value.get("in_situ", {})))
+                   float(value.get("cpu_per_token_s", 0.0)),
+                   None if value.get("colocated_cpu_per_token_s") is None else float(value["colocated_cpu_per_token_s"]),
+                   dict(value.get("in_situ", {})))
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class SimCluster:
             if isinstance(getattr(profile.picker, "rng", None), random.Random):
                 profile.picker.rng = random.Random(f"picker:{seed}:{n}")
         spec = ClusterSpec(model="sim", port=0, **fields)
-        self.cpu_share = CpuShare(serving.cpu, self.clock) if serving.cpu.cores > 0 else None
+        self.cpu_share = CpuShare(serving.cpu.of(colocated=bool(fields.get("num_colocated"))), self.clock) \
+            if serving.cpu.cores > 0 else None
         self.pods: dict[str, SimPod] = {}
         self._tasks: list[asyncio.Task] = []
         for name, role in spec.pod_roles():

@@ -52,17 +52,35 @@ def test_cores_shared_by_steps_and_serving_slow_a_step_down():
     assert CpuShare(CpuShareCosts(cores=0), lambda: 0.0).factor("a") == 1.0
 
 
-def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_steps(profile):
+def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_engine_threads(profile):
+    """The serving path's CPU is every process's less the pods' engine threads' (by thread where
+    recorded, else at most the pods' step seconds): a step's in-situ excess over the profiled cost
+    is its role's contention, not serving work. Each kind of cluster has its own run and rate."""
     from cbserve.goodput.workloads import MIXES
     from cbserve.planner.in_situ import InSituSettings, _fit_cpu, _result_json
 
     settings = InSituSettings(seconds=2.0)
     requests = MIXES[settings.mix].requests(1.0, settings.seconds, settings.seed)
-    results, steps = _simulate(with_serving(profile, ServingProfile()), requests)
+    results, _ = _simulate(with_serving(profile, ServingProfile()), requests)
     tokens = sum(r.num_output_tokens for r in results)
-    step_cpu = sum(busy for busy, _ in steps.values())
-    cpu = {"router": 0.002 * tokens, "prefill-0": step_cpu, "decode-0": 0.001 * tokens, "client": 0.0, "wall": 9.0}
-    raw = {"load_rate": 1.0, "load": [_result_json(r) for r in results], "cpu_seconds": cpu}
+    load = [_result_json(r) for r in results]
+    # 1P1D: the pods spent 5 s in steps (more than any profiled cost: in situ a step takes longer)
+    # and 0.001 s per token besides; the router 0.002 s per token.
+    cpu = {"router": 0.002 * tokens, "prefill-0": 1.0, "decode-0": 4.0 + 0.001 * tokens, "client": 0.0, "wall": 9.0}
+    steps = {"prefill": [1.0, 3], "decode": [4.0, 40]}
+    # colocated-2, recorded by thread: engine threads 6 s, everything else 0.0005 s per token.
+    threads = {"colocated-0": {"server": 0.0, "engine": 3.5, "core_other": 0.0},
+               "colocated-1": {"server": 0.0, "engine": 2.5, "core_other": 0.0}}
+    colocated = {"load_rate": 1.0, "load": load, "step_seconds": {"colocated": [9.0, 50]}, "cpu_threads": threads,
+                 "cpu_seconds": {"router": 0.0005 * tokens, "colocated-0": 3.5, "colocated-1": 2.5, "wall": 9.0}}
+    raw = {"load_rate": 1.0, "load": load, "cpu_seconds": cpu, "step_seconds": steps, "colocated": colocated}
     fitted = _fit_cpu(profile, raw, settings, ServingProfile())
     assert fitted.cores == 2 and fitted.cpu_per_token_s == pytest.approx(0.003, rel=1e-6)
-    assert _fit_cpu(profile, raw | {"cpu_seconds": None}, settings, ServingProfile()).cores == 0   # not recorded
+    assert fitted.colocated_cpu_per_token_s == pytest.approx(0.0005, rel=1e-6)
+    costs = fitted.costs().cpu
+    assert costs.of(colocated=True).cpu_per_token_s == pytest.approx(0.0005, rel=1e-6)
+    assert costs.of(colocated=False).cpu_per_token_s == pytest.approx(0.003, rel=1e-6)
+    # Steps that waited for a core (wall above the pods' CPU): the pods' CPU is the bound.
+    waited = raw | {"step_seconds": {"prefill": [3.0, 3], "decode": [40.0, 40]}, "colocated": None}
+    assert _fit_cpu(profile, waited, settings, ServingProfile()).cpu_per_token_s == pytest.approx(0.002, rel=1e-6)
+    assert _fit_cpu(profile, raw | {"cpu_seconds": None, "colocated": None}, settings, ServingProfile()).cores == 0
