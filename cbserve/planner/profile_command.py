@@ -16,6 +16,12 @@ one sitting on a shared machine, and the serving path can be measured again with
 
     cbserve profile --model small --quantization int8 --no-in-situ --out profiles/small-grid.json
     cbserve profile --model small --quantization int8 --grid-from profiles/small-grid.json --out profiles/small.json
+
+Stage A itself can run in several sittings: `--resume FILE` keeps every measured grid point in FILE
+(`grid_journal.py`); stop the command anywhere and run it again, same flags, to go on where it was.
+
+    timeout 230 cbserve profile --model small --quantization int8 --no-in-situ --resume small.journal \
+        --out profiles/small-grid.json          # again, until it writes the profile
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def add_profile_command(sub: argparse._SubParsersAction, add_engine_flags) -> No
     p.add_argument("--no-in-situ", action="store_true", help="skip stage B (the real 1P+1D run)")
     p.add_argument("--grid-from", default=None, metavar="FILE",
                    help="take stage A from this profile (same model and engine flags) and run stage B only")
+    p.add_argument("--resume", default=None, metavar="FILE",
+                   help="keep each measured grid point in FILE and take those it holds: stage A over several runs")
     p.add_argument("--in-situ-seconds", type=float, default=20.0, help="stage B's load run")
     p.add_argument("--calibration-mix", default="chat", help="stage B's workload (a bench/goodput.py mix)")
     p.add_argument("--seed", type=int, default=0)
@@ -82,6 +90,9 @@ def _profile(args: argparse.Namespace) -> int:
     if args.grid_from and args.no_in_situ:
         print("error: --grid-from runs stage B only and --no-in-situ skips it: nothing to do", file=sys.stderr)
         return 2
+    if args.grid_from and args.resume:
+        print("error: --grid-from takes stage A from a profile and --resume measures it: choose one", file=sys.stderr)
+        return 2
     started = time.monotonic()
     if args.grid_from:
         try:
@@ -90,7 +101,11 @@ def _profile(args: argparse.Namespace) -> int:
             print(f"error: --grid-from {e}", file=sys.stderr)
             return 2
     else:
-        profile = _stage_a(args)
+        try:
+            profile = _stage_a(args)
+        except ProfileError as e:
+            print(f"error: --resume {e}", file=sys.stderr)
+            return 2
         if profile is None:
             return EXIT_REJECTED
     if not args.no_in_situ:
@@ -115,8 +130,10 @@ def _stage_a(args: argparse.Namespace):
     """Stage A: the step grid timed and fitted; None when the held-out gate refuses it."""
     import dataclasses
 
-    from cbserve.planner.profile import build_profile
-    from cbserve.planner.profiler import GridSettings, describe, fit_model, grid_json, measure
+    from cbserve.planner.grid_journal import GridJournal, JournalError
+    from cbserve.planner.profile import ProfileError, build_profile
+    from cbserve.planner.profiler import (GridSettings, describe, engine_flags, fit_model, grid_json, grid_points,
+                                          journal_identity, measure)
     from cbserve.planner.step_grid import TIMERS, timer_name
     from engine.engine import Engine
 
@@ -130,12 +147,24 @@ def _stage_a(args: argparse.Namespace):
                                 held_out_points=args.held_out_points, max_batch=args.max_batch,
                                 max_context=args.max_context, seed=args.seed)
         timer = timer_name(engine.device.type, args.threads_per_pod)
-        fit, held = measure(engine, settings, log=_log, timer=TIMERS[timer])
+        journal = None
+        if args.resume:
+            _, points = grid_points(engine, settings)
+            identity = journal_identity(settings, points, model=args.model, fingerprint=engine.fingerprint,
+                                        flags=engine_flags(args), threads=args.threads_per_pod, timer=timer)
+            try:
+                journal = GridJournal(args.resume, identity)
+            except JournalError as e:
+                raise ProfileError(str(e)) from None
+            _log(f"# profile: {len(journal.done)} grid points already measured in {args.resume}")
+        fit, held = measure(engine, settings, log=_log, timer=TIMERS[timer], journal=journal)
         identity = describe(engine, args, args.threads_per_pod, timer)
     finally:
         engine.close()
         del engine
     grid_seconds = time.monotonic() - started
+    if journal is not None:     # every sitting's measuring, not this one's alone
+        grid_seconds = journal.seconds
     model, fit_stats, held_stats = fit_model(fit, held)
     data = identity | grid_json(fit, held) | {"fit": fit_stats, "held_out": held_stats,
                                              "seconds": {"grid": grid_seconds}}

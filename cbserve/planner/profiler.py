@@ -12,6 +12,7 @@ profile.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import random
 import statistics
@@ -22,7 +23,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cbserve.planner.cost_model import StepCostModel, relative_errors
-from cbserve.planner.step_grid import GridLimits, Measurement, StepGrid, grid, held_out
+from cbserve.planner.grid_journal import GridJournal
+from cbserve.planner.step_grid import GridLimits, GridPoint, Measurement, StepGrid, grid, held_out
 
 
 @dataclass(frozen=True)
@@ -45,26 +47,48 @@ def _error_stats(model: StepCostModel, measurements: list[Measurement]) -> dict:
             "by_kind": {k: statistics.mean(v) for k, v in by_kind.items()}}
 
 
-def measure(engine, settings: GridSettings, log=print, timer=None) -> tuple[list[Measurement], list[Measurement]]:
-    """(grid, held-out) measurements on `engine`."""
+def grid_points(engine, settings: GridSettings) -> tuple[GridLimits, list[tuple[GridPoint, bool]]]:
+    """The limits and the points (point, held out?) that `measure` times on `engine`."""
     sched = engine.scheduler_config
     limits = GridLimits(max_batch=min(sched.max_num_seqs, settings.max_batch or 64),
                         max_context=min(sched.max_model_len - 64, settings.max_context or 2048),
                         max_chunk=sched.max_num_batched_tokens, block_size=engine.cache_config.block_size)
     points = [(p, False) for p in grid(limits, settings.quick)]
     points += [(p, True) for p in held_out(limits, settings.held_out_points, settings.seed + 1)]
+    return limits, points
+
+
+def journal_identity(settings: GridSettings, points: list[tuple[GridPoint, bool]], **more) -> dict:
+    """What a `GridJournal`'s measurements must share with a run that resumes it (not `passes`:
+    a later run may add passes)."""
+    grid_settings = {k: v for k, v in dataclasses.asdict(settings).items() if k != "passes"}
+    return {"settings": grid_settings, "points": [f"{p}{' held out' if held else ''}" for p, held in points]} | more
+
+
+def measure(engine, settings: GridSettings, log=print, timer=None,
+            journal: GridJournal | None = None) -> tuple[list[Measurement], list[Measurement]]:
+    """(grid, held-out) measurements on `engine`; with a `journal`, the points it holds are taken
+    from it and every point measured here goes into it."""
+    limits, points = grid_points(engine, settings)
     stepper = StepGrid(engine, settings.repeats, limits.max_context + 64, seed=settings.seed, timer=timer)
     merged: dict[int, Measurement] = {}
     for round_ in range(settings.passes):
         order = list(range(len(points)))
         random.Random(f"{settings.seed}:{round_}").shuffle(order)
-        started = time.monotonic()
+        started, kept = time.monotonic(), 0
         for i in order:
-            m = stepper.measure(points[i][0])
+            m = journal.get(round_, i, points[i][0]) if journal is not None else None
+            if m is None:
+                point_started = time.monotonic()
+                m = stepper.measure(points[i][0])
+                if journal is not None:
+                    journal.record(round_, i, m, time.monotonic() - point_started)
+            else:
+                kept += 1
             old = merged.get(i)
             merged[i] = m if old is None else replace(old, seconds=old.seconds + m.seconds)
         log(f"# profile: grid pass {round_ + 1}/{settings.passes}: {len(points)} points in "
-            f"{time.monotonic() - started:.0f} s")
+            f"{time.monotonic() - started:.0f} s" + (f" ({kept} of them from the journal)" if kept else ""))
     fit = [merged[i] for i, (_, held) in enumerate(points) if not held]
     held = [merged[i] for i, (_, held) in enumerate(points) if held]
     return fit, held

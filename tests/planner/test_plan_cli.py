@@ -92,7 +92,7 @@ def test_profile_refuses_a_model_above_the_gate_and_writes_one_below(monkeypatch
     from cbserve.planner.step_shape import StepShape
 
     def fake(noise):
-        def measure(engine, settings, log=print, timer=None):
+        def measure(engine, settings, log=print, timer=None, journal=None):
             rng = random.Random(0)
             points = []
             for i in range(60):
