@@ -13,7 +13,11 @@ stage-A cost model to see what the engine alone would take:
    mean step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of
    the same run is that role's contention factor: two pods, the router and the client sharing the
    machine's cores (and, on a shared machine, the neighbours); a colocated-2 cluster takes the
-   same kind of run for the colocated pods' factor.
+   same kind of run for the colocated pods' factor, and a colocated-1 cluster for a lone pod's:
+   a step is slower while another engine steps on another core (measured: a colocated-1 pod's
+   steps at 0.8-1.3x the profiled cost, a colocated-2 pod's at about 1.8x, both all CPU time, so
+   not a share of the cores but the caches and memory both engines use), so a one-pod cluster
+   is not planned at a two-pod cluster's factor.
 Then the load run is simulated with the contention factors: what its measured TPOT median has
 beyond the simulated one is each decode step's loop gap, what its TTFT median has beyond, a longer
 request path under load; a last simulation with everything gives the calibration's own residual
@@ -86,6 +90,7 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 PD = {"num_prefill": 1, "num_decode": 1, "policy": "goodput"}
 COLOCATED = {"num_colocated": 2, "policy": "goodput"}
+ALONE = {"num_colocated": 1, "policy": "goodput"}
 
 
 def _simulate(profile: Profile, requests: list[RequestSpec], fields: dict = PD):
@@ -309,22 +314,29 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
         probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
         load_results, step_seconds, cpu_used, threads = _load_run(cluster, load, model_id)
-    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run.
-    colocated_rate = _load_rate(with_serving(profile, ServingProfile()), settings, COLOCATED)
-    colocated_load = mix.requests(colocated_rate, settings.seconds, settings.seed)
-    log(f"# profile: in situ on a colocated-2 cluster: {settings.mix} at {colocated_rate:g} req/s")
-    with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=2), log_dir=log_dir) as cluster:
-        asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
-        colocated_results, colocated_steps, colocated_cpu, colocated_threads = _load_run(cluster, colocated_load,
-                                                                                         args.model)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
-           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads,
-           "colocated": {"load_rate": colocated_rate, "load": [_result_json(r) for r in colocated_results],
-                         "step_seconds": colocated_steps, "cpu_seconds": colocated_cpu,
-                         "cpu_threads": colocated_threads},
-           "seconds": time.monotonic() - started}
+           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads}
+    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run;
+    # and one pod alone, whose steps no other engine's slow down.
+    for key, fields in (("colocated", COLOCATED), ("alone", ALONE)):
+        raw[key] = _colocated_run(profile, args, spec, fields, settings, log_dir, log)
+    raw["seconds"] = time.monotonic() - started
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
+
+
+def _colocated_run(profile: Profile, args, spec: ClusterSpec, fields: dict, settings: InSituSettings,
+                   log_dir: str, log) -> dict:
+    """A colocated cluster's load run (`fields`), as `raw["colocated"]` / `raw["alone"]` keep it."""
+    mix, pods = MIXES[settings.mix], fields["num_colocated"]
+    rate = _load_rate(with_serving(profile, ServingProfile()), settings, fields)
+    requests = mix.requests(rate, settings.seconds, settings.seed)
+    log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at {rate:g} req/s")
+    with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=pods), log_dir=log_dir) as cluster:
+        asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
+        results, steps, cpu_used, threads = _load_run(cluster, requests, args.model)
+    return {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
+            "cpu_seconds": cpu_used, "cpu_threads": threads}
 
 
 def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str):
@@ -373,19 +385,23 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
     colocated = raw.get("colocated")
-    if colocated:
-        requests = MIXES[settings.mix].requests(colocated["load_rate"], settings.seconds, settings.seed)
-        total, count = colocated["step_seconds"].get("colocated", (0.0, 0))
-        _, steps = _simulate(with_serving(profile, replace(serving, colocated_contention=1.0)), requests, COLOCATED)
+    for key, fields, field in (("colocated", COLOCATED, "colocated_contention"), ("alone", ALONE, "alone_contention")):
+        run = raw.get(key)
+        if not run:
+            continue
+        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
+        total, count = run["step_seconds"].get("colocated", (0.0, 0))
+        _, steps = _simulate(with_serving(profile, replace(serving, **{field: 1.0})), requests, fields)
         busy, n = steps.get("colocated", (0.0, 0))
         if count and n and busy:
-            serving = replace(serving, colocated_contention=(total / count) / (busy / n))
+            serving = replace(serving, **{field: (total / count) / (busy / n)})
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
     in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
                "load_seconds": settings.seconds,
                "colocated_load_rate": colocated["load_rate"] if colocated else None,
+               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"),
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

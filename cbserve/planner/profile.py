@@ -6,8 +6,9 @@
      "cost_model": {"features": [...], "coefficients": [...]},
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
      "grid": [measurements], "held_out_points": [measurements],
-     "serving": {"contention", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s",
-                 "kv_bytes_per_s", "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
+     "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention",
+                 "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
+                 "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "in_situ": {...what was measured}} | null,
      "seconds": {"grid", "in_situ"}}
 
@@ -44,6 +45,7 @@ class ServingProfile:
     contention: float = 1.0           # serving's wall seconds per profiled step second: decode pods
     prefill_contention: float = 1.0   # ... prefill pods
     colocated_contention: float | None = None   # ... colocated pods (None: the mean of the two)
+    alone_contention: float | None = None       # ... the one pod of a one-pod cluster (None: its role's)
     step_gap_s: float = 0.0
     http_in_s: float = 0.0
     rpc_s: float = 0.0
@@ -65,12 +67,17 @@ class ServingProfile:
         return (self.contention + self.prefill_contention) / 2 if self.colocated_contention is None \
             else self.colocated_contention
 
+    def contention_alone(self) -> float:
+        """A one-pod cluster's (colocated-1): no other engine steps beside it (measured in situ)."""
+        return self.contention_of("colocated") if self.alone_contention is None else self.alone_contention
+
     def costs(self) -> ServingCosts:
         return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s,
                             CpuShareCosts(self.cores, self.cpu_per_token_s, self.colocated_cpu_per_token_s))
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention", "step_gap_s",
+        out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention",
+                                             "alone_contention", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
@@ -80,15 +87,18 @@ class ServingProfile:
     @classmethod
     def from_json(cls, value: dict) -> ServingProfile:
         rate = value.get("kv_bytes_per_s")
-        colocated = value.get("colocated_contention")
-        return cls(float(value["contention"]), float(value["prefill_contention"]),
-                   None if colocated is None else float(colocated), float(value["step_gap_s"]), float(value["http_in_s"]),
-                   float(value["rpc_s"]), float(value["token_out_s"]), float(value["kv_message_s"]),
-                   float("inf") if rate is None else float(rate), float(value.get("jitter_sigma", 0.0)),
-                   float(value.get("jitter_period_s", 1.0)), float(value.get("cores", 0.0)),
-                   float(value.get("cpu_per_token_s", 0.0)),
-                   None if value.get("colocated_cpu_per_token_s") is None else float(value["colocated_cpu_per_token_s"]),
-                   dict(value.get("in_situ", {})))
+        optional = lambda k: None if value.get(k) is None else float(value[k])  # noqa: E731
+        return cls(contention=float(value["contention"]), prefill_contention=float(value["prefill_contention"]),
+                   colocated_contention=optional("colocated_contention"),
+                   alone_contention=optional("alone_contention"), step_gap_s=float(value["step_gap_s"]),
+                   http_in_s=float(value["http_in_s"]), rpc_s=float(value["rpc_s"]),
+                   token_out_s=float(value["token_out_s"]), kv_message_s=float(value["kv_message_s"]),
+                   kv_bytes_per_s=float("inf") if rate is None else float(rate),
+                   jitter_sigma=float(value.get("jitter_sigma", 0.0)),
+                   jitter_period_s=float(value.get("jitter_period_s", 1.0)), cores=float(value.get("cores", 0.0)),
+                   cpu_per_token_s=float(value.get("cpu_per_token_s", 0.0)),
+                   colocated_cpu_per_token_s=optional("colocated_cpu_per_token_s"),
+                   in_situ=dict(value.get("in_situ", {})))
 
 
 @dataclass(frozen=True)
@@ -121,8 +131,9 @@ class Profile:
     def pod_costs(self, step_scale: float = 1.0) -> dict[str, PodCosts]:
         """Each role's step costs, with the step time scaled by `step_scale` (sensitivity runs)."""
         s = self.serving or ServingProfile()
-        return {role: PodCosts(self.cost_model, s.contention_of(role) * step_scale, s.step_gap_s)
-                for role in ("prefill", "decode", "colocated")}
+        costs = {role: PodCosts(self.cost_model, s.contention_of(role) * step_scale, s.step_gap_s)
+                 for role in ("prefill", "decode", "colocated")}
+        return costs | {"alone": PodCosts(self.cost_model, s.contention_alone() * step_scale, s.step_gap_s)}
 
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
         c = (self.serving or ServingProfile()).costs()

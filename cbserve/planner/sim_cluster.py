@@ -102,7 +102,8 @@ class _Flow:
 
 class SimCluster:
     """Pods and router of one configuration; `run(requests)` plays one open-loop run through them.
-    `pod_costs` is one for every pod or one per role (prefill, decode, colocated).
+    `pod_costs` is one for every pod or one per role (prefill, decode, colocated; `alone` for the
+    pod of a one-pod cluster).
 
     Create and use it inside a running (virtual-time) event loop; state carries over from one run to
     the next (prefix caches, the router's models and calibrations), as one cluster serves a
@@ -134,6 +135,8 @@ class SimCluster:
         self._tasks: list[asyncio.Task] = []
         for name, role in spec.pod_roles():
             costs = pod_costs[role] if isinstance(pod_costs, dict) else pod_costs
+            if isinstance(pod_costs, dict) and len(spec.pod_roles()) == 1 and "alone" in pod_costs:
+                costs = pod_costs["alone"]      # no other engine steps beside it (`ServingProfile.alone_contention`)
             pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching), costs, self._on_step, self.clock,
                          jitter, self.cpu_share)
             state = PodState(PodEndpoint(name, role, name), client=None, healthy=True, clock=self.clock)

@@ -84,3 +84,28 @@ def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_engine_thre
     waited = raw | {"step_seconds": {"prefill": [3.0, 3], "decode": [40.0, 40]}, "colocated": None}
     assert _fit_cpu(profile, waited, settings, ServingProfile()).cpu_per_token_s == pytest.approx(0.002, rel=1e-6)
     assert _fit_cpu(profile, raw | {"cpu_seconds": None, "colocated": None}, settings, ServingProfile()).cores == 0
+
+
+def test_a_one_pod_cluster_steps_at_the_lone_pods_contention_and_the_file_keeps_it(tmp_path):
+    """`alone_contention` (stage B's colocated-1 run) is colocated-1's; colocated-2 keeps the
+    colocated factor; a profile without it plans colocated-1 as before."""
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import ALONE, COLOCATED
+    from cbserve.planner.profile import load_profile
+
+    from tests.planner.conftest import make_profile
+
+    requests = MIXES["chat"].requests(0.5, 4.0, 0)
+    mean_step = {}
+    for alone in (None, 3.0):
+        profile = make_profile(ServingProfile(colocated_contention=1.0, alone_contention=alone))
+        path = tmp_path / f"p{alone}.json"
+        profile.save(path)
+        profile = load_profile(path)
+        assert profile.serving.alone_contention == alone
+        for name, fields in (("colocated-1", ALONE), ("colocated-2", COLOCATED)):
+            _, steps = _simulate(profile, requests, fields)
+            busy, n = steps["colocated"]
+            mean_step[(alone, name)] = busy / n
+    assert mean_step[(3.0, "colocated-1")] == pytest.approx(3 * mean_step[(None, "colocated-1")], rel=0.02)
+    assert mean_step[(3.0, "colocated-2")] == pytest.approx(mean_step[(None, "colocated-2")], rel=1e-9)
