@@ -11,13 +11,24 @@ Two decisions, both from measurements, none from a constant threshold:
    - **Paired samples.** A shared host's load moves step costs 2-3x within seconds, so costs of
      the two modes measured at different times say little about each other. So the controller
      compares a tested step (a learning step's speculative one, a probe) with the steps of the
-     other mode *just before it* in the same bucket (at most `PAIR`): each sample is the ratio of
-     their costs per emitted token, speculative / plain, and the last `WINDOW` ratios' *median*
-     decides (one slow step moves one ratio by one rank). Each bucket (powers of two of the batch
-     size) decides for itself.
-   - A new bucket alternates the modes, plain first, until each has `MIN_SAMPLES` steps, then
-     decides. Steps with a prefill chunk are not timed: they speculate only where the bucket
-     decided to.
+     other mode *just before it* (at most `PAIR`): each sample is the ratio of their costs per
+     emitted token, speculative / plain, and the last `WINDOW` ratios' *median* decides (one slow
+     step moves one ratio by one rank). Each bucket (powers of two of the batch size) decides for
+     itself.
+   - **A pair is one run of steps**: the engine's consecutive steps (no step with a prefill chunk,
+     none of another bucket between them) over the same number of requests. A closed batch's
+     tail (requests finishing, the batch shrinking a few requests a step) runs a few steps in each
+     smaller bucket, then none for as long as the next batch takes: paired across that gap, or
+     across sizes (a plain step of 14 requests against a speculative one of 8: the fixed cost per
+     token differs by 1.75x), a ratio said more about the gap than about speculation, and tail
+     buckets turned on where speculation lost (`edit` at batch 32 and 128). So a tested step is
+     taken only where it pairs: a learning step or a probe waits for a step of the other mode
+     just before it over as many requests.
+   - A new bucket alternates the modes, plain first (a speculative learning step only right after
+     a plain step it pairs with), and decides off once it has `MIN_SAMPLES` ratios whose median
+     does not pass the margin, on only from `MIN_RATIOS_ON` (a wrong "on" costs every step until a
+     probe corrects it; a wrong "off" only the saving, until a probe finds it). Steps with a
+     prefill chunk are not timed: they speculate only where the bucket decided to.
    - Hysteresis: speculation goes on only when the median ratio is `SWITCH_MARGIN` below 1, and off
      as soon as it is not below 1. Where the two are close the bucket stays plain.
    - Fruitless steps decide without timing: a speculative step that accepted no draft (none
@@ -61,7 +72,8 @@ from statistics import median
 
 WINDOW = 8                      # recent paired cost ratios whose median decides
 PAIR = 3                        # a step's cost is paired with at most this many steps of the other mode just before it
-MIN_SAMPLES = 3                 # steps of each mode before a bucket's first decision
+MIN_SAMPLES = 3                 # steps of each mode (and paired ratios) before a bucket's first decision
+MIN_RATIOS_ON = 5               # paired ratios before a new bucket's first decision can be "on"
 SWITCH_MARGIN = 0.03            # speculation goes on only this much cheaper per token than plain
 FIRST_PROBE_INTERVAL = 16       # steps between probes of the mode not chosen, right after a decision
 MAX_PROBE_INTERVAL = 256
@@ -97,7 +109,9 @@ class _Bucket:
     decided: bool = False
     num_plain: int = 0                   # steps observed per mode (for the learning steps)
     num_spec: int = 0
-    recent: deque = field(default_factory=lambda: _window(PAIR))   # (speculative, seconds per token), latest steps
+    recent: deque = field(default_factory=lambda: _window(PAIR))   # (speculative, seconds per token), this run's latest steps
+    run_seqs: int = 0                    # the run `recent` holds: its requests per step and its last step's clock
+    run_clock: int = -1
     ratios: deque = field(default_factory=_window)       # speculative / plain seconds per token, paired in time
     plain: deque = field(default_factory=_window)        # seconds per emitted token, plain steps
     plain_steps: deque = field(default_factory=_window)  # seconds per plain step
@@ -117,20 +131,33 @@ class _Bucket:
                 self.fit.slope() / median(self.plain)
         return self.cost
 
-    def choose(self) -> bool:
-        """Whether the next step speculates (counting it towards the next probe: a probe due waits
-        while the budget cannot pay what the last one cost)."""
-        if not self.decided:
-            return self.num_spec < self.num_plain    # plain first: each speculative step follows one
+    def _after(self, num_seqs: int, clock: int) -> bool | None:
+        """The mode of the step just before `clock` if it was this bucket's over `num_seqs`
+        requests (a step at `clock` pairs with it), else None."""
+        if not self.recent or self.run_clock != clock - 1 or self.run_seqs != num_seqs:
+            return None
+        return self.recent[-1][0]
+
+    def choose(self, num_seqs: int, clock: int) -> bool:
+        """Whether step `clock` (over `num_seqs` requests) speculates, counting it towards the next
+        probe. A tested step waits for a step it pairs with (the other mode's, just before it, over
+        as many requests); a probe due also waits while the budget cannot pay what the last one cost."""
+        if not self.decided:      # plain first: each speculative learning step right after one it pairs with
+            return self._after(num_seqs, clock) is False
         self.countdown -= 1
-        if self.countdown <= 0 and self.budget.allows(self.probe_cost):
+        if self.countdown <= 0 and self._after(num_seqs, clock) is self.on and self.budget.allows(self.probe_cost):
             self.countdown, self.probing = self.interval, True
             return not self.on
         return self.on
 
-    def _pair(self, speculative: bool, seconds: float, emitted: int) -> tuple[float, float] | None:
-        """The step's speculative / plain cost ratio against the other mode's steps just before it,
-        and its extra seconds over what they would have taken (None after a step of its own mode)."""
+    def _pair(self, speculative: bool, seconds: float, emitted: int, num_seqs: int,
+              clock: int) -> tuple[float, float] | None:
+        """The step's speculative / plain cost ratio against the other mode's steps just before it
+        in its run, and its extra seconds over what they would have taken (None after a step of
+        its own mode, or as a run's first step)."""
+        if self._after(num_seqs, clock) is None:     # a new run: what came before is another moment
+            self.recent.clear()
+        self.run_seqs, self.run_clock = num_seqs, clock
         run = []
         for mode, cost in reversed(self.recent):
             if mode == speculative:
@@ -143,11 +170,12 @@ class _Bucket:
         ref = median(run)
         return (cost / ref if speculative else ref / cost), seconds - emitted * ref
 
-    def observe(self, speculative: bool, seconds: float, emitted: int, fruitless: bool = False) -> None:
-        """A step of `seconds` that emitted `emitted` tokens: the mode, and when to probe next.
-        `fruitless`: a speculative step that accepted no draft."""
+    def observe(self, speculative: bool, seconds: float, emitted: int, fruitless: bool = False,
+                num_seqs: int = 0, clock: int = 0) -> None:
+        """Step `clock` over `num_seqs` requests took `seconds` and emitted `emitted` tokens: the
+        mode, and when to probe next. `fruitless`: a speculative step that accepted no draft."""
         probe, self.probing = self.probing and speculative != self.on, False
-        paired = self._pair(speculative, seconds, emitted)
+        paired = self._pair(speculative, seconds, emitted, num_seqs, clock)
         # One ratio per tested step (a learning step's speculative one, a probe), so an outlier
         # step moves one ratio, not the two of its neighbours.
         ratio = None if paired is None or not (probe or speculative and not self.decided) else paired[0]
@@ -171,10 +199,12 @@ class _Bucket:
             elif probe:
                 self.interval = self.countdown = min(MAX_PROBE_INTERVAL, 2 * self.interval)
             return
-        if self.num_spec < MIN_SAMPLES or self.num_plain < MIN_SAMPLES or not self.ratios:
+        if self.num_spec < MIN_SAMPLES or self.num_plain < MIN_SAMPLES or len(self.ratios) < MIN_SAMPLES:
             return
         r = median(self.ratios)
         on = r < 1 if self.decided and self.on else r < 1 - SWITCH_MARGIN and not self.fruitless
+        if not self.decided and on and len(self.ratios) < MIN_RATIOS_ON:
+            return                         # on needs more evidence than off (the module docstring)
         if not self.decided or on != self.on:
             self.on, self.decided = on, True
             self.interval = self.countdown = FIRST_PROBE_INTERVAL
@@ -232,6 +262,10 @@ class SpecController:
         self._buckets: dict[int, _Bucket] = {}
         self._budget = _ProbeBudget()
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Engine steps so far (`wants_step` is asked once a step; an observation without one, as in
+        # tests that feed costs alone, counts as a step): pairs come only from consecutive steps.
+        self._clock = 0
+        self._asked = False
 
     def bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
@@ -246,10 +280,12 @@ class SpecController:
         will carry a prefill chunk, so its time says nothing about decode costs (it is not
         observed): it speculates only where the bucket has decided on speculation, and neither
         learns nor probes."""
+        self._clock += 1
+        self._asked = True
         if batch_size < 1 or (self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size):
             return False
         b = self.bucket(batch_size)
-        return b.decided and b.on if mixed else b.choose()
+        return b.decided and b.on if mixed else b.choose(batch_size, self._clock)
 
     def num_drafts(self, request, batch_size: int, limit: int) -> int:
         """Drafts to propose for `request` this step (0: none), at most `limit`."""
@@ -292,6 +328,9 @@ class SpecController:
         """A decode-only step (no prefill chunk) of `num_seqs` requests took `seconds` and emitted
         `num_emitted` tokens; `speculative`: it ran as a speculative step (with `num_draft_tokens`
         drafts, possibly none)."""
+        if not self._asked:
+            self._clock += 1
+        self._asked = False
         if num_seqs < 1 or seconds <= 0 or num_emitted < 1:
             return
         b = self.bucket(num_seqs)
@@ -305,7 +344,8 @@ class SpecController:
         else:
             b.plain.append(seconds / num_emitted)
             b.plain_steps.append(seconds)
-        b.observe(speculative, seconds, num_emitted, fruitless=speculative and num_emitted <= num_seqs)
+        b.observe(speculative, seconds, num_emitted, fruitless=speculative and num_emitted <= num_seqs,
+                  num_seqs=num_seqs, clock=self._clock)
 
 
 class FixedController(SpecController):
