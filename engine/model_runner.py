@@ -72,7 +72,8 @@ class ModelRunner:
         scheduler (`engine.lora.slots`); each step stages its tokens' slots from it.
         `hidden_sink(scheduled, hidden)` (an EAGLE head, `engine.spec_decode.eagle`): called after
         every forward with its final hidden states `[T, hidden]`, in the order of the step's tokens
-        (graphed decode steps copy them into a buffer the graphs write); None: none kept.
+        (graphed decode steps copy them into a buffer the graphs write; an eager step passes
+        `owned=True`: the tensor is its own, nothing writes it later); None: none kept.
         `verify` (speculative decoding): (num_speculative_tokens, largest batch): verification
         steps run padded to that width too, and replay graphs (`engine.spec_decode.verify_graphs`)."""
         self.model = model
@@ -175,8 +176,8 @@ class ModelRunner:
         else:
             with self.tp.step(self.inputs, t.layout):   # after the fill: the others read final ids
                 logits = self._forward(t, extra)
-        if self.hidden_sink is not None:
-            self.hidden_sink(scheduled, self._hidden)
+        if self.hidden_sink is not None:   # an eager forward's own output: kept, not copied (owned)
+            self.hidden_sink(scheduled, self._hidden, owned=True)
             self._hidden = None
         return logits
 

@@ -11,9 +11,9 @@ KV counts afterwards (`_kept`): the passes' positions are recomputed from the ta
 states once verified, as EAGLE does.
 
 The hidden states come from the target's runner (`ModelRunner(hidden_sink=...)`): every target
-forward, plain or speculative, hands its `[T, hidden]` states to `hidden_sink`, which copies them
+forward, plain or speculative, hands its `[T, hidden]` states to `hidden_sink`, which puts them
 into a device ring (`engine.spec_decode.hidden_states`) and notes each request's positions on the
-host. A step with no EAGLE configured passes None and does nothing more. Positions this engine
+host (both lazily: copied and filed when the head next proposes, so plain steps stay cheap). A step with no EAGLE configured passes None and does nothing more. Positions this engine
 did not compute (a prompt prefilled on a prefill pod, prefix-cache hits) read zeros: the head
 proposes from the tokens alone there, so a decode pod accepts fewer drafts early in a request than
 a colocated engine; the output is the same (verification decides every token).
@@ -21,6 +21,7 @@ a colocated engine; the output is the same (verification decides every token).
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -54,25 +55,44 @@ class EagleProposer(DraftModelProposer):
         self.hidden = HiddenStates(rows, target_cfg.hidden_size, self.dtype, self.device)
         self.target = self.scheduler = None
         self._carry: dict[str, torch.Tensor] = {}     # request id -> the head's output for its next pass
+        self._unfiled: deque = deque()   # (first ring row, rows, [(position, count, request, preemptions)]) per step
         return head
 
     def attach(self, target, scheduler) -> None:
         """`target`: the target's `CausalLM` (its embedding and lm_head serve the head)."""
         self.target, self.scheduler = target, scheduler
 
-    def hidden_sink(self, scheduled, hidden: torch.Tensor) -> None:
-        """After a target forward: `hidden` [T, hidden] in the order of `scheduled`'s tokens."""
+    def hidden_sink(self, scheduled, hidden: torch.Tensor, owned: bool = False) -> None:
+        """After a target forward: `hidden` [T, hidden] in the order of `scheduled`'s tokens
+        (`owned`: nothing writes it later, `HiddenStates.write`). Which rows hold which request's
+        positions is noted as it comes and filed into the requests' `Chunks` when the head next
+        proposes (`_file`): a step that does not speculate pays one pass over its seqs."""
         if self.scheduler is None:          # a warm-up forward before the engine is assembled
             return
-        row, ring = self.hidden.write(hidden), self.hidden
-        oldest, state_of = ring.oldest, self._state
-        for seq, request in zip(scheduled, self.scheduler.scheduled_requests):
-            count = len(seq[1])
-            state = state_of(request)
-            state.chunks.record(seq[2], row, count, oldest, state.computed)
-            row += count
+        row = self.hidden.write(hidden, owned)
+        self._unfiled.append((row, hidden.shape[0], [(seq[2], len(seq[1]), request, request.num_preemptions)
+                                                     for seq, request in zip(scheduled, self.scheduler.scheduled_requests)]))
+        oldest, unfiled = self.hidden.oldest, self._unfiled
+        while unfiled[0][0] + unfiled[0][1] <= oldest:   # every row of it pushed out of the ring
+            unfiled.popleft()
+
+    def _file(self) -> None:
+        """File the noted steps' rows into their requests' `Chunks`, in order, as each would have
+        been at its step: a request preempted since has a new state (its old rows do not count),
+        and what a filing drops (rows out of the ring, positions the head has read) is what the
+        ring or the head would not give anyway (`Chunks.record`)."""
+        oldest, state_of, unfiled = self.hidden.oldest, self._state, self._unfiled
+        while unfiled:
+            row, _, seqs = unfiled.popleft()
+            for position, count, request, preemptions in seqs:
+                if request.num_preemptions == preemptions:
+                    state = state_of(request)
+                    state.chunks.record(position, row, count, oldest, state.computed)
+                row += count
 
     def propose(self, pairs: list) -> dict[str, tuple[int, ...]]:
+        if self._unfiled:
+            self._file()
         drafts = super().propose(pairs)
         self._carry = {}
         return drafts

@@ -119,10 +119,10 @@ def test_padded_decode_step_equals_the_unpadded_one(tiny, dtype):
     sunk = {}
     eager = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
                         BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=True,
-                        hidden_sink=lambda seqs, hidden: sunk.__setitem__("eager", hidden.clone()))
+                        hidden_sink=lambda seqs, hidden, owned=False: sunk.__setitem__("eager", hidden.clone()))
     padded = ModelRunner(load_model(path, cfg, dtype, CPU), allocate_kv_cache(cfg, blocks, BLOCK, dtype, CPU),
                          BLOCK, CPU, max_num_seqs=16, max_model_len=64, enforce_eager=False,
-                         hidden_sink=lambda seqs, hidden: sunk.__setitem__("padded", hidden.clone()))
+                         hidden_sink=lambda seqs, hidden, owned=False: sunk.__setitem__("padded", hidden.clone()))
     assert eager.decode_buckets is None and padded.decode_buckets is not None
     g = torch.Generator().manual_seed(0)
     for runner in (eager, padded):   # the same random context in both caches

@@ -85,23 +85,33 @@ def test_eagle_head_configs_in_vllms_forms(tmp_path):
             _head_config(tmp_path)
 
 
-def test_hidden_states_ring_keeps_each_requests_positions_and_reads_zeros_where_it_has_none():
+@pytest.mark.parametrize("owned", [(False, False, False), (True, True, True), (True, False, True)],
+                         ids=["copied", "held", "mixed"])
+def test_hidden_states_ring_keeps_each_requests_positions_and_reads_zeros_where_it_has_none(owned):
+    # `owned` writes are held and copied when read: the same rows as copying each at once, also
+    # when a copied (graphed) write comes after held ones
     ring = HiddenStates(8, 2, torch.float32, torch.device("cpu"))
     a, b = Chunks(), Chunks()
     rows = lambda start, n: torch.arange(start, start + n, dtype=torch.float32)[:, None].repeat(1, 2)
-    first = ring.write(rows(100, 5))                  # a prefill: a's positions 0..2, b's 0..1
+    first = ring.write(rows(100, 5), owned[0])        # a prefill: a's positions 0..2, b's 0..1
     a.record(0, first, 3, ring.oldest, 0)
     b.record(0, first + 3, 2, ring.oldest, 0)
-    first = ring.write(rows(200, 4))                  # a verification at 3..6 (1 + 3 drafts), b at 2
+    first = ring.write(rows(200, 4), owned[1])        # a verification at 3..6 (1 + 3 drafts), b at 2
     a.record(3, first, 3, ring.oldest, 0)
     b.record(2, first + 3, 1, ring.oldest, 0)
-    first = ring.write(rows(300, 2))                  # a rejected its drafts: the next step is at 4
+    first = ring.write(rows(300, 2), owned[2])        # a rejected its drafts: the next step is at 4
     a.record(4, first, 1, ring.oldest, 0)
     got = ring.gather([(a, 0, 6), (b, 1, 3)])[:, 0].tolist()
     # 11 rows written into 8: a's positions 0..2 (rows 0..2) are gone; b's position 3 never came.
     assert got == [0, 0, 0, 200, 300, 0, 104, 203, 0]
     a.record(5, ring.write(rows(400, 1)), 1, ring.oldest, needed=4)
     assert [run[0] for run in a.runs] == [4, 5]       # what the head has read is dropped
+    for n in range(3):                                # held writes that newer ones push out are dropped
+        ring.write(rows(500 + 10 * n, 4), owned=True)
+    assert len(ring._held) <= 3 and ring.gather([(a, 5, 1)])[:, 0].tolist() == [0]
+    c = Chunks()
+    c.record(0, ring.written - 3, 3, ring.oldest, 0)
+    assert ring.gather([(c, 0, 3)])[:, 0].tolist() == [521, 522, 523]
 
 
 # ---------------------------------------------------------------------------------------- n-gram
