@@ -54,11 +54,13 @@ class DecodeCore(EngineCore):
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         schedule = engine.last_schedule
+        groups = engine.scheduler.kv_manager.groups   # KV groups 1..'s reserved tables (engine.kv_groups)
         for req_id in schedule.reserved_request_ids if schedule is not None else ():
             req = engine.scheduler.get_request(req_id)
             if req is not None:
                 self.rt.loop.loop.call_soon_threadsafe(self._start_pull, req_id, tuple(req.block_ids),
-                                                       req.num_prompt_tokens, req.lora.identity if req.lora else "")
+                                                       req.num_prompt_tokens, req.lora.identity if req.lora else "",
+                                                       groups.tables[req_id] if groups else ())
         self.rt.after_step(engine)
 
     def fill_outputs(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], extra) -> None:
@@ -152,10 +154,11 @@ class DecodeCore(EngineCore):
 
     # ------------------------------------------------------------------ KV pull (event loop)
     def _start_pull(self, req_id: str, block_ids: tuple[int, ...], num_prompt_tokens: int,
-                    lora_identity: str = "") -> None:
+                    lora_identity: str = "", group_block_ids: tuple[tuple[int, ...], ...] = ()) -> None:
         job = self.jobs.get(req_id)
         if job is not None and job.task is None and job.prefill_from:
-            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens, lora_identity))
+            job.task = asyncio.create_task(self._pull(req_id, job, block_ids, num_prompt_tokens, lora_identity,
+                                                      group_block_ids))
 
     def _stub(self, address: str) -> cbserve_pb2_grpc.PrefillServiceStub:
         stub = self._stubs.get(address)
@@ -183,14 +186,18 @@ class DecodeCore(EngineCore):
             return group
 
     async def _pull(self, req_id: str, job: Job, block_ids: tuple[int, ...], num_prompt_tokens: int,
-                    lora_identity: str = "") -> None:
+                    lora_identity: str = "", group_block_ids: tuple[tuple[int, ...], ...] = ()) -> None:
         rt = self.rt
         try:
             group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
             # Every layer windowed: the blocks before `start` were never reserved (null entries).
-            start = rt.engine.scheduler.kv_manager.first_block_in_window(num_prompt_tokens)
+            # KV groups: each windowed group's pages before its window's start were never reserved.
+            kv = rt.engine.scheduler.kv_manager
+            start = kv.first_block_in_window(num_prompt_tokens)
+            group_starts = kv.groups.first_blocks_in_window(num_prompt_tokens) if kv.groups else ()
             sink = KVSink(rt.engine.kv_cache, block_ids, req_id, num_prompt_tokens, group=group,
                           recv_timeout_s=max(1.0, job.remaining()), start_block_index=start, draft_kv=rt.draft_kv,
+                          group_dst_block_ids=group_block_ids, group_start_block_indices=group_starts,
                           **rt.kv_sink_args())
             request = cbserve_pb2.PullKVRequest(request_id=req_id, model=rt.model_info,
                                                 transport=job.transport,

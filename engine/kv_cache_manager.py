@@ -96,8 +96,12 @@ class KVCacheManager:
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def num_blocks_to_reserve(self, num_tokens: int) -> int:
-        """Decode role: the blocks `reserve` takes for a prompt of `num_tokens` tokens."""
-        return self.num_blocks_for(num_tokens) - self.first_block_in_window(num_tokens)
+        """Decode role: the blocks `reserve` takes for a prompt of `num_tokens` tokens (with KV
+        groups, every group's pages)."""
+        num_blocks = self.num_blocks_for(num_tokens)
+        if self.groups is not None:
+            return num_blocks + self.groups.num_to_reserve(num_blocks, num_tokens)
+        return num_blocks - self.first_block_in_window(num_tokens)
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of `num_tokens` tokens holds at once, computed in chunks of at
@@ -248,15 +252,21 @@ class KVCacheManager:
 
         With a window only the blocks from `first_block_in_window(num_tokens)` on (the null block
         before them, already counted as freed and never cached): no query from `num_tokens` on
-        reads the others, so the peer does not send them. The request must hold no blocks.
-        Returns False, changing nothing, when they do not fit.
+        reads the others, so the peer does not send them. With KV groups, group 0 (full) gets
+        every block and each windowed group its pages from its window's start (`GroupTables.reserve`).
+        The request must hold no blocks. Returns False, changing nothing, when they do not fit.
         """
         assert not request.block_ids, f"request {request.request_id} already holds blocks"
-        assert self.groups is None, "P/D roles run a single KV group"
         first = self.first_block_in_window(num_tokens)
         num_needed = self.num_blocks_to_reserve(num_tokens)
         if num_needed > self.block_pool.num_free_blocks:
             return False
+        if self.groups is not None:
+            num_blocks = self.num_blocks_for(num_tokens)
+            request.block_ids.extend(self.block_pool.get_new_blocks(num_blocks))
+            self.groups.reserve(request.request_id, num_blocks, num_tokens)
+            self.block_tables[request.request_id] = tuple(request.block_ids)
+            return True
         if first:
             request.block_ids.extend([NULL_BLOCK_ID] * first)
             self._num_freed[request.request_id] = self._num_cached_blocks[request.request_id] = first

@@ -4,7 +4,9 @@ The engine keeps one KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_h
 block `b` is the contiguous byte range `kv[b]`. Two pods can exchange blocks only when every
 dimension after the first, the dtype and the model itself (its fingerprint) agree, and so do
 the layers' sliding windows (what each layer reads of the blocks, and so which blocks a decode
-pod may free), and the window behind which a pull sends no block (`kv_transfer_window`). The
+pod may free), the window behind which a pull sends no block (`kv_transfer_window`), and the KV
+groups (`kv_group_windows`, `kv_page_slots`: with groups a block is a page of some layers, one
+table per group, see `kvtransfer.kv_groups`). The
 wire carries these facts in `cbserve_pb2.ModelInfo`; `check_compatible` turns a disagreement
 into one message the pods return as `FAILED_PRECONDITION`.
 """
@@ -93,24 +95,32 @@ class KVLayout:
 
     @classmethod
     def from_model_info(cls, info: cbserve_pb2.ModelInfo) -> KVLayout:
-        return cls(info.num_layers, info.block_size, info.num_kv_heads, info.head_dim,
+        """The layout of what one message's block is: a whole-model block, or with KV groups a
+        page of `kv_page_slots` layers."""
+        return cls(info.kv_page_slots or info.num_layers, info.block_size, info.num_kv_heads, info.head_dim,
                    dtype_from_name(info.kv_dtype))
 
     def to_model_info(self, model_name: str, model_fingerprint: str, *, max_model_len: int = 0,
                       vocab_size: int = 0, layer_windows: tuple[int, ...] = (),
-                      kv_transfer_window: int = 0) -> cbserve_pb2.ModelInfo:
+                      kv_transfer_window: int = 0, kv_group_windows: tuple[int, ...] = (),
+                      num_model_layers: int = 0) -> cbserve_pb2.ModelInfo:
         """The `ModelInfo` a pod advertises (Handshake) and sends with `PullKV`; `layer_windows`:
         each layer's sliding window (0: full), empty when every layer is full;
         `kv_transfer_window`: the window every layer has, behind which a pull sends no block
-        (0: none, every block is sent)."""
-        if layer_windows and len(layer_windows) != self.num_layers:
-            raise LayoutError(f"layer_windows has {len(layer_windows)} entries for {self.num_layers} layers")
+        (0: none, every block is sent). `kv_group_windows`: a cache with KV groups (this layout
+        is then a page's, of `num_layers` slots, and `num_model_layers` the model's layers)."""
+        num_layers = num_model_layers if kv_group_windows else self.num_layers
+        if kv_group_windows and num_model_layers < self.num_layers:
+            raise LayoutError(f"a page of {self.num_layers} layers in a model of {num_model_layers}")
+        if layer_windows and len(layer_windows) != num_layers:
+            raise LayoutError(f"layer_windows has {len(layer_windows)} entries for {num_layers} layers")
         return cbserve_pb2.ModelInfo(
             model_name=model_name, model_fingerprint=model_fingerprint,
-            block_size=self.block_size, kv_dtype=self.dtype_name, num_layers=self.num_layers,
+            block_size=self.block_size, kv_dtype=self.dtype_name, num_layers=num_layers,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             max_model_len=max_model_len, vocab_size=vocab_size, layer_windows=layer_windows,
-            kv_transfer_window=kv_transfer_window,
+            kv_transfer_window=kv_transfer_window, kv_group_windows=kv_group_windows,
+            kv_page_slots=self.num_layers if kv_group_windows else 0,
         )
 
     def mismatch(self, info: cbserve_pb2.ModelInfo) -> str | None:
@@ -147,14 +157,21 @@ def check_compatible(local: cbserve_pb2.ModelInfo, remote: cbserve_pb2.ModelInfo
             f"model_fingerprint: {local.model_fingerprint!r} ({local.model_name or '?'}) here vs "
             f"{remote.model_fingerprint!r} ({remote.model_name or '?'}) there"
         )
-    # kv_transfer_window: which blocks a pull moves (a pod from before it sends all of them).
-    for name in ("block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "kv_transfer_window"):
+    # kv_transfer_window: which blocks a pull moves (a pod from before it sends all of them);
+    # kv_page_slots: what a page holds with KV groups (0: whole-model blocks).
+    for name in ("block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "kv_transfer_window",
+                 "kv_page_slots"):
         ours, theirs = getattr(local, name), getattr(remote, name)
         if ours != theirs:
             problems.append(f"{name}: {ours!r} here vs {theirs!r} there")
     if list(local.layer_windows) != list(remote.layer_windows):
         problems.append(f"layer_windows: {list(local.layer_windows) or 'none'} here vs "
                         f"{list(remote.layer_windows) or 'none'} there")
+    if list(local.kv_group_windows) != list(remote.kv_group_windows):
+        # Which pages a pull moves of which table: a pod with one group (speculative decoding, or
+        # from before KV groups in P/D) sends and expects every layer's KV in one block.
+        problems.append(f"kv_group_windows (KV cache groups): {list(local.kv_group_windows) or 'one group'} here vs "
+                        f"{list(remote.kv_group_windows) or 'one group'} there")
     if not problems:
         return None
     return "KV layouts are incompatible: " + "; ".join(problems)

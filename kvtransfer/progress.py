@@ -27,6 +27,7 @@ class ComputedTokens:
 
     num_computed_tokens: int
     block_ids: tuple[int, ...]
+    group_block_ids: tuple[tuple[int, ...], ...] = ()   # KV groups 1..'s tables (`kvtransfer.kv_groups`)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class FirstToken:
     logprobs: cbserve_pb2.TokenLogprobs | None = None
     grammar_fingerprint: str = ""   # structured output: what the token was sampled under
     prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None   # when the request asked
+    group_block_ids: tuple[tuple[int, ...], ...] = ()   # KV groups 1..'s tables (`kvtransfer.kv_groups`)
 
 
 KVEvent = ComputedTokens | FirstToken
@@ -57,25 +59,29 @@ class KVProgress:
         self._failure: str | None = None
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
-    def advance(self, num_computed_tokens: int, block_ids: Sequence[int]) -> None:
-        """Engine thread: the prompt's KV is computed up to `num_computed_tokens`."""
+    def advance(self, num_computed_tokens: int, block_ids: Sequence[int],
+                group_block_ids: Sequence[Sequence[int]] = ()) -> None:
+        """Engine thread: the prompt's KV is computed up to `num_computed_tokens` (in `block_ids`,
+        and with KV groups in groups 1..'s tables `group_block_ids`)."""
         if not 0 <= num_computed_tokens <= self.num_prompt_tokens:
             raise ValueError(f"num_computed_tokens {num_computed_tokens} outside "
                              f"0..{self.num_prompt_tokens}")
         with self._lock:
             if num_computed_tokens >= self._computed.num_computed_tokens:
-                self._computed = ComputedTokens(num_computed_tokens, tuple(block_ids))
+                self._computed = ComputedTokens(num_computed_tokens, tuple(block_ids), _tables(group_block_ids))
         self._wake()
 
     def finish(self, token_id: int, block_ids: Sequence[int],
                logprobs: cbserve_pb2.TokenLogprobs | None = None, grammar_fingerprint: str = "",
-               prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None) -> None:
+               prompt_logprobs: cbserve_pb2.PromptLogprobs | None = None,
+               group_block_ids: Sequence[Sequence[int]] = ()) -> None:
         """Engine thread: prefill done, first token sampled (under the grammar named by
         `grammar_fingerprint`, if the request has one; and the prompt scored, if asked)."""
         with self._lock:
-            self._computed = ComputedTokens(self.num_prompt_tokens, tuple(block_ids))
+            tables = _tables(group_block_ids)
+            self._computed = ComputedTokens(self.num_prompt_tokens, tuple(block_ids), tables)
             self._first_token = FirstToken(token_id, tuple(block_ids), logprobs, grammar_fingerprint,
-                                           prompt_logprobs)
+                                           prompt_logprobs, tables)
         self._wake()
 
     def fail(self, reason: str) -> None:
@@ -126,3 +132,7 @@ class KVProgress:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # the consumer's loop is closed: it has nothing left to wake
                 pass
+
+
+def _tables(group_block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, group_block_ids))

@@ -172,10 +172,13 @@ class PodRuntime:
         self.layout = KVLayout.from_tensor(self.engine.kv_cache)
         if self.engine.tp_kv is not None:   # on the wire a block has every KV head, whatever the TP degree
             self.layout = dataclasses.replace(self.layout, num_kv_heads=self.engine.model_config.num_kv_heads)
+        # KV groups (a mixed local/global model): the layout is a page's; pods compare the groups.
         self.model_info = self.layout.to_model_info(
             engine_config.model, self.engine.fingerprint, max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size, layer_windows=self.engine.model_config.layer_windows,
-            kv_transfer_window=self.engine.cache_config.sliding_window or 0)
+            kv_transfer_window=self.engine.cache_config.sliding_window or 0,
+            kv_group_windows=tuple(self.engine.config.cache.kv_group_windows),
+            num_model_layers=self.engine.model_config.num_layers)
         self.draft_kv = advertise_draft_kv(self.engine, self.model_info)   # a draft model's cache (pod.draft_kv)
         self.block_size = self.engine.cache_config.block_size
         self.max_num_seqs = self.engine.scheduler_config.max_num_seqs

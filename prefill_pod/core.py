@@ -72,10 +72,13 @@ class PrefillCore(EngineCore):
 
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        # KV groups (engine.kv_groups): groups 1..'s tables travel beside group 0's.
+        groups = engine.scheduler.kv_manager.groups
         for req in engine.scheduler.last_progressed:
             progress = self.progress.get(req.request_id)
             if progress is not None and req.num_computed_tokens < req.num_prompt_tokens:
-                progress.advance(req.num_computed_tokens, req.block_ids)
+                progress.advance(req.num_computed_tokens, req.block_ids,
+                                 groups.tables.get(req.request_id, ()) if groups else ())
         for out in outputs:
             req_id = out.request_id
             progress = self.progress.get(req_id)
@@ -94,7 +97,8 @@ class PrefillCore(EngineCore):
             if self._forge is not None and req_id.startswith("forge-"):
                 token, fingerprint = self._forged(req_id, token, fingerprint)
             progress.finish(token, request.block_ids, logprobs_to_pb(lp), fingerprint,
-                            prompt_logprobs_to_pb(out.prompt_logprobs))
+                            prompt_logprobs_to_pb(out.prompt_logprobs),
+                            groups.tables.get(req_id, ()) if groups else ())
         self.rt.after_step(engine, self.held.num_held)
 
     @staticmethod
@@ -225,8 +229,13 @@ class PrefillCore(EngineCore):
         self.held.take(req_id)  # the stream holds the lease from now on
         # Every layer windowed: only the blocks the decode pod's first query reads (the handshake's
         # kv_transfer_window made both pods agree on the window, so on this index too).
-        start = rt.engine.scheduler.kv_manager.first_block_in_window(progress.num_prompt_tokens)
+        # KV groups: each windowed group's pages from the one its first decode query reads
+        # (kvtransfer.kv_groups; the handshake compared the groups).
+        kv = rt.engine.scheduler.kv_manager
+        start = kv.first_block_in_window(progress.num_prompt_tokens)
+        group_starts = kv.groups.first_blocks_in_window(progress.num_prompt_tokens) if kv.groups else ()
         source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens, start_block_index=start,
+                          group_start_block_indices=group_starts,
                           max_chunk_bytes=request.max_chunk_bytes, group=group,
                           draft_kv=shipped_draft_kv(rt.draft_kv, rt.model_info, request.model, start),
                           **rt.kv_source_args())

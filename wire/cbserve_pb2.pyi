@@ -59,7 +59,7 @@ class StructuredSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., any_whitespace: _Optional[bool] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows", "kv_transfer_window", "draft_kv")
+    __slots__ = ("model_name", "model_fingerprint", "block_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "max_model_len", "vocab_size", "layer_windows", "kv_transfer_window", "draft_kv", "kv_group_windows", "kv_page_slots")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class ModelInfo(_message.Message):
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     block_size: int
@@ -84,7 +86,9 @@ class ModelInfo(_message.Message):
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
     kv_transfer_window: int
     draft_kv: DraftKvInfo
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., kv_transfer_window: _Optional[int] = ..., draft_kv: _Optional[_Union[DraftKvInfo, _Mapping]] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    kv_page_slots: int
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., kv_transfer_window: _Optional[int] = ..., draft_kv: _Optional[_Union[DraftKvInfo, _Mapping]] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., kv_page_slots: _Optional[int] = ...) -> None: ...
 
 class DraftKvInfo(_message.Message):
     __slots__ = ("model_fingerprint", "kv_dtype", "num_layers", "num_kv_heads", "head_dim")
@@ -323,7 +327,7 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., transport: _Optional[str] = ..., nccl_group: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., lora_identity: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint", "prompt_logprobs", "draft_kv", "draft_data", "draft_crc32")
+    __slots__ = ("request_id", "first_block_index", "num_blocks", "data", "crc32", "num_prompt_tokens", "num_computed_tokens", "num_bytes", "last", "first_token_id", "first_token_logprobs", "grammar_fingerprint", "prompt_logprobs", "draft_kv", "draft_data", "draft_crc32", "kv_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +344,7 @@ class KVChunk(_message.Message):
     DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DATA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CRC32_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block_index: int
     num_blocks: int
@@ -356,7 +361,8 @@ class KVChunk(_message.Message):
     draft_kv: bool
     draft_data: bytes
     draft_crc32: int
-    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., draft_kv: _Optional[bool] = ..., draft_data: _Optional[bytes] = ..., draft_crc32: _Optional[int] = ...) -> None: ...
+    kv_group: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_fingerprint: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., draft_kv: _Optional[bool] = ..., draft_data: _Optional[bytes] = ..., draft_crc32: _Optional[int] = ..., kv_group: _Optional[int] = ...) -> None: ...
 
 class SetupTransportRequest(_message.Message):
     __slots__ = ("group", "store_host", "store_port", "backend")

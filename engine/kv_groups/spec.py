@@ -95,12 +95,12 @@ class KVGroups:
 
 
 def serving_groups(layer_windows: tuple[int, ...], num_layers: int, role: str, speculative: bool) -> KVGroups:
-    """The groups an engine runs: a mixed model's groups when served colocated without
-    speculative decoding, else one group. P/D pods move whole pages between two caches whose
-    layouts the handshake compares, and a draft model shares the target's block tables, so
-    those keep the single-group cache (every layer's KV for every block, as before)."""
+    """The groups an engine runs: a mixed model's groups in every role (P/D pods move each
+    group's pages from its window's start: `kvtransfer.grpc_transport`), unless speculative
+    decoding runs, whose draft model shares the target's block tables: then one group (every
+    layer's KV for every block, as before)."""
     groups = KVGroups.for_windows(layer_windows, num_layers)
-    if groups.is_hybrid and (role != "colocated" or speculative):
+    if groups.is_hybrid and speculative:
         return KVGroups.single(num_layers)
     return groups
 

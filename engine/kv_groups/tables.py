@@ -47,6 +47,16 @@ class GroupTables:
     def first_in_window(self, window: int, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - window + 1) // self.block_size if window else 0
 
+    def first_blocks_in_window(self, num_computed_tokens: int) -> tuple[int, ...]:
+        """Per group 1.., the first table entry a query after `num_computed_tokens` tokens reads:
+        where a P/D pull of a prompt of that length starts each group (both pods derive it from
+        the windows the handshake compared)."""
+        return tuple(self.first_in_window(w, num_computed_tokens) for w in self.windows)
+
+    def num_to_reserve(self, num_blocks: int, num_tokens: int) -> int:
+        """Pages `reserve` takes for a prompt of `num_tokens` tokens in `num_blocks` blocks."""
+        return sum(num_blocks - first for first in self.first_blocks_in_window(num_tokens))
+
     def max_blocks_held(self, num_blocks: int, max_chunk: int) -> int:
         """The most pages these groups hold at once for a request of `num_blocks` blocks computed
         in chunks of at most `max_chunk` tokens (see `KVCacheManager.max_blocks_held`)."""
@@ -115,6 +125,19 @@ class GroupTables:
             self.block_pool.touch(b for b in pages if b)
         self._ids[request_id] = hits
         self._freed[request_id] = [sum(1 for b in pages if not b) for pages in hits]
+
+    def reserve(self, request_id: str, num_blocks: int, num_tokens: int) -> None:
+        """Decode role: tables of `num_blocks` entries for a prompt of `num_tokens` tokens whose
+        KV a peer sends: a windowed group gets pages only from the entry its first decode query
+        reads on (null before it, counted as freed, so never freed nor cached twice); the caller
+        checked that `num_to_reserve` pages fit."""
+        assert request_id not in self._ids, f"request {request_id} already holds group pages"
+        pool, tables, freed = self.block_pool, [], []
+        for first in self.first_blocks_in_window(num_tokens):
+            tables.append([NULL_BLOCK_ID] * first + pool.get_new_blocks(num_blocks - first))
+            freed.append(first)
+        self._ids[request_id], self._freed[request_id] = tables, freed
+        self.tables[request_id] = tuple(map(tuple, tables))
 
     def extend(self, request_id: str, length: int) -> None:
         """Grow every group's table to `length` entries with new pages (the caller checked that

@@ -1,6 +1,7 @@
 """P/D inside one process, for engine tests: a prefill-role engine prefills, its held blocks are
 copied into the decode-role engine's reserved blocks (as the transfer layer writes them: from
-`first_block_in_window(prompt)` on, the blocks a pull moves), and the decode engine lands each
+`first_block_in_window(prompt)` on, the blocks a pull moves; with KV groups each group's pages
+from its window's start, `kvtransfer.kv_groups`), and the decode engine lands each
 request with the prefill engine's first token. With `draft_kv`, the prefill engine's draft model's
 blocks are copied into the decode engine's draft cache too, as a pull that ships them writes them
 (`kvtransfer.draft_kv`), and the proposer is told (`DraftModelProposer.received`)."""
@@ -16,7 +17,7 @@ def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
                       draft_kv: bool = False) -> list[list[int]]:
     """Every prompt through `prefill` then `decode`; returns each prompt's output token ids.
     A request's KV lands once the decode engine has reserved its blocks, between its steps;
-    `copied` gets each request's number of blocks moved."""
+    `copied` gets each request's number of blocks (pages, with KV groups) moved."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         prefill.add_request(prompt, params, request_id=rid)
@@ -31,8 +32,13 @@ def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
         for rid in decode.last_schedule.reserved_request_ids if decode.last_schedule else ():
             if rid not in landed:   # KV arrives after a few decode steps of the others
                 req = decode.scheduler.get_request(rid)
-                start = decode.scheduler.kv_manager.first_block_in_window(req.num_prompt_tokens)
+                kv, source_kv = decode.scheduler.kv_manager, prefill.scheduler.kv_manager
+                start = kv.first_block_in_window(req.num_prompt_tokens)
                 pairs = list(zip(prefill.scheduler.held[rid].block_ids, req.block_ids))[start:]
+                if kv.groups is not None:   # KV groups: each group's pages from its window's start
+                    for begin, src, dst in zip(kv.groups.first_blocks_in_window(req.num_prompt_tokens),
+                                               source_kv.groups.tables[rid], kv.groups.tables[rid]):
+                        pairs += list(zip(src, dst))[begin:]
                 assert all(s and d for s, d in pairs), f"{rid}: a block the pull moves was freed"
                 for s, d in pairs:
                     decode.kv_cache[d].copy_(prefill.kv_cache[s])

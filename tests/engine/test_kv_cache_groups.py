@@ -39,9 +39,9 @@ def test_groups_follow_the_window_classes():
     # One class (dense, or Mistral's window everywhere): the single-group cache, unchanged.
     assert KVGroups.for_windows((), 4) == KVGroups.single(4)
     assert KVGroups.for_windows((9,) * 4, 4) == KVGroups.single(4, 9)
-    # P/D pods and a draft model keep one group; a cache config must match its model.
-    assert serving_groups((128, 0) * 2, 4, "colocated", False).is_hybrid
-    assert not serving_groups((128, 0) * 2, 4, "prefill", False).is_hybrid
+    # Every role runs the groups (P/D moves each group's pages); a draft model keeps one group;
+    # a cache config must match its model.
+    assert all(serving_groups((128, 0) * 2, 4, role, False).is_hybrid for role in ("colocated", "prefill", "decode"))
     assert not serving_groups((128, 0) * 2, 4, "colocated", True).is_hybrid
     with pytest.raises(ValueError, match="do not match"):
         cache_groups((128, 0) * 2, 4, (0, 64))

@@ -73,7 +73,8 @@ def test_pd_handoff_moves_only_the_window_and_equals_colocated(checkpoint, mode)
     """P/D in one process (tests/engine/pd_handoff.py) equals colocated for prompts several windows
     long. Every layer windowed (Mistral): the pull moves, and the decode engine reserves, only the
     blocks from `first_block_in_window(prompt)` on, and the prefill engine frees behind the window
-    as it goes; mixed local/global (Gemma 3, gpt-oss): every block, nothing freed early."""
+    as it goes; mixed local/global (Gemma 3, gpt-oss, KV groups of one layer per page): the full
+    layer's page of every block and each local layer's pages from its window's start."""
     from tests.engine.pd_handoff import run_disaggregated
 
     name, path, _ = checkpoint
@@ -90,7 +91,10 @@ def test_pd_handoff_moves_only_the_window_and_equals_colocated(checkpoint, mode)
     window = engines[1].model_config.kv_free_window
     assert (window is not None) == (name == "mistral_window")
     # Mistral (window 9): the 61-token prompt's query at 61 reads keys 53..61, blocks 13..15: 3 of 16.
-    expected = [3, 3, 2] if window else [16, 8, 2]
+    # Gemma 3 (1 global + 4 local layers, window 7): the 61-token prompt moves 16 global pages and
+    # 3 per local layer (keys 55..61, blocks 13..15); gpt-oss (1 full + 2 sliding, window 6): 16 + 2 x 2.
+    expected = {"mistral_window": [3, 3, 2], "gemma3": [16 + 4 * 3, 8 + 4 * 2, 2 + 4 * 2],
+                "gpt_oss": [16 + 2 * 2, 8 + 2 * 2, 2 + 2 * 2]}[name]
     assert [copied[f"r{i}"] for i in range(3)] == expected
     for i in range(3):   # the pulls are over: the prefill engine lets the held blocks go
         assert engines[0].scheduler.release_request(f"r{i}")
