@@ -11,7 +11,7 @@ import sys
 
 from cbserve.arg_types import gpu_memory_utilization, positive_int
 from cbserve.lora_flags import add_lora_flags, lora_config_from_args
-from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, QUANTIZATIONS
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, KV_CACHE_DTYPES, KV_CACHE_GROUPS, QUANTIZATIONS
 from engine.spec_decode.config import speculative_config_arg
 
 
@@ -26,6 +26,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="auto: the model dtype; fp8: e4m3 with per-layer static scales (the checkpoint's "
                         "k_scale/v_scale, else 1.0): twice the tokens of bf16 in the same memory")
+    p.add_argument("--kv-cache-groups", choices=KV_CACHE_GROUPS, default="auto",
+                   help="auto: a model mixing local and global layers (Gemma 3, gpt-oss) keeps a block table per "
+                        "window class and frees the local layers' KV behind the window (not while speculating); "
+                        "single: one table, every layer's KV kept, as a speculating pod runs: give it to prefill "
+                        "pods whose decode pods speculate (the pods of a pull must run the same groups)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
                    help="split the model over N ranks (one process and one device each; NCCL on CUDA, "
@@ -72,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str):
                           kv_cache_memory_bytes=None if kv_mb is None else kv_mb << 20,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype, kv_cache_groups=args.kv_cache_groups),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),
         lora=lora_config_from_args(args),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 QUANTIZATIONS = ("int8", "fp8")
 # `--kv-cache-dtype` values (engine/kv_dtype.py): the model dtype, or float8_e4m3fn with per-tensor scales.
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_GROUPS = ("auto", "single")   # --kv-cache-groups (engine/kv_groups/spec.py: serving_groups)
 # KV cache sizing defaults (engine/kv_sizing.py), torch-free for the CLI and `cbserve up`.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 256 << 20
@@ -28,6 +29,10 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None   # share of the device's total memory; CUDA only
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"                  # "auto": the model dtype; "fp8": e4m3, per-tensor scales
+    # "auto": a mixed local/global model runs a block table per KV group unless it speculates;
+    # "single": one group (every layer's KV in every block), for a prefill pool whose decode pool
+    # speculates, since both pods of a pull must run the same groups (the handshake compares them).
+    kv_cache_groups: str = "auto"
     # Set from the model (not a flag): its window when every layer has one, so the blocks behind it
     # are freed (engine/kv_cache_manager.py); None keeps a request's blocks until it ends.
     sliding_window: int | None = None
@@ -46,6 +51,8 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.kv_cache_groups not in KV_CACHE_GROUPS:
+            raise ValueError(f"kv_cache_groups must be one of {KV_CACHE_GROUPS}, got {self.kv_cache_groups!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

@@ -126,7 +126,7 @@ class Engine:
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
         # A mixed local/global model served colocated: a block table per KV group (engine/kv_groups/).
         kv_groups = serving_groups(self.model_config.layer_windows, self.model_config.num_layers, self.role,
-                                   config.speculative is not None)
+                                   config.speculative is not None, config.cache.kv_cache_groups)
         if kv_groups.is_hybrid:
             cache = dataclasses.replace(config.cache, kv_group_windows=kv_groups.windows)
             self.config = config = dataclasses.replace(config, cache=cache)

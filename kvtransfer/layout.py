@@ -171,7 +171,8 @@ def check_compatible(local: cbserve_pb2.ModelInfo, remote: cbserve_pb2.ModelInfo
         # Which pages a pull moves of which table: a pod with one group (speculative decoding, or
         # from before KV groups in P/D) sends and expects every layer's KV in one block.
         problems.append(f"kv_group_windows (KV cache groups): {list(local.kv_group_windows) or 'one group'} here vs "
-                        f"{list(remote.kv_group_windows) or 'one group'} there")
+                        f"{list(remote.kv_group_windows) or 'one group'} there (a speculating pod runs one group: "
+                        "start the other side with --kv-cache-groups single, or both with the same speculation)")
     if not problems:
         return None
     return "KV layouts are incompatible: " + "; ".join(problems)

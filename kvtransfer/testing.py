@@ -45,12 +45,17 @@ class PullKVServicer(cbserve_pb2_grpc.PrefillServiceServicer):
         self.closed: dict[str, asyncio.Event] = {}
         self.outcomes: dict[str, str] = {}
         self.start_block_index: dict[str, int] = {}
+        self.group_starts: dict[str, tuple[int, ...]] = {}
 
-    def add_request(self, request_id: str, num_prompt_tokens: int, start_block_index: int = 0) -> KVProgress:
-        """`start_block_index`: the pull sends the blocks from there on (a window model's)."""
+    def add_request(self, request_id: str, num_prompt_tokens: int, start_block_index: int = 0,
+                    group_start_block_indices: tuple[int, ...] = ()) -> KVProgress:
+        """`start_block_index`: the pull sends the blocks from there on (a window model's);
+        `group_start_block_indices`: a cache with KV groups, where groups 1.. start (the
+        progress then reports their tables: `kvtransfer.kv_groups`)."""
         self.progress[request_id] = progress = KVProgress(num_prompt_tokens)
         self.closed[request_id] = asyncio.Event()
         self.start_block_index[request_id] = start_block_index
+        self.group_starts[request_id] = tuple(group_start_block_indices)
         return progress
 
     async def PullKV(self, request: cbserve_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
@@ -71,7 +76,8 @@ class PullKVServicer(cbserve_pb2_grpc.PrefillServiceServicer):
         try:
             source = KVSource(self.kv, request.request_id, progress.num_prompt_tokens,
                               max_chunk_bytes=request.max_chunk_bytes, group=group,
-                              start_block_index=self.start_block_index[request.request_id])
+                              start_block_index=self.start_block_index[request.request_id],
+                              group_start_block_indices=self.group_starts[request.request_id])
             async for chunk in source.chunks(progress.events()):
                 yield self.chunk_filter(chunk) if self.chunk_filter else chunk
             self.outcomes[request.request_id] = "finished"

@@ -94,13 +94,15 @@ class KVGroups:
                 f"{sorted(set(self.local_windows))}, {self.slots} layer(s) per page")
 
 
-def serving_groups(layer_windows: tuple[int, ...], num_layers: int, role: str, speculative: bool) -> KVGroups:
+def serving_groups(layer_windows: tuple[int, ...], num_layers: int, role: str, speculative: bool,
+                   mode: str = "auto") -> KVGroups:
     """The groups an engine runs: a mixed model's groups in every role (P/D pods move each
-    group's pages from its window's start: `kvtransfer.grpc_transport`), unless speculative
-    decoding runs, whose draft model shares the target's block tables: then one group (every
-    layer's KV for every block, as before)."""
+    group's pages from its window's start: `kvtransfer.kv_groups`), unless speculative decoding
+    runs, whose draft model shares the target's block tables, or `mode` is "single"
+    (`CacheConfig.kv_cache_groups`: a prefill pool pairing with speculating decode pods): then
+    one group (every layer's KV for every block, as before). `role` does not change the groups."""
     groups = KVGroups.for_windows(layer_windows, num_layers)
-    if groups.is_hybrid and speculative:
+    if groups.is_hybrid and (speculative or mode == "single"):
         return KVGroups.single(num_layers)
     return groups
 

@@ -111,6 +111,11 @@ spec:
             {{- if $pool.engine.enforceEager }}
             - --enforce-eager
             {{- end }}
+            {{- if and (eq $role "prefill") $root.Values.decode.engine.speculativeConfig }}
+            # A speculating decode pod keeps one KV group (its draft shares the target's tables): the
+            # prefill pods it pulls from must too, else the handshake refuses the pair.
+            - --kv-cache-groups=single
+            {{- end }}
             {{- if $pool.engine.speculativeConfig }}
             # Drafts are verified where decode steps run; a prefill pool given the decode pool's draft
             # model (opt-in) prefills it too and ships its KV with the target's.

@@ -43,6 +43,7 @@ def test_groups_follow_the_window_classes():
     # a cache config must match its model.
     assert all(serving_groups((128, 0) * 2, 4, role, False).is_hybrid for role in ("colocated", "prefill", "decode"))
     assert not serving_groups((128, 0) * 2, 4, "colocated", True).is_hybrid
+    assert not serving_groups((128, 0) * 2, 4, "prefill", False, "single").is_hybrid   # --kv-cache-groups single
     with pytest.raises(ValueError, match="do not match"):
         cache_groups((128, 0) * 2, 4, (0, 64))
 

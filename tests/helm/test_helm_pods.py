@@ -294,6 +294,9 @@ def test_speculative_config_reaches_the_decode_pool_as_json_and_the_prefill_pool
     pools = deployments(render(sets=('decode.engine.speculativeConfig={"method":"ngram","num_speculative_tokens":4,'
                                      '"prompt_lookup_max":5}',)))
     assert "speculative-config" not in flags(container(pools["prefill"])["args"])
+    # A speculating decode pool runs one KV group: its prefill pool must too (the handshake compares them).
+    assert flags(container(pools["prefill"])["args"])["kv-cache-groups"] == "single"
+    assert all("kv-cache-groups" not in flags(container(d)["args"]) for d in deployments(render()).values())
     from engine.spec_decode.config import SpeculativeConfig
     value = flags(container(pools["decode"])["args"])["speculative-config"]
     assert SpeculativeConfig.from_json(value) == SpeculativeConfig("ngram", 4, 5, 5)
