@@ -172,3 +172,52 @@ def test_window_start_skips_the_blocks_behind_it_on_both_sides():
     with pytest.raises(ProtocolError, match="duplicate"):   # a source that sends from 0 to a windowed sink
         asyncio.run(KVSink(dst, [0, 0, 0, 9, 10, 11], "r", 22, start_block_index=3).consume(
             aiter_of(good_chunks()[1])))
+
+
+# KV groups (kvtransfer/kv_groups.py): group 0 every block, group 1 from block 4 (its window's start).
+GROUP_IDS = ((1, 2, 3, 4, 5, 6), (0, 0, 0, 0, 7, 8))   # group 1's entries before its start were freed
+
+
+def group_chunks():
+    return source_chunks([ComputedTokens(16, GROUP_IDS[0][:4], (GROUP_IDS[1][:4],)),
+                          FirstToken(9, GROUP_IDS[0], group_block_ids=(GROUP_IDS[1],))],
+                         group_start_block_indices=(4,))
+
+
+def consume_groups(chunks):
+    dst = torch.zeros((16, *TINY.block_shape))
+    sink = KVSink(dst, [9, 10, 11, 12, 13, 14], "r", 22, group_dst_block_ids=([0, 0, 0, 0, 2, 3],),
+                  group_start_block_indices=(4,))
+    return dst, asyncio.run(sink.consume(aiter_of(chunks)))
+
+
+def test_groups_stream_each_group_from_its_start_and_last_after_all():
+    chunks = group_chunks()
+    # Group 1 has nothing to send before block 4 is computed; the last message follows its pages.
+    assert [(c.kv_group, c.first_block_index, c.num_blocks, c.last) for c in chunks] == \
+        [(0, 0, 4, False), (0, 4, 2, False), (1, 4, 2, True)]
+    dst, result = consume_groups(chunks)
+    assert result.num_blocks == 6 + 2 and result.first_token_id == 9
+    src = make_kv()
+    pairs = list(zip(GROUP_IDS[0], (9, 10, 11, 12, 13, 14))) + [(7, 2), (8, 3)]
+    assert all(same_bytes(src[s], dst[d]) for s, d in pairs)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (lambda cs: cs[:2] + [_edit(cs[2], kv_group=2)], ProtocolError, "KV group 2, this pod has 2"),
+        (lambda cs: [cs[0], _edit(cs[1], last=True)], ProtocolError, "last message after 4/6 blocks of KV group 1"),
+        (lambda cs: cs[:2] + [_edit(cs[2], first_block_index=5)], ProtocolError, r"gap.*\(KV group 1\)"),
+    ],
+)
+def test_sink_refuses_bad_group_streams(mutate, error, message):
+    with pytest.raises(error, match=message):
+        consume_groups(mutate(group_chunks()))
+
+
+def test_source_refuses_a_freed_page_or_a_missing_group_table():
+    with pytest.raises(LayoutError, match="freed behind the sliding window"):
+        source_chunks([FirstToken(9, GROUP_IDS[0], group_block_ids=(GROUP_IDS[1],))], group_start_block_indices=(3,))
+    with pytest.raises(LayoutError, match="reports 1 KV group"):
+        source_chunks([FirstToken(9, GROUP_IDS[0])], group_start_block_indices=(4,))
