@@ -22,6 +22,10 @@ import numpy as np
 from engine.grammar.spec import StructuredSpec
 
 
+# What `GrammarBackend.accept_tokens` says of each matcher's token.
+REJECTED, ACCEPTED, TERMINATED = 0, 1, 2
+
+
 class GrammarCompileError(ValueError):
     """The spec does not compile for this tokenizer (the request's fault)."""
 
@@ -73,6 +77,11 @@ class GrammarBackend(Protocol):
     def fill_bitmask(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed next tokens into row `index` of `bitmask`
         (`int32[rows, ceil(vocab_width / 32)]`, C-contiguous); rows not named are left as they are."""
+
+    def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[int]:
+        """Each matcher accepts its token (`accept`), all in one call (a step's batch): per pair
+        `ACCEPTED`, `TERMINATED` (accepted, and the grammar is complete: `is_terminated`) or
+        `REJECTED` (the matcher's `error` says why)."""
 
     def fill_bitmask_nogil(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """`fill_bitmask` in one call that holds the GIL only to start and to finish: for a thread

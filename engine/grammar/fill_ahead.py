@@ -11,8 +11,10 @@ core torch leaves idle (an earlier fill thread, a call per row, measured slower 
 idle core): with as many torch threads as cores the rows are filled right there in `advance`,
 their matchers still in the cache.
 `prepare` waits for that fill and keeps the rows that still match: the same request in the same
-mask row at the same output position. Rows that moved (a request left or joined the batch) are
-filled again there.
+mask row, with the same matcher at the same output position. Rows that moved (a request left or
+joined the batch) are filled again there. With `bounds` the thread also unpacks the rows into
+the -inf/+inf bounds the sampler masks with in one op (`kernels.grammar_mask_host`), a few numpy
+calls that otherwise run cache-cold in the sampling step.
 
 No matcher may be touched while a fill runs (llguidance borrows it mutably): everything in
 `StructuredOutputs` that reads or changes a matcher calls `wait` first.
@@ -30,6 +32,7 @@ import torch
 
 from engine.grammar.backend import GrammarBackend, GrammarMatcher
 from engine.grammar.request_grammar import RequestGrammar
+from kernels.grammar_mask_host import grammar_mask_bounds
 
 
 def _num_cores() -> int:
@@ -46,28 +49,30 @@ class FillAhead:
         self._thread: threading.Thread | None = None
         self._pending = False
         self._error: BaseException | None = None
-        self._number = 0        # numbers the starts: only the last one's rows are fresh, for one prepare
+        # What the last start filled, row by row: (state, matcher, num_seen). Empty once used or
+        # overwritten: only the last start's rows are fresh, for one prepare.
+        self._filled: list[tuple[RequestGrammar, GrammarMatcher, int]] = []
+        self._filled_states: Sequence[RequestGrammar] | None = None     # the list the last start was given
         self._num_cores = _num_cores()
 
-    def start(self, backend: GrammarBackend, states: Sequence[RequestGrammar], host: np.ndarray) -> None:
-        """Fill `host[j]` for `states[j]` (matchers at their newest token), on the thread while
-        torch leaves a core idle."""
+    def start(self, backend: GrammarBackend, states: Sequence[RequestGrammar], host: np.ndarray,
+              bounds: np.ndarray | None = None) -> None:
+        """Fill `host[j]` for `states[j]` (matchers at their newest token), and unpack it into
+        `bounds[j]` if given, on the thread while torch leaves a core idle."""
         self.wait()
-        self._number += 1       # the rows of an earlier start are overwritten: stale
-        number = self._number
-        matchers = []
-        for j, state in enumerate(states):
-            state.ahead = (number, j, state.num_seen)
-            matchers.append((state.matcher, j))
+        matchers = [state.matcher for state in states]
+        self._filled = list(zip(states, matchers, [state.num_seen for state in states]))
+        self._filled_states = states
+        rows = list(zip(matchers, range(len(matchers))))
         if torch.get_num_threads() >= self._num_cores:
-            self._run(backend.fill_bitmask, matchers, host)
+            self._run(backend.fill_bitmask, rows, host, bounds)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="cbserve-grammar-fill", daemon=True)
             self._thread.start()
         self._busy.acquire()
         self._pending = True
-        self._jobs.put((backend.fill_bitmask_nogil, matchers, host))
+        self._jobs.put((backend.fill_bitmask_nogil, rows, host, bounds))
 
     def wait(self) -> None:
         """Until no fill runs (a failed fill raises here, its rows stale)."""
@@ -79,12 +84,21 @@ class FillAhead:
         if error is not None:
             raise error
 
-    def stale(self, states: Sequence[RequestGrammar]) -> list[tuple[GrammarMatcher, int]]:
+    def stale(self, states: Sequence[RequestGrammar], untouched: bool = False) -> list[tuple[GrammarMatcher, int]]:
         """A prepare's rows (`states[j]` takes row `j`) that the last `start` did not fill for it;
-        after this, every row counts as stale until the next `start`."""
+        after this, every row counts as stale until the next `start`. `untouched`: the caller
+        vouches that no matcher was touched since the last start, so when `states` is the very
+        list that start was given, nothing is compared (`StructuredOutputs.prepare`'s steady
+        batch)."""
         self.wait()
-        number, self._number = self._number, self._number + 1
-        return [(state.matcher, j) for j, state in enumerate(states) if state.ahead != (number, j, state.num_seen)]
+        filled, self._filled = self._filled, []
+        given, self._filled_states = self._filled_states, None
+        if untouched and states is given and filled:
+            return []
+        now = list(zip(states, [state.matcher for state in states], [state.num_seen for state in states]))
+        if now == filled:       # the usual step: compared in C (states and matchers by identity)
+            return []
+        return [(entry[1], j) for j, entry in enumerate(now) if j >= len(filled) or entry != filled[j]]
 
     def close(self) -> None:
         if self._thread is not None:
@@ -93,11 +107,14 @@ class FillAhead:
             self._thread.join()
             self._thread = None
 
-    def _run(self, fill, matchers, host) -> None:
+    def _run(self, fill, rows, host, bounds) -> None:
         try:
-            fill(matchers, host)
+            fill(rows, host)
+            if bounds is not None:
+                grammar_mask_bounds(host, bounds)
         except BaseException as e:      # noqa: BLE001 - raised by the next `wait`
-            self._number += 1           # every row filled ahead is stale
+            self._filled = []           # every row filled ahead is stale
+            self._filled_states = None
             self._error = e
 
     def _serve(self) -> None:

@@ -23,7 +23,7 @@ from typing import Sequence
 import llguidance
 import numpy as np
 
-from engine.grammar.backend import GrammarCompileError
+from engine.grammar.backend import ACCEPTED, REJECTED, TERMINATED, GrammarCompileError
 from engine.grammar.source import grammar_source, short_error
 from engine.grammar.spec import StructuredSpec
 from engine.tokenizer import Tokenizer
@@ -117,6 +117,20 @@ class LLGuidanceBackend:
             if not 0 <= row < rows:
                 raise IndexError(f"row {row} outside the bitmask's {rows}")
             matcher.inner.unsafe_compute_mask_ptr(base + row * words * 4, words * 4)
+
+    def accept_tokens(self, pairs: Sequence[tuple[LLGuidanceMatcher, int]]) -> list[int]:
+        # One loop over the llguidance objects: a step at batch 128 spent ~5 µs a row in the
+        # Python frames of `accept` and `is_terminated` around two ~1 µs calls. (The executor's
+        # `consume_token_par` measured no faster with two threads and ~25x slower with one.)
+        out = []
+        append = out.append
+        for matcher, token in pairs:
+            inner = matcher.inner
+            if not inner.consume_token(token):
+                append(REJECTED)
+            else:
+                append(TERMINATED if inner.is_stopped() and not inner.is_error() else ACCEPTED)
+        return out
 
     def fill_bitmask_nogil(self, matchers: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
         self._fill_in_one_call(matchers, bitmask, *self._shape(bitmask))

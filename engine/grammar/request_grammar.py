@@ -23,7 +23,7 @@ from engine.scheduling.output import PLACEHOLDER_TOKEN_ID
 
 
 class RequestGrammar:
-    __slots__ = ("spec", "future", "matcher", "num_seen", "constrain_from", "error", "ahead")
+    __slots__ = ("spec", "future", "matcher", "num_seen", "constrain_from", "error")
 
     def __init__(self, spec: StructuredSpec, future: Future[CompiledGrammar]) -> None:
         self.spec = spec
@@ -33,8 +33,6 @@ class RequestGrammar:
         # Output index of the first constrained token; None while the output is still free.
         self.constrain_from: int | None = None if spec.after_token_ids else 0
         self.error = ""                    # why the matcher failed (the request must end)
-        # (fill, row, num_seen) of a mask row filled ahead (`StructuredOutputs.advance`), or None.
-        self.ahead: tuple[int, int, int] | None = None
 
     @property
     def constrained(self) -> bool:
@@ -44,7 +42,6 @@ class RequestGrammar:
     def start(self, compiled: CompiledGrammar) -> None:
         """Take a fresh matcher from the compiled grammar (once the compile is done)."""
         self.matcher = compiled.matcher()
-        self.ahead = None
 
     def sync(self, output_token_ids: Sequence[int]) -> bool:
         """Consume the output tokens not seen yet (up to a placeholder still on the device); before
@@ -88,7 +85,6 @@ class RequestGrammar:
     def reset(self) -> None:
         """Forget the output (a decode pod that prefills locally after refusing the first token)."""
         self.matcher = None
-        self.ahead = None
         self.num_seen = 0
         self.constrain_from = None if self.spec.after_token_ids else 0
         self.error = ""

@@ -11,11 +11,14 @@ A request with a `StructuredSpec`:
    millisecond): waiting there keeps the prefill overlapped and needs no scheduler state. A compile
    that fails or times out fails the request; it never runs unconstrained. A CPU engine's forward
    blocks the host, so there the rows were filled ahead by `advance` (`engine.grammar.fill_ahead`)
-   and `prepare` fills only those that moved.
+   and `prepare` fills only those that moved. When the step samples exactly the requests that
+   `advance` kept going, in the same order (the steady decode batch), `prepare` takes that list
+   as it is: nothing touched a matcher in between (everything else here that does drops it).
 3. `advance(requests)`, once the step's tokens are known on the host: each matcher consumes its
-   new token; a grammar with nothing left but an end token finishes its request as `stop` (over
-   `min_tokens` and `ignore_eos`: the grammar wins), a rejected token fails it (a bug the mask
-   should make impossible). A CPU engine then starts filling the next step's rows.
+   new token (the usual one new token a row in one backend call, `accept_tokens`); a grammar with
+   nothing left but an end token finishes its request as `stop` (over `min_tokens` and
+   `ignore_eos`: the grammar wins), a rejected token fails it (a bug the mask should make
+   impossible). A CPU engine then starts filling the next step's rows.
 4. Decode role: `accept_first_token` takes over from the prefill pod, which sampled token 0 under
    the same grammar: the fingerprints must match and the token must be accepted, or the pod
    prefills locally (`FirstTokenRejected`). The matcher syncs to output positions, so token 0 is
@@ -28,12 +31,13 @@ samples, so all of this lives on rank 0 (the other ranks never see a grammar).
 from __future__ import annotations
 
 import concurrent.futures
+from operator import is_
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from engine.grammar.backend import GrammarBackend, GrammarCompileError, GrammarError
+from engine.grammar.backend import ACCEPTED, TERMINATED, GrammarBackend, GrammarCompileError, GrammarError
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.fill_ahead import FillAhead
 from engine.grammar.mask import BitmaskBuffers, GrammarMask
@@ -41,7 +45,9 @@ from engine.grammar.request_grammar import RequestGrammar
 from engine.grammar.stats import StructuredStats
 from engine.grammar.spec import StructuredSpec
 from engine.request import Request
+from engine.scheduling.output import PLACEHOLDER_TOKEN_ID
 from engine.tokenizer import Tokenizer
+from kernels.grammar_mask_host import grammar_mask_bounds
 
 DEFAULT_COMPILE_TIMEOUT_SECONDS = 30.0
 
@@ -64,7 +70,7 @@ class StructuredOutputs:
         self.vocab_width = vocab_width
         self.compile_timeout_s = compile_timeout_s
         self.states: dict[str, RequestGrammar] = {}
-        self._buffers = BitmaskBuffers((vocab_width + 31) // 32, device)
+        self._buffers = BitmaskBuffers((vocab_width + 31) // 32, device, vocab_width=vocab_width)
         end_words = np.zeros((vocab_width + 31) // 32, dtype=np.uint32)   # the eos bits of a row
         for token_id in eos_token_ids:
             if 0 <= token_id < vocab_width:
@@ -73,6 +79,10 @@ class StructuredOutputs:
         self._stats = StructuredStats()
         # A CPU engine's forward pass blocks the host: masks are filled beside it on a thread.
         self._ahead = FillAhead() if device.type == "cpu" else None
+        # The last `advance`'s going requests, their states and the mask rows under min_tokens:
+        # the next `prepare`'s rows if it samples just those (dropped by anything that touches a
+        # matcher in between).
+        self._going: tuple[list[Request], list[RequestGrammar], list[int]] | None = None
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer | None, vocab_width: int, eos_token_ids: Sequence[int],
@@ -101,11 +111,13 @@ class StructuredOutputs:
     def forget(self, request_ids: Sequence[str]) -> None:
         states = self.states
         if states:
+            self._going = None
             for request_id in request_ids:
                 states.pop(request_id, None)
 
     def reset(self, request_id: str) -> None:
         """The request's output is gone (a local prefill after a refused handoff): start over."""
+        self._going = None
         state = self.states.get(request_id)
         if state is not None:
             state.reset()
@@ -134,11 +146,37 @@ class StructuredOutputs:
         ahead = self._ahead
         if ahead is not None:
             ahead.wait()
+        going, self._going = self._going, None
+        steady = going is not None and len(going[0]) == len(requests) and all(map(is_, going[0], requests))
+        if steady:
+            _, grammars, short = going          # synced, constrained, started: row j is going[j]
+            rows: Sequence[int] = range(len(grammars))
+            failed: list[tuple[Request, Exception]] = []
+        else:
+            rows, grammars, short, failed = self._rows(requests)
+        if not grammars:
+            return None, failed
+        num_rows = len(grammars)
+        host = self._buffers.host_rows(num_rows)
+        bounds = self._buffers.bounds_rows(num_rows)
+        stale = (list(zip([state.matcher for state in grammars], range(num_rows))) if ahead is None
+                 else ahead.stale(grammars, untouched=steady))
+        if stale:
+            self.compiler.backend.fill_bitmask(stale, host)
+            if bounds is not None:
+                grammar_mask_bounds(host, bounds)
+        end_only = frozenset(rows[j] for j in short if not (host[j] & self._not_end).any())
+        return self._buffers.upload(num_rows, rows, end_only), failed
+
+    def _rows(self, requests: Sequence[Request]) -> tuple[list[int], list[RequestGrammar], list[int],
+                                                         list[tuple[Request, Exception]]]:
+        """`prepare`'s rows, request by request: (the sampler row of each mask row, the grammar of
+        each mask row, the mask rows still under their min_tokens, the requests that must fail)."""
         states = self.states
         failed: list[tuple[Request, Exception]] = []
-        rows: list[int] = []                    # the sampler row of each mask row
-        grammars: list[RequestGrammar] = []     # the grammar of each mask row
-        short: list[int] = []                   # mask rows still under their min_tokens
+        rows: list[int] = []
+        grammars: list[RequestGrammar] = []
+        short: list[int] = []
         for row, request in enumerate(requests):
             state = states.get(request.request_id)
             if state is None or request.is_finished:   # finished: a row whose token is dropped
@@ -155,15 +193,7 @@ class StructuredOutputs:
                     short.append(len(grammars))
                 rows.append(row)
                 grammars.append(state)
-        if not grammars:
-            return None, failed
-        host = self._buffers.host_rows(len(grammars))
-        stale = (list(zip([state.matcher for state in grammars], range(len(grammars)))) if ahead is None
-                 else ahead.stale(grammars))
-        if stale:
-            self.compiler.backend.fill_bitmask(stale, host)
-        end_only = frozenset(rows[j] for j in short if not (host[j] & self._not_end).any())
-        return self._buffers.upload(len(grammars), rows, end_only), failed
+        return rows, grammars, short, failed
 
     def _sync(self, state: RequestGrammar, request: Request) -> Exception | None:
         """Bring `state` up to the request's output, starting its matcher (which may wait for the
@@ -192,22 +222,67 @@ class StructuredOutputs:
         ahead = self._ahead
         if ahead is not None:
             ahead.wait()
+        self._going = None
         done: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
+        going_requests: list[Request] = []
         going: list[RequestGrammar] = []        # constrained, and on to the next step
+        short: list[int] = []                   # going rows still under their min_tokens
+        pairs: list = []                        # the usual rows, (matcher, token), for one backend call
+        waiting: list[tuple[Request, RequestGrammar]] = []      # their requests and states
         for request in requests:
             state = states.get(request.request_id)
             if state is None or request.is_finished:
                 continue
-            if not state.sync(request.output_token_ids):
+            output = request.output_token_ids
+            matcher = state.matcher
+            if matcher is not None and state.num_seen == len(output) - 1 and not state.error \
+                    and output[-1] != PLACEHOLDER_TOKEN_ID:
+                pairs.append((matcher, output[-1]))
+                waiting.append((request, state))
+                continue
+            if pairs:       # those before this row first: `going` stays in batch order
+                self._accept(pairs, waiting, done, failed, going_requests, going, short)
+            if not state.sync(output):
                 failed.append((request, GrammarError(f"structured output: {state.error}")))
             elif state.is_terminated():
                 done.append(request)
             elif state.matcher is not None:
+                if len(output) < request.sampling_params.min_tokens:
+                    short.append(len(going))
+                going_requests.append(request)
                 going.append(state)
-        if ahead is not None and going:
-            ahead.start(self.compiler.backend, going, self._buffers.host_rows(len(going)))
+        if pairs:
+            self._accept(pairs, waiting, done, failed, going_requests, going, short)
+        if going:
+            self._going = (going_requests, going, short)
+            if ahead is not None:
+                num_rows = len(going)
+                ahead.start(self.compiler.backend, going, self._buffers.host_rows(num_rows),
+                            self._buffers.bounds_rows(num_rows))
         return done, failed
+
+    def _accept(self, pairs: list, waiting: list[tuple[Request, RequestGrammar]], done: list[Request],
+                failed: list[tuple[Request, Exception]], going_requests: list[Request],
+                going: list[RequestGrammar], short: list[int]) -> None:
+        """`advance`'s usual rows (each matcher one token behind its output): one backend call,
+        then each row as `RequestGrammar.sync` + `is_terminated` would have it. Empties `pairs`
+        and `waiting`."""
+        results = self.compiler.backend.accept_tokens(pairs)
+        for (request, state), (matcher, token), result in zip(waiting, pairs, results):
+            state.num_seen += 1
+            if result == ACCEPTED:
+                if len(request.output_token_ids) < request.sampling_params.min_tokens:
+                    short.append(len(going))
+                going_requests.append(request)
+                going.append(state)
+            elif result == TERMINATED:
+                done.append(request)
+            else:
+                state.error = matcher.error or f"output token {token} rejected"
+                failed.append((request, GrammarError(f"structured output: {state.error}")))
+        pairs.clear()
+        waiting.clear()
 
     # ------------------------------------------------------------------ decode role
     def accept_first_token(self, request: Request, token_id: int, fingerprint: str) -> None:
@@ -215,6 +290,7 @@ class StructuredOutputs:
         it, or raise `FirstTokenRejected` (nothing changed: prefill locally) or
         `GrammarCompileError` (this pod cannot compile the spec: fail). The compile must be done
         (a decode pod awaits `compile_future` before it lands the KV)."""
+        self._going = None
         state = self.states.get(request.request_id)
         if state is None:
             return

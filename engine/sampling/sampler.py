@@ -88,7 +88,7 @@ class Sampler:
             raise ValueError(f"logits must be [num_seqs={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()  # [num_seqs, vocab]
         if grammar is not None:
-            raw_logits = grammar.apply(raw_logits.clone() if raw_logits is logits else raw_logits)
+            raw_logits = grammar.apply(raw_logits, copy=raw_logits is logits)
         # The batch's params screened (penalties? logprobs? random rows?), reused while the batch
         # stays (`engine.sampling.screen`): this runs for every request every step.
         params = list(map(_PARAMS, requests))
