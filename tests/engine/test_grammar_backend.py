@@ -66,6 +66,21 @@ def test_rejected_tokens_copies_and_rollback(backend, tokenizer):
     assert not matcher.accept(b) and matcher.error          # rejected: the matcher says why
 
 
+def test_accept_tokens_in_one_call_equals_accept_then_is_terminated(backend, tokenizer):
+    """`accept_tokens` (a step's batch): per pair what `accept` and `is_terminated` say."""
+    from engine.grammar.backend import ACCEPTED, REJECTED, TERMINATED
+    a, b, x = (_ids(tokenizer, c)[0] for c in "abx")
+    compiled = backend.compile(StructuredSpec("choice", canonical_json(["ab", "ax", "axb"])))
+    pairs = [(compiled.matcher(), a), (compiled.matcher(), b)]
+    singles = [(compiled.matcher(), a), (compiled.matcher(), b)]
+    assert backend.accept_tokens(pairs) == [ACCEPTED, REJECTED]
+    assert [m.accept(t) for m, t in singles] == [True, False] and pairs[1][0].error == singles[1][0].error
+    done, going = pairs[0][0].copy(), pairs[0][0]
+    assert backend.accept_tokens([(done, b), (going, x)]) == [TERMINATED, ACCEPTED]
+    assert done.is_terminated() and not going.is_terminated()
+    assert backend.accept_tokens([]) == []
+
+
 def test_parallel_fill_of_many_rows(backend, tokenizer):
     compiled = backend.compile(StructuredSpec("regex", "[0-9]+"))
     matchers = [compiled.matcher() for _ in range(5)]
@@ -101,6 +116,10 @@ def test_rows_filled_ahead_count_only_where_they_still_match(backend, tokenizer)
             assert ahead.stale(group) == [] and (host == want[:len(group)]).all()
             assert len(ahead.stale(group)) == len(group)       # used: stale until the next start
         host = np.zeros_like(want)
+        ahead.start(backend, states, host)
+        assert ahead.stale(states, untouched=True) == []        # the very list, vouched for: not compared
+        ahead.start(backend, states, host)
+        assert len(ahead.stale([*states], untouched=True)) == 0  # another list: compared, still fresh
         ahead.start(backend, states, host)
         moved = [states[1], states[0], *states[2:]]
         assert [j for _, j in ahead.stale(moved)] == [0, 1]

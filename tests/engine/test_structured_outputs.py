@@ -211,6 +211,37 @@ def test_masks_filled_ahead_equal_masks_filled_in_prepare(engine):
     assert engine.stats().kv_cache_usage == 0.0 and not engine.structured.states
 
 
+def test_the_steady_batch_equals_rows_taken_request_by_request(engine):
+    """At 100% structured traffic `prepare` takes the list `advance` kept going (no per-row
+    loop); with that list dropped after every `advance` each row is looked at again: the same
+    outputs, an abort in mid-batch included."""
+    specs = list(SMALL_SPECS.values())
+    prompts = [_prompt(120 + i, 3 + i % 4) for i in range(6)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=5 + i % 4, structured=specs[i % 3]) for i in range(6)]
+    structured = engine.structured
+    looked_at = []
+    rows = structured._rows
+    structured._rows = lambda requests: looked_at.append(len(requests)) or rows(requests)
+    try:
+        steady = _abort_one_midway(engine, prompts, params, victim=2)
+        steps = len(looked_at)
+        advance = structured.advance
+
+        def advance_then_drop(requests):
+            out = advance(requests)
+            structured._going = None
+            return out
+        structured.advance = advance_then_drop
+        try:
+            assert _abort_one_midway(engine, prompts, params, victim=2) == steady
+        finally:
+            del structured.advance
+    finally:
+        del structured._rows
+    assert steps < len(looked_at) - steps           # the first run took the steady path on some steps
+    assert engine.stats().kv_cache_usage == 0.0 and not structured.states
+
+
 def test_async_scheduling_equals_sync(engine):
     async_engine = make_engine(async_scheduling=True)
     assert async_engine.async_scheduling

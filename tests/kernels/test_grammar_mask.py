@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.grammar_mask_host import apply_grammar_mask_host
+from kernels.grammar_mask_host import apply_grammar_bounds, apply_grammar_mask_host, grammar_mask_bounds
 from kernels.grammar_mask_ref import apply_grammar_mask_ref
 
 IMPLEMENTATIONS = pytest.mark.parametrize("apply", [apply_grammar_mask_ref, apply_grammar_mask_host],
@@ -119,3 +119,29 @@ def test_launcher_refuses_bad_inputs():
         kernels.apply_grammar_mask(logits.t(), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0]))
     with pytest.raises(ValueError, match="rows None"):
         kernels.apply_grammar_mask(logits, torch.zeros(3, 2, dtype=torch.int32), None)
+
+
+@pytest.mark.parametrize("vocab, words", [(77, 3), (64, 2), (260, 9), (5000, 157)])
+def test_bounds_masked_by_one_minimum_equal_the_reference(vocab, words):
+    """A CPU engine's path: `grammar_mask_bounds` (one table lookup, beside the forward), then
+    `apply_grammar_bounds` on the first rows (all of them or a prefix, in place or as the
+    sampler's copy) or on named rows."""
+    logits, bitmask, some_rows, _ = _cases(5, 5, vocab, words)
+    bounds = np.full((5, words * 32), 7.0, dtype=np.float32)
+    grammar_mask_bounds(bitmask.numpy(), bounds[:len(bitmask)])
+    bounds = torch.from_numpy(bounds)[:, :vocab]
+    for num_masks, rows in ((len(bitmask), some_rows), (len(bitmask), None), (0, None)):
+        want = logits.clone()
+        apply_grammar_mask_ref(want, bitmask[:num_masks], torch.arange(num_masks) if rows is None else rows)
+        for copy in (True, False):
+            given = logits.clone()
+            got = apply_grammar_bounds(given, bounds[:num_masks], rows, copy)
+            assert torch.equal(got, want) and (got is given) is not copy
+            assert not copy or torch.equal(given, logits)
+    square = logits[:len(bitmask)]                      # every row masked: the minimum is the copy
+    want = square.clone()
+    apply_grammar_mask_ref(want, bitmask, torch.arange(len(bitmask)))
+    assert torch.equal(apply_grammar_bounds(square, bounds[:len(bitmask)], None, True), want)
+    strided = np.zeros((len(bitmask), words * 64), np.float32)[:, ::2]   # written through, never a copy
+    grammar_mask_bounds(bitmask.numpy(), strided)
+    assert np.array_equal(strided[:, :vocab], bounds[:len(bitmask)].numpy())
