@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -33,20 +34,28 @@ def _own_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICKS      # utime + stime (fields 14, 15)
 
 
-def _thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """tid -> CPU seconds of each live thread of `pid`."""
-    out: dict[int, float] = {}
+def _task_files(pid: int, name: str) -> Iterator[tuple[int, str]]:
+    """(tid, text of `/proc/<pid>/task/<tid>/<name>`) for each live thread of `pid` (a thread
+    gone meanwhile is skipped)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return
     for tid in tasks:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                yield int(tid), f.read()
+        except OSError:
             continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """tid -> CPU seconds of each live thread of `pid`."""
+    out: dict[int, float] = {}
+    for tid, stat in _task_files(pid, "stat"):
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 12:
+            out[tid] = (int(fields[11]) + int(fields[12])) / _TICKS    # utime + stime
     return out
 
 
@@ -59,18 +68,7 @@ def _descendants(pid: int) -> list[int]:
 
 def _children(pid: int) -> list[int]:
     """The live children of every thread of `pid` (`/proc/<pid>/task/<tid>/children`)."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
+    return [int(c) for _, text in _task_files(pid, "children") for c in text.split()]
 
 
 def _proc_cpu_seconds(pid: int) -> float | None:
