@@ -143,6 +143,11 @@ class ClusterSpec:
             argv.append("--colocated")
         if self.speculative_config and role != "prefill":   # drafts are verified where decode steps run
             argv += ["--speculative-config", self.speculative_config]
+        elif self.speculative_config:
+            # A speculating decode pod keeps one KV group (its draft shares the target's tables),
+            # and both pods of a pull must run the same groups: so must its prefill pods (the
+            # chart does the same, helm/templates/_pool.tpl).
+            argv += ["--kv-cache-groups", "single"]
         return argv + list(self.pod_args)
 
     def router_argv(self, port: int, addresses: dict[str, list[str]], pods_file: str | None = None) -> list[str]:

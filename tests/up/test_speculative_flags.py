@@ -43,15 +43,18 @@ def test_up_passes_it_to_decode_and_colocated_pods_only():
     spec = spec_from_args(build_parser().parse_args(["up", "--speculative-config", NGRAM]))
     for name, role in spec.pod_roles():
         argv = spec.pod_argv(name, role, 1, 2, 3)
-        if role == "prefill":
+        if role == "prefill":     # it runs the one KV group its speculating decode pods run
             assert "--speculative-config" not in argv
+            assert argv[argv.index("--kv-cache-groups") + 1] == "single"
+            build_parser().parse_args(argv)                  # a command `cbserve prefill` takes
         else:
             assert SpeculativeConfig.from_json(argv[argv.index("--speculative-config") + 1]) == \
                 SpeculativeConfig.from_json(NGRAM)
     colocated = spec_from_args(build_parser().parse_args(["up", "--colocated", "1", "--speculative-config", NGRAM]))
     assert all("--speculative-config" in colocated.pod_argv(n, r, 1, 2, 3) for n, r in colocated.pod_roles())
     plain = spec_from_args(build_parser().parse_args(["up"]))
-    assert not any("--speculative-config" in plain.pod_argv(n, r, 1, 2, 3) for n, r in plain.pod_roles())
+    assert not any("--speculative-config" in plain.pod_argv(n, r, 1, 2, 3) or
+                   "--kv-cache-groups" in plain.pod_argv(n, r, 1, 2, 3) for n, r in plain.pod_roles())
 
 
 def test_generate_with_speculation_prints_the_plain_text():
