@@ -236,8 +236,10 @@ class StructuredOutputs:
                 continue
             output = request.output_token_ids
             matcher = state.matcher
-            if matcher is not None and state.num_seen == len(output) - 1 and not state.error \
-                    and output[-1] != PLACEHOLDER_TOKEN_ID:
+            # The usual row: constrained (a decode pod starts a matcher at the handoff, before a
+            # marker the output has not reached yet: `sync` looks for it), one token behind.
+            if matcher is not None and state.constrain_from is not None and state.num_seen == len(output) - 1 \
+                    and not state.error and output[-1] != PLACEHOLDER_TOKEN_ID:
                 pairs.append((matcher, output[-1]))
                 waiting.append((request, state))
                 continue
@@ -247,7 +249,7 @@ class StructuredOutputs:
                 failed.append((request, GrammarError(f"structured output: {state.error}")))
             elif state.is_terminated():
                 done.append(request)
-            elif state.matcher is not None:
+            elif state.matcher is not None and state.constrained:   # `going` is the next prepare's mask rows
                 if len(output) < request.sampling_params.min_tokens:
                     short.append(len(going))
                 going_requests.append(request)
