@@ -62,9 +62,10 @@ def groups_of(windows: tuple[int, ...], grouped: bool) -> KVGroups:
 
 
 def pull_starts(groups: KVGroups, block_size: int, num_tokens: int) -> tuple[int, ...]:
-    """Where a pull starts each group: the pods' own rule (`GroupTables.first_blocks_in_window`)."""
-    kv = KVCacheManager(BlockPool(2, False), block_size, group_windows=groups.windows[1:])
-    return (0, *kv.groups.first_blocks_in_window(num_tokens)) if kv.groups else (0,)
+    """Where a pull starts each group: the pods' own rule (`KVCacheManager.pull_starts`)."""
+    start, group_starts = KVCacheManager(BlockPool(2, False), block_size, group_windows=groups.windows[1:]) \
+        .pull_starts(num_tokens)
+    return (start, *group_starts)
 
 
 def scheduler(role: str, groups: KVGroups, page_bytes: int, memory: int, block_size: int, chunk: int,

@@ -54,13 +54,13 @@ class DecodeCore(EngineCore):
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         schedule = engine.last_schedule
-        groups = engine.scheduler.kv_manager.groups   # KV groups 1..'s reserved tables (engine.kv_groups)
+        kv = engine.scheduler.kv_manager   # with KV groups, groups 1..'s reserved tables go to the pull too
         for req_id in schedule.reserved_request_ids if schedule is not None else ():
             req = engine.scheduler.get_request(req_id)
             if req is not None:
                 self.rt.loop.loop.call_soon_threadsafe(self._start_pull, req_id, tuple(req.block_ids),
                                                        req.num_prompt_tokens, req.lora.identity if req.lora else "",
-                                                       groups.tables[req_id] if groups else ())
+                                                       kv.group_tables(req_id))
         self.rt.after_step(engine)
 
     def fill_outputs(self, events: cbserve_pb2.CoreEvents, outputs: list[RequestOutput], extra) -> None:
@@ -192,9 +192,7 @@ class DecodeCore(EngineCore):
             group = await self._group(job.prefill_from, job.remaining()) if job.transport == "nccl" else None
             # Every layer windowed: the blocks before `start` were never reserved (null entries).
             # KV groups: each windowed group's pages before its window's start were never reserved.
-            kv = rt.engine.scheduler.kv_manager
-            start = kv.first_block_in_window(num_prompt_tokens)
-            group_starts = kv.groups.first_blocks_in_window(num_prompt_tokens) if kv.groups else ()
+            start, group_starts = rt.engine.scheduler.kv_manager.pull_starts(num_prompt_tokens)
             sink = KVSink(rt.engine.kv_cache, block_ids, req_id, num_prompt_tokens, group=group,
                           recv_timeout_s=max(1.0, job.remaining()), start_block_index=start, draft_kv=rt.draft_kv,
                           group_dst_block_ids=group_block_ids, group_start_block_indices=group_starts,

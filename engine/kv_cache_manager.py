@@ -95,6 +95,20 @@ class KVCacheManager:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
+    def pull_starts(self, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """Where a P/D pull of a prompt of `num_tokens` tokens starts: the table index of group 0
+        (`first_block_in_window`) and of each of groups 1.. (`GroupTables.first_blocks_in_window`;
+        empty without KV groups). Both pods take it from here, from the windows the handshake
+        compared, so they agree on every index."""
+        groups = self.groups
+        return (self.first_block_in_window(num_tokens),
+                groups.first_blocks_in_window(num_tokens) if groups is not None else ())
+
+    def group_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The request's tables of groups 1.. (empty without KV groups, or before it has any)."""
+        groups = self.groups
+        return groups.tables.get(request_id, ()) if groups is not None else ()
+
     def num_blocks_to_reserve(self, num_tokens: int) -> int:
         """Decode role: the blocks `reserve` takes for a prompt of `num_tokens` tokens (with KV
         groups, every group's pages)."""

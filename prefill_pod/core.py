@@ -72,13 +72,11 @@ class PrefillCore(EngineCore):
 
     # ------------------------------------------------------------------ engine thread
     def post_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
-        # KV groups (engine.kv_groups): groups 1..'s tables travel beside group 0's.
-        groups = engine.scheduler.kv_manager.groups
+        kv = engine.scheduler.kv_manager   # with KV groups, groups 1..'s tables travel beside group 0's
         for req in engine.scheduler.last_progressed:
             progress = self.progress.get(req.request_id)
             if progress is not None and req.num_computed_tokens < req.num_prompt_tokens:
-                progress.advance(req.num_computed_tokens, req.block_ids,
-                                 groups.tables.get(req.request_id, ()) if groups else ())
+                progress.advance(req.num_computed_tokens, req.block_ids, kv.group_tables(req.request_id))
         for out in outputs:
             req_id = out.request_id
             progress = self.progress.get(req_id)
@@ -97,8 +95,7 @@ class PrefillCore(EngineCore):
             if self._forge is not None and req_id.startswith("forge-"):
                 token, fingerprint = self._forged(req_id, token, fingerprint)
             progress.finish(token, request.block_ids, logprobs_to_pb(lp), fingerprint,
-                            prompt_logprobs_to_pb(out.prompt_logprobs),
-                            groups.tables.get(req_id, ()) if groups else ())
+                            prompt_logprobs_to_pb(out.prompt_logprobs), kv.group_tables(req_id))
         self.rt.after_step(engine, self.held.num_held)
 
     @staticmethod
@@ -231,9 +228,7 @@ class PrefillCore(EngineCore):
         # kv_transfer_window made both pods agree on the window, so on this index too).
         # KV groups: each windowed group's pages from the one its first decode query reads
         # (kvtransfer.kv_groups; the handshake compared the groups).
-        kv = rt.engine.scheduler.kv_manager
-        start = kv.first_block_in_window(progress.num_prompt_tokens)
-        group_starts = kv.groups.first_blocks_in_window(progress.num_prompt_tokens) if kv.groups else ()
+        start, group_starts = rt.engine.scheduler.kv_manager.pull_starts(progress.num_prompt_tokens)
         source = KVSource(rt.engine.kv_cache, req_id, progress.num_prompt_tokens, start_block_index=start,
                           group_start_block_indices=group_starts,
                           max_chunk_bytes=request.max_chunk_bytes, group=group,

@@ -33,12 +33,11 @@ def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
             if rid not in landed:   # KV arrives after a few decode steps of the others
                 req = decode.scheduler.get_request(rid)
                 kv, source_kv = decode.scheduler.kv_manager, prefill.scheduler.kv_manager
-                start = kv.first_block_in_window(req.num_prompt_tokens)
+                start, group_starts = kv.pull_starts(req.num_prompt_tokens)
                 pairs = list(zip(prefill.scheduler.held[rid].block_ids, req.block_ids))[start:]
-                if kv.groups is not None:   # KV groups: each group's pages from its window's start
-                    for begin, src, dst in zip(kv.groups.first_blocks_in_window(req.num_prompt_tokens),
-                                               source_kv.groups.tables[rid], kv.groups.tables[rid]):
-                        pairs += list(zip(src, dst))[begin:]
+                # KV groups: each group's pages from its window's start
+                for begin, src, dst in zip(group_starts, source_kv.group_tables(rid), kv.group_tables(rid)):
+                    pairs += list(zip(src, dst))[begin:]
                 assert all(s and d for s, d in pairs), f"{rid}: a block the pull moves was freed"
                 for s, d in pairs:
                     decode.kv_cache[d].copy_(prefill.kv_cache[s])
