@@ -82,7 +82,7 @@ class StructuredOutputs:
         # The last `advance`'s going requests, their states and the mask rows under min_tokens:
         # the next `prepare`'s rows if it samples just those (dropped by anything that touches a
         # matcher in between).
-        self._going: tuple[list[Request], list[RequestGrammar], list[int]] | None = None
+        self._going: _Going | None = None
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer | None, vocab_width: int, eos_token_ids: Sequence[int],
@@ -147,9 +147,9 @@ class StructuredOutputs:
         if ahead is not None:
             ahead.wait()
         going, self._going = self._going, None
-        steady = going is not None and len(going[0]) == len(requests) and all(map(is_, going[0], requests))
+        steady = going is not None and len(going.requests) == len(requests) and all(map(is_, going.requests, requests))
         if steady:
-            _, grammars, short = going          # synced, constrained, started: row j is going[j]
+            grammars, short = going.states, going.short    # synced, constrained, started: row j is going's j
             rows: Sequence[int] = range(len(grammars))
             failed: list[tuple[Request, Exception]] = []
         else:
@@ -225,9 +225,7 @@ class StructuredOutputs:
         self._going = None
         done: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
-        going_requests: list[Request] = []
-        going: list[RequestGrammar] = []        # constrained, and on to the next step
-        short: list[int] = []                   # going rows still under their min_tokens
+        going = _Going()                        # constrained, and on to the next step
         pairs: list = []                        # the usual rows, (matcher, token), for one backend call
         waiting: list[tuple[Request, RequestGrammar]] = []      # their requests and states
         for request in requests:
@@ -244,29 +242,25 @@ class StructuredOutputs:
                 waiting.append((request, state))
                 continue
             if pairs:       # those before this row first: `going` stays in batch order
-                self._accept(pairs, waiting, done, failed, going_requests, going, short)
+                self._accept(pairs, waiting, done, failed, going)
             if not state.sync(output):
                 failed.append((request, GrammarError(f"structured output: {state.error}")))
             elif state.is_terminated():
                 done.append(request)
             elif state.matcher is not None and state.constrained:   # `going` is the next prepare's mask rows
-                if len(output) < request.sampling_params.min_tokens:
-                    short.append(len(going))
-                going_requests.append(request)
-                going.append(state)
+                going.add(request, state)
         if pairs:
-            self._accept(pairs, waiting, done, failed, going_requests, going, short)
-        if going:
-            self._going = (going_requests, going, short)
+            self._accept(pairs, waiting, done, failed, going)
+        if going.states:
+            self._going = going
             if ahead is not None:
-                num_rows = len(going)
-                ahead.start(self.compiler.backend, going, self._buffers.host_rows(num_rows),
+                num_rows = len(going.states)
+                ahead.start(self.compiler.backend, going.states, self._buffers.host_rows(num_rows),
                             self._buffers.bounds_rows(num_rows))
         return done, failed
 
     def _accept(self, pairs: list, waiting: list[tuple[Request, RequestGrammar]], done: list[Request],
-                failed: list[tuple[Request, Exception]], going_requests: list[Request],
-                going: list[RequestGrammar], short: list[int]) -> None:
+                failed: list[tuple[Request, Exception]], going: _Going) -> None:
         """`advance`'s usual rows (each matcher one token behind its output): one backend call,
         then each row as `RequestGrammar.sync` + `is_terminated` would have it. Empties `pairs`
         and `waiting`."""
@@ -274,10 +268,7 @@ class StructuredOutputs:
         for (request, state), (matcher, token), result in zip(waiting, pairs, results):
             state.num_seen += 1
             if result == ACCEPTED:
-                if len(request.output_token_ids) < request.sampling_params.min_tokens:
-                    short.append(len(going))
-                going_requests.append(request)
-                going.append(state)
+                going.add(request, state)
             elif result == TERMINATED:
                 done.append(request)
             else:
@@ -320,3 +311,21 @@ class StructuredOutputs:
         if self.compiler is not None:
             stats.compile = self.compiler.take_stats()
         return stats
+
+
+class _Going:
+    """`advance`'s constrained requests that go on to the next step, in batch order: the next
+    `prepare`'s mask rows when that step samples exactly these requests (the steady batch)."""
+
+    __slots__ = ("requests", "states", "short")
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.states: list[RequestGrammar] = []
+        self.short: list[int] = []          # rows still under their min_tokens
+
+    def add(self, request: Request, state: RequestGrammar) -> None:
+        if len(request.output_token_ids) < request.sampling_params.min_tokens:
+            self.short.append(len(self.states))
+        self.requests.append(request)
+        self.states.append(state)
