@@ -1,6 +1,6 @@
 """Structured outputs: what a grammar costs per token, per mask, per compile and per P/D handoff.
 
-Four sections, each printed as one table (ratios are measured side by side in one run):
+Sections, each printed as one table (ratios are measured side by side in one run):
 
 1. `tpot`: 100% JSON-schema traffic against unconstrained traffic on the engine (default the
    `tiny` preset on this device), at batch 1, 32 and 128: one engine per arm (`--arms`: `free`,
@@ -22,10 +22,14 @@ Four sections, each printed as one table (ratios are measured side by side in on
 4. `kernel` (not by default): `kernels.apply_grammar_mask` at batch 1 / 64 / 256 on `--device`.
 5. `handoff`: a decode pod taking over a prefill pod's first token: fingerprint check, matcher,
    accept, and the first mask fill (`StructuredOutputs.accept_first_token` + `prepare`).
+6. `validity` (not by default): seeded requests on every typical schema: how many end with
+   `stop`, how many of those validate (`jsonschema`), how many end on `length` and how many of
+   those in JSON whitespace (the default bound's job).
 
     .venv/bin/python bench/structured_overhead.py                     # everything, tiny preset
     .venv/bin/python bench/structured_overhead.py --sections mask compile handoff
     .venv/bin/python bench/structured_overhead.py --sections tpot --threads 1 --max-tokens 64 --repeats 9
+    .venv/bin/python bench/structured_overhead.py --sections validity --threads 1 --validity-seeds 10
     python bench/structured_overhead.py --sections tpot kernel --device cuda --model <dir>   # on a GPU
 """
 
@@ -360,10 +364,57 @@ def section_handoff(args, backend: LLGuidanceBackend) -> None:
     structured.close()
 
 
+def section_validity(args) -> None:
+    """Issue 21's first target: every output that ends with `stop` validates, and `length`
+    endings (a model running on in JSON whitespace until max_tokens) are about none. The random
+    model's own choices are noise, so only the grammar can make its outputs valid: each typical
+    schema, `--validity-seeds` seeded requests at temperature 1, `--validity-max-tokens` each, the
+    text parsed with `json` and checked with `jsonschema` (formats not checked: llguidance's
+    `format` support is its own). Greedy requests are not used: a random model's argmax often
+    repeats one token, which says nothing about the grammar."""
+    import jsonschema
+
+    from engine.engine import Engine, EngineConfig
+
+    schemas = typical_schemas()
+    engine = Engine(EngineConfig(model=args.model, device=args.device,
+                                 cache=CacheConfig(num_blocks=max(256, 8 * args.validity_seeds)),
+                                 scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)))
+    prompts, params, owners = [], [], []
+    for s, schema in enumerate(schemas):
+        spec = json_spec(schema)
+        for seed in range(args.validity_seeds):
+            rng = random.Random(s * 1000 + seed)
+            prompts.append([1] + [rng.randrange(4, 260) for _ in range(15)])
+            params.append(SamplingParams(temperature=1.0, seed=s * 1000 + seed,
+                                         max_tokens=args.validity_max_tokens, structured=spec))
+            owners.append(schema)
+    outputs = engine.generate(prompts, params)
+    engine.close()
+    stops, valid, lengths, in_whitespace, invalid = 0, 0, 0, 0, []
+    for schema, out in zip(owners, outputs):
+        if out.finish_reason == "length":
+            lengths += 1
+            in_whitespace += out.text[-16:].isspace()     # its last 16 characters all whitespace
+            continue
+        stops += 1
+        try:
+            jsonschema.validate(json.loads(out.text), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError) as e:
+            invalid.append(f"{out.text[:80]!r}: {str(e).splitlines()[0][:80]}")
+    print(f"\n## Validity ({args.model}, {len(schemas)} typical schemas x {args.validity_seeds} seeded requests, "
+          f"temperature 1, max_tokens {args.validity_max_tokens})")
+    print(f"requests {len(outputs)}  stop {stops}  stop valid {valid} ({100 * valid / max(stops, 1):.1f}%)  "
+          f"length {lengths} ({100 * lengths / len(outputs):.1f}%), of them ending in whitespace {in_whitespace}")
+    for line in invalid[:10]:
+        print(f"  invalid: {line}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", default=["tpot", "mask", "compile", "handoff"],
-                        choices=["tpot", "kernel", "mask", "compile", "handoff"])
+                        choices=["tpot", "kernel", "mask", "compile", "handoff", "validity"])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--device", default="cpu", help="tpot and kernel sections")
     parser.add_argument("--kernel-iters", type=int, default=20)
@@ -372,6 +423,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="tpot rounds (after a warm-up round)")
     parser.add_argument("--arms", nargs="+", default=["free", "json", "free2"], help="tpot arms: free (the "
                         "reference, first), json (100%% constrained), free2 (free again: the A/A noise floor)")
+    parser.add_argument("--validity-seeds", type=int, default=10, help="requests per schema (validity)")
+    parser.add_argument("--validity-max-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mask-steps", type=int, default=120, help="walk positions per spec")
     parser.add_argument("--compile-repeats", type=int, default=5)
@@ -383,7 +436,9 @@ def main() -> None:
         section_tpot(args)
     if "kernel" in args.sections:
         section_kernel(args)
-    others = [s for s in args.sections if s not in ("tpot", "kernel")]
+    if "validity" in args.sections:
+        section_validity(args)
+    others = [s for s in args.sections if s not in ("tpot", "kernel", "validity")]
     if others:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
