@@ -141,13 +141,11 @@ class ClusterSpec:
             argv += ["--tensor-parallel-size", str(tp)]
         if role == "colocated":
             argv.append("--colocated")
-        if self.speculative_config and role != "prefill":   # drafts are verified where decode steps run
+        speculates, kv_cache_groups = pod_kv_flags(role, bool(self.speculative_config))
+        if speculates:
             argv += ["--speculative-config", self.speculative_config]
-        elif self.speculative_config:
-            # A speculating decode pod keeps one KV group (its draft shares the target's tables),
-            # and both pods of a pull must run the same groups: so must its prefill pods (the
-            # chart does the same, helm/templates/_pool.tpl).
-            argv += ["--kv-cache-groups", "single"]
+        if kv_cache_groups != "auto":
+            argv += ["--kv-cache-groups", kv_cache_groups]
         return argv + list(self.pod_args)
 
     def router_argv(self, port: int, addresses: dict[str, list[str]], pods_file: str | None = None) -> list[str]:
@@ -164,6 +162,17 @@ class ClusterSpec:
         else:
             argv += ["--prefill", ",".join(addresses["prefill"]), "--decode", ",".join(addresses["decode"])]
         return argv + list(self.router_args)
+
+
+def pod_kv_flags(role: str, speculative: bool, kv_cache_groups: str = "auto") -> tuple[bool, str]:
+    """(does the pod speculate, its `--kv-cache-groups`) in a cluster whose decode pods speculate
+    (`speculative`) or not. Drafts are verified where decode steps run; a speculating decode pod
+    keeps one KV group (its draft shares the target's tables), and both pods of a pull must run
+    the same groups: so must its prefill pods (the chart does the same, helm/templates/_pool.tpl;
+    the capacity planner's pods too, `cbserve.planner.sim_pod.PodKV`)."""
+    if speculative and role == "prefill":
+        return False, "single"
+    return speculative, kv_cache_groups
 
 
 def is_cuda(device: str | None) -> bool:

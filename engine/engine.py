@@ -29,7 +29,7 @@ from engine.fp8_checkpoint import load_fp8_model, read_fp8_config, resolve_quant
 from engine.grammar.mask import GrammarMask
 from engine.grammar.structured_outputs import StructuredOutputs
 from engine.kv_cache import allocate_kv_cache
-from engine.kv_groups.spec import serving_groups
+from engine.kv_groups.spec import serving_cache
 from engine.kv_dtype import FP8_KV_DTYPE, kv_scales_suffix, resolve_kv_cache_dtype
 from engine.kv_sizing import ProfileBatch, headroom_bytes, measure_startup_memory, size_cache
 from engine.loader import load_model, model_fingerprint
@@ -124,12 +124,11 @@ class Engine:
         self.dtype = DTYPES[dtype_name]
         max_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        # A mixed local/global model served colocated: a block table per KV group (engine/kv_groups/).
-        kv_groups = serving_groups(self.model_config.layer_windows, self.model_config.num_layers, self.role,
-                                   config.speculative is not None, config.cache.kv_cache_groups)
-        if kv_groups.is_hybrid:
-            cache = dataclasses.replace(config.cache, kv_group_windows=kv_groups.windows)
-            self.config = config = dataclasses.replace(config, cache=cache)
+        # A mixed local/global model: a block table per KV group (engine/kv_groups/); every layer
+        # windowed (Mistral): the scheduler frees the blocks behind the window.
+        kv_groups, cache = serving_cache(config.cache, self.model_config.layer_windows, self.model_config.num_layers,
+                                         self.role, config.speculative is not None)
+        self.config = config = dataclasses.replace(config, cache=cache)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         # KV sized from device memory (CUDA): free memory now, before the weights take theirs.
         startup_memory = measure_startup_memory(config.cache, self.device)
@@ -184,8 +183,6 @@ class Engine:
                 cache_cfg = draft.fit_cache(cache_cfg, config.cache, self.model.cfg, self.kv_dtype)
         if self.tp is not None:   # each rank sized its own cache: all keep the smallest
             cache_cfg = dataclasses.replace(cache_cfg, num_blocks=self.tp.comm.min_int(cache_cfg.num_blocks))
-        # Every layer windowed (Mistral): the scheduler frees the blocks behind the window.
-        cache_cfg = dataclasses.replace(cache_cfg, sliding_window=self.model_config.kv_free_window)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
         # model.cfg: this rank's share of the heads under tensor parallelism (the whole model otherwise).
         self.kv_cache = allocate_kv_cache(self.model.cfg, cache_cfg.num_blocks, cache_cfg.block_size,

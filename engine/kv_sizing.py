@@ -29,7 +29,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, CacheConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_memory
-from engine.kv_groups.spec import cache_groups
+from engine.kv_groups.spec import cache_groups, num_pages
 from engine.models.causal_lm import CausalLM
 from engine.progress import stage
 from engine.sampling.sampler import Sampler, SamplerOutput
@@ -252,11 +252,12 @@ def size_cache(cache: CacheConfig, model: CausalLM, dtype: torch.dtype, device: 
     `dtype` is the KV cache's (1 byte per element for fp8, `--kv-cache-dtype`);
     `startup` is `measure_startup_memory(cache, device)`, taken before the weights loaded;
     `headroom` (default `headroom_bytes()`) is kept for what is allocated after sizing."""
-    slots = cache_groups(model.cfg.layer_windows, model.cfg.num_layers, cache.kv_group_windows).slots
+    groups = cache_groups(model.cfg.layer_windows, model.cfg.num_layers, cache.kv_group_windows)
+    slots = groups.slots
     block_bytes = bytes_per_block(model.cfg, cache.block_size, dtype, slots)
     if cache.num_blocks is not None:
         # KV groups: a page holds `slots` layers; --num-blocks keeps meaning whole-model blocks' memory.
-        num_blocks, source = cache.num_blocks * model.cfg.num_layers // slots, "--num-blocks"
+        num_blocks, source = num_pages(cache.num_blocks, model.cfg.num_layers, groups), "--num-blocks"
     elif not wants_profile(cache, device):
         memory = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
         num_blocks = num_blocks_for_memory(model.cfg, cache.block_size, dtype, memory, slots)

@@ -32,7 +32,7 @@ def add_plan_command(sub: argparse._SubParsersAction, add_engine_flags) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(p)
     # With --profile the model and knobs are the profile's unless given here.
-    p.set_defaults(model=None, max_num_batched_tokens=None, max_num_seqs=None)
+    p.set_defaults(model=None, max_num_batched_tokens=None, max_num_seqs=None, kv_cache_groups=None)
     p.add_argument("--profile", default=None, help="a `cbserve profile` file (default: profile this device now)")
     p.add_argument("--profile-out", default=None, help="where to keep the profile made without --profile")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
@@ -97,6 +97,7 @@ def _profile(args):
     args.model = args.model or "tiny"
     args.max_num_batched_tokens = args.max_num_batched_tokens or 512
     args.max_num_seqs = args.max_num_seqs or 128
+    args.kv_cache_groups = args.kv_cache_groups or "auto"
     out = args.profile_out or f"profiles/{Path(args.model).name}-{args.device}.json"
     profile_args = argparse.Namespace(**vars(args), out=out, threads_per_pod=1, grid="quick", passes=3, repeats=3,
                                       held_out_points=12, max_batch=None, max_context=None, max_held_out_error=0.05,
@@ -133,14 +134,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from cbserve.planner.simulate import sim_model
 
     model = sim_model(profile, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                      request_timeout_s=args.request_timeout)
+                      request_timeout_s=args.request_timeout, kv_cache_groups=args.kv_cache_groups)
+    kv_groups = model.shape.kv.describe()
+    _log(f"# plan: KV cache: {kv_groups}")
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     caching = None if args.prefix_caching == "auto" else args.prefix_caching == "on"
     started = time.monotonic()
     meta = {"prediction": True, "profile": args.profile or args.profile_out, "model": profile.model_name,
             "device": profile.data["device"], "held_out_error": profile.held_out_error,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "percentile": args.percentile,
-            "attainment": args.attainment, "mixes": [w.name for w in workloads], "trace": args.trace,
+            "attainment": args.attainment, "kv_groups": kv_groups, "mixes": [w.name for w in workloads], "trace": args.trace,
             "duration_s": args.search_duration if args.search else args.duration, "seed": args.seed}
     if args.search:
         from cbserve.planner.plan_search import run_search

@@ -1,7 +1,8 @@
 """The profile file `cbserve profile` writes and `cbserve plan` reads (JSON, versioned).
 
     {"format": "cbserve-profile", "version": 1, "created": ..., "cbserve_commit": ...,
-     "device": {...}, "model": {...}, "engine": {...flags, num_blocks, kv_bytes_per_token},
+     "device": {...}, "model": {..., num_layers, layer_windows},
+     "engine": {...flags, num_blocks, kv_bytes_per_token, kv_cache_groups, kv_group_windows, speculative},
      "timer": "thread_time" | "wall",
      "cost_model": {"features": [...], "coefficients": [...]},
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
@@ -11,6 +12,11 @@
                  "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "in_situ": {...what was measured}} | null,
      "seconds": {"grid", "in_situ"}}
+
+`model.layer_windows` (each layer's sliding window, 0: full; [] when none has one) and
+`model.num_layers` let the plan's pods run the engine's KV groups for a mixed local/global model
+(Gemma 3, gpt-oss); `engine.kv_group_windows` says which groups the profiled engine's `num_blocks`
+pages were of. A profile without them (older) plans with one group.
 
 `serving` is null for a profile made with `--no-in-situ` (the engine alone; the planner then
 assumes no serving overhead and says so). A profile describes one device, one model and one set of
@@ -26,8 +32,9 @@ from pathlib import Path
 from cbserve.planner.cost_model import StepCostModel
 from cbserve.planner.cpu_share import CpuShareCosts
 from cbserve.planner.sim_cluster import PodShape, ServingCosts
-from cbserve.planner.sim_pod import PodCosts
-from engine.config import SchedulerConfig
+from cbserve.planner.sim_pod import PodCosts, PodKV
+from engine.config import KV_CACHE_GROUPS, SchedulerConfig
+from engine.kv_groups.spec import cache_groups
 
 FORMAT = "cbserve-profile"
 VERSION = 1
@@ -121,12 +128,25 @@ class Profile:
     def held_out_error(self) -> float:
         return float(self.data["held_out"]["mape"])
 
-    def shape(self, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> PodShape:
-        """The pods' engine as profiled, with the scheduler knobs optionally changed."""
+    def shape(self, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+              kv_cache_groups: str | None = None) -> PodShape:
+        """The pods' engine as profiled, with the scheduler knobs (and `--kv-cache-groups`) optionally changed."""
         e = self.engine
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens or e["max_num_batched_tokens"],
                                     max_num_seqs=max_num_seqs or e["max_num_seqs"], max_model_len=e["max_model_len"])
-        return PodShape(scheduler, int(e["num_blocks"]), int(e["block_size"]), int(e["kv_bytes_per_token"]))
+        return PodShape(scheduler, int(e["num_blocks"]), int(e["block_size"]), int(e["kv_bytes_per_token"]),
+                        self.pod_kv(kv_cache_groups))
+
+    def pod_kv(self, kv_cache_groups: str | None = None) -> PodKV:
+        """What the pods' KV groups follow (`sim_pod.PodKV`): one group for a profile without the
+        model's layer windows."""
+        m, e = self.data["model"], self.engine
+        if "num_layers" not in m:
+            return PodKV()
+        layers, windows = int(m["num_layers"]), tuple(m.get("layer_windows") or ())
+        profiled = cache_groups(windows, layers, tuple(e.get("kv_group_windows") or ()))
+        return PodKV(layers, windows, kv_cache_groups or e.get("kv_cache_groups", "auto"),
+                     bool(e.get("speculative", False)), profiled.slots)
 
     def pod_costs(self, step_scale: float = 1.0) -> dict[str, PodCosts]:
         """Each role's step costs, with the step time scaled by `step_scale` (sensitivity runs)."""
@@ -176,6 +196,7 @@ def load_profile(path: str | Path) -> Profile:
                     "kv_bytes_per_token"):
             if not isinstance(data["engine"].get(key), int):
                 raise ProfileError(f"{path}: engine.{key} is missing or not an integer")
+        _check_kv_groups(path, data["model"], data["engine"])
         cost = StepCostModel.from_json(data["cost_model"])
         serving = None if data.get("serving") is None else ServingProfile.from_json(data["serving"])
     except (KeyError, TypeError, ValueError) as e:
@@ -183,3 +204,22 @@ def load_profile(path: str | Path) -> Profile:
             raise
         raise ProfileError(f"{path}: incomplete profile: {e}") from None
     return Profile(data, cost, serving)
+
+
+def _check_kv_groups(path, model: dict, engine: dict) -> None:
+    """The KV-group fields, where present (older profiles have none: one group)."""
+    if "num_layers" not in model:
+        return
+    layers, windows = model["num_layers"], model.get("layer_windows") or []
+    if not isinstance(layers, int) or layers < 1:
+        raise ProfileError(f"{path}: model.num_layers must be a positive integer, got {layers!r}")
+    if windows and (len(windows) != layers or not all(isinstance(w, int) and w >= 0 for w in windows)):
+        raise ProfileError(f"{path}: model.layer_windows must give each of the {layers} layers a window >= 0, "
+                           f"got {windows!r}")
+    if engine.get("kv_cache_groups", "auto") not in KV_CACHE_GROUPS:
+        raise ProfileError(f"{path}: engine.kv_cache_groups must be one of {KV_CACHE_GROUPS}, "
+                           f"got {engine['kv_cache_groups']!r}")
+    try:
+        cache_groups(tuple(windows), layers, tuple(engine.get("kv_group_windows") or ()))
+    except ValueError as e:
+        raise ProfileError(f"{path}: engine.{e}") from None

@@ -119,12 +119,16 @@ def describe(engine, args, threads: int, timer: str) -> dict:
                    "threads": threads, "machine": platform.platform()},
         "model": {"name": args.model, "fingerprint": engine.fingerprint, "dtype": str(engine.dtype).removeprefix("torch."),
                   "quantization": engine.quantization, "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
-                  "vocab_size": engine.model_config.vocab_size},
+                  "vocab_size": engine.model_config.vocab_size, "num_layers": engine.model_config.num_layers,
+                  "layer_windows": list(engine.model_config.layer_windows)},
         "engine": {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs,
                    "max_model_len": sched.max_model_len, "block_size": cache.block_size,
                    "num_blocks": cache.num_blocks, "kv_bytes_per_token": kv_bytes_per_token(engine),
                    "tensor_parallel_size": engine.config.tensor_parallel_size,
-                   "async_scheduling": engine.async_scheduling, "flags": engine_flags(args)},
+                   "async_scheduling": engine.async_scheduling, "flags": engine_flags(args),
+                   # KV groups (`PodKV`): the flag, the groups `num_blocks` counts pages of, speculation.
+                   "kv_cache_groups": cache.kv_cache_groups, "kv_group_windows": list(cache.kv_group_windows),
+                   "speculative": engine.config.speculative is not None},
         "timer": timer,
     }
 

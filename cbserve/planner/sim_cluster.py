@@ -37,7 +37,7 @@ from cbserve.cluster_spec import ClusterSpec
 from cbserve.goodput.stats import RequestResult
 from cbserve.goodput.workloads import RequestSpec
 from cbserve.planner.cpu_share import CpuShare, CpuShareCosts
-from cbserve.planner.sim_pod import SAMPLED_TOKEN_ID, Jitter, PodCosts, SimPod
+from cbserve.planner.sim_pod import SAMPLED_TOKEN_ID, Jitter, PodCosts, PodKV, SimPod
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling.params import SamplingParams
@@ -65,16 +65,22 @@ class ServingCosts:
 
 @dataclass(frozen=True)
 class PodShape:
-    """Each pod's engine: scheduler knobs and KV cache (the flags the pods run with)."""
+    """Each pod's engine: scheduler knobs and KV cache (the flags the pods run with). `num_blocks`
+    is the profiled engine's KV pages, `kv_bytes_per_token` every layer's K and V of a token; `kv`
+    what the pods' KV groups follow (`sim_pod.PodKV`; default: one group)."""
 
     scheduler: SchedulerConfig
     num_blocks: int
     block_size: int
     kv_bytes_per_token: int
+    kv: PodKV = PodKV()
 
-    def cache(self, prefix_caching: bool) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                           enable_prefix_caching=prefix_caching)
+    def cache(self, prefix_caching: bool, role: str = "colocated") -> CacheConfig:
+        return self.kv.cache(role, self.block_size, self.num_blocks, prefix_caching)
+
+    def page_bytes(self, cache: CacheConfig) -> int:
+        """Bytes of one page (block) of `cache`, as a pull sends it."""
+        return self.kv_bytes_per_token // self.kv.num_layers * self.kv.page_layers(cache) * self.block_size
 
 
 class _Flow:
@@ -137,7 +143,7 @@ class SimCluster:
             costs = pod_costs[role] if isinstance(pod_costs, dict) else pod_costs
             if isinstance(pod_costs, dict) and len(spec.pod_roles()) == 1 and "alone" in pod_costs:
                 costs = pod_costs["alone"]      # no other engine steps beside it (`ServingProfile.alone_contention`)
-            pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching), costs, self._on_step, self.clock,
+            pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching, role), costs, self._on_step, self.clock,
                          jitter, self.cpu_share)
             state = PodState(PodEndpoint(name, role, name), client=None, healthy=True, clock=self.clock)
             self.pods[name] = pod
@@ -290,14 +296,18 @@ class SimCluster:
                 self._token(flow, now, finished=request.is_finished)
 
     async def _pull(self, flow: _Flow) -> None:
-        """D's KV pull from P: what P has in full blocks, message by message, then the rest."""
-        serving, per_token = self.serving, self.shape.kv_bytes_per_token
+        """D's KV pull from P: what P has in full blocks, then the rest; a message per KV group
+        with pages to send (`SimPod.pull_pages`: windowed groups only from their window's start)."""
+        serving, prefill, bs = self.serving, flow.prefill, self.shape.block_size
+        page_bytes = self.shape.page_bytes(prefill.cache_config)
         await asyncio.sleep(serving.rpc_s)
         sent, total = 0, len(flow.prompt)
         while True:
-            ready = total if flow.prefill_done else flow.prefill_ready
+            ready = -(-total // bs) if flow.prefill_done else flow.prefill_ready // bs    # blocks
             if ready > sent:
-                await asyncio.sleep(serving.kv_message_s + (ready - sent) * per_token / serving.kv_bytes_per_s)
+                pages = prefill.pull_pages(total, sent, ready)
+                await asyncio.sleep(serving.kv_message_s * sum(1 for n in pages if n)
+                                    + sum(pages) * page_bytes / serving.kv_bytes_per_s)
                 sent = ready
                 continue
             if flow.prefill_done:

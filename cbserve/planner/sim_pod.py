@@ -9,6 +9,12 @@ the pod's loop gap. A pod with nothing to do waits for a command. What the model
 irrelevant to scheduling: requests set `ignore_eos` and `max_tokens`, so every sampled token is the
 same placeholder id and lengths alone decide when a request ends.
 
+The pod's KV cache is the engine's for the model and the pod's role (`PodKV.cache`: the engine's
+own `serving_cache`, so a mixed local/global model, Gemma 3 or gpt-oss, runs a block table per KV
+group and frees its local layers' pages behind their window, unless `--kv-cache-groups single` or
+speculation keeps one group), and a pull moves what P/D's `KVSource` moves: each group's pages
+from where `KVCacheManager.pull_starts` starts it (`SimPod.pull_pages`).
+
 The step costs `PodCosts.step_seconds(out)`: the profiled cost model on the step's shape times the
 in-situ contention factor, times the share of the cores it gets (`cpu_share.CpuShare`, where the
 pods share a machine's cores), times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
@@ -22,12 +28,14 @@ import asyncio
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from cbserve.cluster_spec import pod_kv_flags
 from cbserve.planner.cost_model import StepCostModel
 from cbserve.planner.cpu_share import CpuShare
 from cbserve.planner.step_shape import StepShape
 from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_groups.spec import cache_groups, num_pages, serving_cache
 from engine.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.output import SchedulerOutput
@@ -49,6 +57,43 @@ class PodCosts:
 
     def step_seconds(self, out: SchedulerOutput) -> float:
         return self.model.seconds(StepShape.of(out)) * self.contention
+
+
+@dataclass(frozen=True)
+class PodKV:
+    """What a pod's KV cache follows of the model and the pods' flags (`cbserve profile` records
+    them): each layer's sliding window (() : every layer full), the layer count, `--kv-cache-groups`,
+    whether the decode pods speculate, and how many layers a page of the profiled `num_blocks`
+    holds (0: every layer). The default, an old profile's: one group of one "layer" (whole blocks)."""
+
+    num_layers: int = 1
+    layer_windows: tuple[int, ...] = ()
+    kv_cache_groups: str = "auto"
+    speculative: bool = False
+    block_layers: int = 0
+
+    def cache(self, role: str, block_size: int, num_blocks: int, prefix_caching: bool) -> CacheConfig:
+        """The cache the engine of a pod of `role` runs: its KV groups (or window) as the engine
+        decides them, in as many pages as the profiled engine's `num_blocks` pages' memory holds
+        (the engine's `--num-blocks` rule)."""
+        speculates, mode = pod_kv_flags(role, self.speculative, self.kv_cache_groups)
+        base = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                           kv_cache_groups=mode)
+        groups, cache = serving_cache(base, self.layer_windows, self.num_layers, role, speculates)
+        return replace(cache, num_blocks=num_pages(num_blocks, self.block_layers or self.num_layers, groups))
+
+    def describe(self) -> str:
+        """The decode pods' groups, for a log line."""
+        if not self.layer_windows:
+            return "one KV group" + ("" if self.num_layers > 1 else " (the profile records no layer windows)")
+        cache = self.cache("decode", 16, 2, False)
+        speculates = pod_kv_flags("decode", self.speculative, self.kv_cache_groups)[0]
+        return (cache_groups(self.layer_windows, self.num_layers, cache.kv_group_windows).describe()
+                + f" (--kv-cache-groups {self.kv_cache_groups}{', speculating' if speculates else ''})")
+
+    def page_layers(self, cache: CacheConfig) -> int:
+        """Layers' KV in one page of `cache` (a message's block: `kvtransfer.layout.KVLayout`)."""
+        return cache_groups(self.layer_windows, self.num_layers, cache.kv_group_windows).slots
 
 
 StepHook = Callable[["SimPod", SchedulerOutput, list[Request]], None]
@@ -86,6 +131,7 @@ class SimPod:
         self.cpu_share = cpu_share
         self.clock = clock
         self.on_step = on_step
+        self.cache_config = cache_config
         self.scheduler = Scheduler(scheduler_config, cache_config, role="prefill" if role == "prefill" else "decode",
                                    clock=clock)
         self.stats = StepStats()
@@ -101,6 +147,12 @@ class SimPod:
         self._last_reported = -1
         self._report: cbserve_pb2.LoadReport | None = None
         self._reported_snapshot = None
+
+    def pull_pages(self, num_prompt_tokens: int, first_block: int, end_block: int) -> list[int]:
+        """Prefill role: the pages a pull of a prompt of `num_prompt_tokens` tokens moves of blocks
+        [first_block, end_block), per KV group: each group's from where the pods start it."""
+        start, group_starts = self.scheduler.kv_manager.pull_starts(num_prompt_tokens)
+        return [max(0, end_block - max(first_block, s)) for s in (start, *group_starts)]
 
     # ------------------------------------------------------------------ commands
     def submit(self, command: Callable[[], object]) -> None:

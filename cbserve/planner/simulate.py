@@ -145,11 +145,11 @@ def load_tokenizer(model: str):
 
 def sim_model(profile, tokenizer=None, *, max_num_batched_tokens: int | None = None,
               max_num_seqs: int | None = None, step_scale: float = 1.0, overhead_scale: float = 1.0,
-              request_timeout_s: float = 60.0) -> SimModel:
-    """The simulator's view of a `Profile` (knobs and sensitivity scales optional)."""
+              request_timeout_s: float = 60.0, kv_cache_groups: str | None = None) -> SimModel:
+    """The simulator's view of a `Profile` (knobs, `--kv-cache-groups` and sensitivity scales optional)."""
     serving = profile.serving
     return SimModel(profile.pod_costs(step_scale), profile.serving_costs(overhead_scale),
-                    profile.shape(max_num_batched_tokens, max_num_seqs),
+                    profile.shape(max_num_batched_tokens, max_num_seqs, kv_cache_groups),
                     tokenizer or load_tokenizer(profile.model_name), request_timeout_s,
                     serving.jitter_sigma if serving else 0.0, serving.jitter_period_s if serving else 1.0)
 

@@ -17,7 +17,10 @@ larger class that it does not divide leaves its last group's spare slots unused 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from engine.config import CacheConfig
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,25 @@ def serving_groups(layer_windows: tuple[int, ...], num_layers: int, role: str, s
     if groups.is_hybrid and (speculative or mode == "single"):
         return KVGroups.single(num_layers)
     return groups
+
+
+def serving_cache(cache: CacheConfig, layer_windows: tuple[int, ...], num_layers: int, role: str,
+                  speculative: bool) -> tuple[KVGroups, CacheConfig]:
+    """The groups an engine runs (`serving_groups`, under `cache.kv_cache_groups`) and `cache` set for
+    them, before sizing: `kv_group_windows` for a table per group, and `sliding_window` when every
+    layer has a window (a single group's blocks behind it are freed). The engine builds its
+    scheduler's KV cache manager from this, and so does the capacity planner's simulated pod
+    (`cbserve.planner.sim_pod`), so both hold and free the same pages."""
+    groups = serving_groups(layer_windows, num_layers, role, speculative, cache.kv_cache_groups)
+    window = None if groups.is_hybrid else groups.windows[0] or None   # `ModelConfig.kv_free_window`
+    return groups, dataclasses.replace(cache, kv_group_windows=groups.windows if groups.is_hybrid else (),
+                                       sliding_window=window)
+
+
+def num_pages(num_blocks: int, block_layers: int, groups: KVGroups) -> int:
+    """Pages of `groups.slots` layers in the memory of `num_blocks` blocks of `block_layers` layers
+    each (`--num-blocks` counts whole-model blocks: `block_layers` is the model's layer count)."""
+    return num_blocks * block_layers // groups.slots
 
 
 def cache_groups(layer_windows: tuple[int, ...], num_layers: int, kv_group_windows: tuple[int, ...]) -> KVGroups:
