@@ -143,8 +143,9 @@ class SimCluster:
             costs = pod_costs[role] if isinstance(pod_costs, dict) else pod_costs
             if isinstance(pod_costs, dict) and len(spec.pod_roles()) == 1 and "alone" in pod_costs:
                 costs = pod_costs["alone"]      # no other engine steps beside it (`ServingProfile.alone_contention`)
-            pod = SimPod(name, role, shape.scheduler, shape.cache(prefix_caching, role), costs, self._on_step, self.clock,
-                         jitter, self.cpu_share)
+            cache = shape.cache(prefix_caching, role)
+            pod = SimPod(name, role, shape.scheduler, cache, costs, self._on_step, self.clock, jitter, self.cpu_share,
+                         shape.page_bytes(cache))
             state = PodState(PodEndpoint(name, role, name), client=None, healthy=True, clock=self.clock)
             self.pods[name] = pod
             self.dispatcher.tracker.pods[name] = state
@@ -296,18 +297,16 @@ class SimCluster:
                 self._token(flow, now, finished=request.is_finished)
 
     async def _pull(self, flow: _Flow) -> None:
-        """D's KV pull from P: what P has in full blocks, then the rest; a message per KV group
-        with pages to send (`SimPod.pull_pages`: windowed groups only from their window's start)."""
+        """D's KV pull from P: what P has in full blocks, then the rest (`SimPod.pull_messages`:
+        a message per KV group, windowed groups only from their window's start)."""
         serving, prefill, bs = self.serving, flow.prefill, self.shape.block_size
-        page_bytes = self.shape.page_bytes(prefill.cache_config)
         await asyncio.sleep(serving.rpc_s)
         sent, total = 0, len(flow.prompt)
         while True:
             ready = -(-total // bs) if flow.prefill_done else flow.prefill_ready // bs    # blocks
             if ready > sent:
-                pages = prefill.pull_pages(total, sent, ready)
-                await asyncio.sleep(serving.kv_message_s * sum(1 for n in pages if n)
-                                    + sum(pages) * page_bytes / serving.kv_bytes_per_s)
+                messages, num_bytes = prefill.pull_messages(total, sent, ready)
+                await asyncio.sleep(serving.kv_message_s * messages + num_bytes / serving.kv_bytes_per_s)
                 sent = ready
                 continue
             if flow.prefill_done:

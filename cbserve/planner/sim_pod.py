@@ -124,8 +124,10 @@ class SimPod:
 
     def __init__(self, name: str, role: str, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  costs: PodCosts, on_step: StepHook, clock: Callable[[], float], jitter: Jitter | None = None,
-                 cpu_share: CpuShare | None = None) -> None:
+                 cpu_share: CpuShare | None = None, page_bytes: int = 0) -> None:
+        """`page_bytes`: one KV page (block) of `cache_config` as a pull sends it (`PodShape.page_bytes`)."""
         self.name, self.role = name, role
+        self.page_bytes = page_bytes
         self.costs = costs
         self.jitter = jitter
         self.cpu_share = cpu_share
@@ -148,11 +150,14 @@ class SimPod:
         self._report: cbserve_pb2.LoadReport | None = None
         self._reported_snapshot = None
 
-    def pull_pages(self, num_prompt_tokens: int, first_block: int, end_block: int) -> list[int]:
-        """Prefill role: the pages a pull of a prompt of `num_prompt_tokens` tokens moves of blocks
-        [first_block, end_block), per KV group: each group's from where the pods start it."""
+    def pull_messages(self, num_prompt_tokens: int, first_block: int, end_block: int) -> tuple[int, int]:
+        """Prefill role: (messages, bytes) of what a pull of a prompt of `num_prompt_tokens` tokens
+        moves of blocks [first_block, end_block): each KV group's pages from where the pods start
+        it (`KVCacheManager.pull_starts`), `page_bytes` each, a message per group with pages (as
+        `KVSource` sends a message per group and run of pages)."""
         start, group_starts = self.scheduler.kv_manager.pull_starts(num_prompt_tokens)
-        return [max(0, end_block - max(first_block, s)) for s in (start, *group_starts)]
+        pages = [max(0, end_block - max(first_block, s)) for s in (start, *group_starts)]
+        return sum(1 for n in pages if n), sum(pages) * self.page_bytes
 
     # ------------------------------------------------------------------ commands
     def submit(self, command: Callable[[], object]) -> None:

@@ -54,10 +54,11 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _plan(out, t: float) -> tuple:
+def _plan(out, t: float, kv) -> tuple:
     """A step as both sides must agree on it (token values aside: sampled ones differ, the real model's
-    against the simulator's placeholder)."""
-    seqs = tuple((s.request_id, len(s.token_ids), s.start_position, s.block_ids, s.sample) for s in out.scheduled)
+    against the simulator's placeholder), with each sequence's KV-group tables (none for one group)."""
+    seqs = tuple((s.request_id, len(s.token_ids), s.start_position, s.block_ids, s.sample,
+                  kv.group_tables(s.request_id)) for s in out.scheduled)
     return (round(t, 9), seqs, out.preempted_request_ids, out.reserved_request_ids, out.finished_request_ids)
 
 
@@ -88,7 +89,7 @@ def drive_engine(engine: Engine, role: str, requests) -> list[tuple]:
         out = last = engine.last_schedule
         if out.scheduled:
             t += COST.seconds(StepShape.of(out))
-        steps.append(_plan(out, t))
+        steps.append(_plan(out, t, engine.scheduler.kv_manager))
         for rid in out.reserved_request_ids:
             events.append((t + TRANSFER_S, "land", rid, None, None))
         for rid in [r for r in engine.scheduler.held if r not in held]:   # in the order they finished
@@ -96,14 +97,14 @@ def drive_engine(engine: Engine, role: str, requests) -> list[tuple]:
     return steps
 
 
-def drive_sim(role: str, requests) -> list[tuple]:
+def drive_sim(role: str, requests, cache: CacheConfig = CACHE) -> list[tuple]:
     async def main() -> list[tuple]:
         loop = asyncio.get_running_loop()
         steps = []
 
         def on_step(pod: SimPod, out, updated) -> None:
             now = loop.time()
-            steps.append(_plan(out, now))
+            steps.append(_plan(out, now, pod.scheduler.kv_manager))
             for rid in out.reserved_request_ids:
                 loop.call_at(now + TRANSFER_S, pod.submit, lambda r=rid: pod.scheduler.remote_kv_landed(r, 97))
             for request in updated:
@@ -111,7 +112,7 @@ def drive_sim(role: str, requests) -> list[tuple]:
                     loop.call_at(now + TRANSFER_S, pod.submit,
                                  lambda r=request.request_id: pod.scheduler.release_request(r))
 
-        pod = SimPod("pod-0", role, SCHEDULER, CACHE, PodCosts(COST), on_step, loop.time)
+        pod = SimPod("pod-0", role, SCHEDULER, cache, PodCosts(COST), on_step, loop.time)
         task = loop.create_task(pod.run())
         for t, rid, prompt, n in requests:
             request = Request(rid, list(prompt), _params(n), t)
