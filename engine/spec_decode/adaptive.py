@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -91,15 +92,25 @@ def _window(size: int = WINDOW) -> deque:
 
 class _ProbeBudget:
     """What probes cost beyond the chosen mode, against every decode step's seconds (one per
-    controller: all buckets' probes share it)."""
+    controller: all buckets' probes share it). Two bounds: since the start, and since the last
+    probe (so savings from a quiet while are not spent in a burst: a window of decode seconds that
+    starts at a probe holds at most one probe's cost beyond `PROBE_BUDGET` of it)."""
 
-    __slots__ = ("spent", "elapsed")
+    __slots__ = ("spent", "elapsed", "last_probe")
 
     def __init__(self) -> None:
         self.spent = self.elapsed = 0.0
+        self.last_probe = -math.inf      # `elapsed` at the last probe that cost something
 
     def allows(self, expected: float) -> bool:
-        return self.spent + expected <= PROBE_BUDGET * self.elapsed
+        return (self.spent + expected <= PROBE_BUDGET * self.elapsed
+                and expected <= PROBE_BUDGET * (self.elapsed - self.last_probe))
+
+    def charge(self, extra: float) -> None:
+        """A probe's extra seconds over the chosen mode (negative: it saved)."""
+        self.spent = max(0.0, self.spent + extra)
+        if extra > 0:
+            self.last_probe = self.elapsed
 
 
 @dataclass
@@ -138,17 +149,36 @@ class _Bucket:
             return None
         return self.recent[-1][0]
 
-    def choose(self, num_seqs: int, clock: int) -> bool:
+    def choose(self, num_seqs: int, clock: int, predict: Callable[[], tuple[int, float]] | None = None) -> bool:
         """Whether step `clock` (over `num_seqs` requests) speculates, counting it towards the next
         probe. A tested step waits for a step it pairs with (the other mode's, just before it, over
-        as many requests); a probe due also waits while the budget cannot pay what the last one cost."""
+        as many requests); a probe due also waits while the budget cannot pay what the last one cost.
+        A probe of speculation that is due asks `predict` (shadow drafts, `engine.spec_decode.shadow`,
+        asked only then: its pass costs a lookup per request) and where it predicts a loss runs no
+        probe, waiting the interval again (not doubled: no probe agreed)."""
         if not self.decided:      # plain first: each speculative learning step right after one it pairs with
             return self._after(num_seqs, clock) is False
         self.countdown -= 1
         if self.countdown <= 0 and self._after(num_seqs, clock) is self.on and self.budget.allows(self.probe_cost):
+            if not self.on and predict is not None and not self.predicts_gain(num_seqs, *predict()):
+                self.countdown = self.interval
+                return False
             self.countdown, self.probing = self.interval, True
             return not self.on
         return self.on
+
+    def predicts_gain(self, num_seqs: int, num_drafts: int, expected: float) -> bool:
+        """Whether a speculative step over `num_seqs` requests with `num_drafts` draft tokens that
+        add `expected` accepted tokens would cost less per token than the plain steps: from the
+        bucket's plain cost per token and its fitted extra seconds (`overhead + cost * drafts`,
+        each at least 0; none fitted yet: any expected gain is worth a probe, which fits them)."""
+        if expected <= 0:
+            return False
+        if not self.plain or self.fit is None:
+            return True
+        plain_step = median(self.plain) * num_seqs
+        extra = max(0.0, self.fit.intercept()) + self.fit.slope() * num_drafts
+        return (plain_step + extra) / (num_seqs + expected) < plain_step / num_seqs
 
     def _pair(self, speculative: bool, seconds: float, emitted: int, num_seqs: int,
               clock: int) -> tuple[float, float] | None:
@@ -183,7 +213,7 @@ class _Bucket:
             self.ratios.append(ratio)
         if probe and paired is not None:   # a probe that beat the chosen mode pays back what it saved
             self.probe_cost = max(0.0, paired[1])
-            self.budget.spent = max(0.0, self.budget.spent + paired[1])
+            self.budget.charge(paired[1])
         if speculative:
             self.num_spec += 1
             self.fruitless = self.fruitless + 1 if fruitless else 0
@@ -235,6 +265,13 @@ class _LineFit:
             return max(0.0, (self.n * self.sxy - self.sx * self.sy) / var)
         return max(0.0, self.sy / self.sx) if self.sx > 0 else 0.0
 
+    def intercept(self) -> float:
+        """a, the fixed extra of a step (0 where `slope` charged all of y to x)."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if var > 1e-9 * max(1.0, self.sxx * self.n):
+            return (self.sy - self.slope() * self.sx) / self.n
+        return 0.0 if self.sx > 0 or self.n <= 0 else self.sy / self.n
+
 
 class _Acceptance:
     __slots__ = ("accepted", "trials", "retry_in", "backoff", "__weakref__")
@@ -275,37 +312,58 @@ class SpecController:
         return found
 
     # ------------------------------------------------------------------ decisions
-    def wants_step(self, batch_size: int, mixed: bool = False) -> bool:
+    def wants_step(self, batch_size: int, mixed: bool = False,
+                   predict: Callable[[], tuple[int, float]] | None = None) -> bool:
         """Whether the next step (about `batch_size` running requests) speculates. `mixed`: it
         will carry a prefill chunk, so its time says nothing about decode costs (it is not
         observed): it speculates only where the bucket has decided on speculation, and neither
-        learns nor probes."""
+        learns nor probes. `predict()`: (draft tokens, expected accepted tokens) of a speculative
+        step now, from shadow drafts (where `shadows` says so), asked when a probe of speculation
+        is due: the probe runs only where it predicts a gain."""
         self._clock += 1
         self._asked = True
         if batch_size < 1 or (self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size):
             return False
         b = self.bucket(batch_size)
-        return b.decided and b.on if mixed else b.choose(batch_size, self._clock)
+        return b.decided and b.on if mixed else b.choose(batch_size, self._clock, predict)
 
-    def num_drafts(self, request, batch_size: int, limit: int) -> int:
-        """Drafts to propose for `request` this step (0: none), at most `limit`."""
-        limit = min(limit, self.max_drafts)
-        if limit <= 0:
-            return 0
+    def shadows(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` requests would run plain by choice (a decided, off
+        bucket): where shadow drafts measure acceptance and predict probes."""
+        if batch_size < 1 or (self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size):
+            return False
+        b = self._buckets.get(bucket_of(batch_size))
+        return b is not None and b.decided and not b.on
+
+    def justified_drafts(self, request, cost: float, limit: int) -> tuple[int, float]:
+        """(drafts worth proposing for `request` at `cost` tokens per draft token, at most `limit`;
+        its acceptance estimate): the drafts `j` with `alpha ** j > cost`."""
         state = self._requests.get(request)
         if state is None:
             state = self._requests[request] = _Acceptance()
-        cost = self.bucket(batch_size).token_cost()
         alpha = state.alpha
+        if limit <= 0:
+            return 0, alpha
         if cost <= 0 or alpha >= 1.0:
-            num = limit
-        elif alpha <= cost or alpha <= 0.0:
-            num = 0
-        else:
-            num = min(limit, int(math.log(cost) / math.log(alpha)))
+            return limit, alpha
+        if alpha <= cost or alpha <= 0.0:
+            return 0, alpha
+        return min(limit, int(math.log(cost) / math.log(alpha))), alpha
+
+    def num_drafts(self, request, batch_size: int, limit: int, retry: bool = True) -> int:
+        """Drafts to propose for `request` this step (0: none), at most `limit`. `retry`: a request
+        whose estimate gives no draft retries one now and then (else, unverified, its estimate could
+        never recover); not needed where shadow drafts keep the estimate current."""
+        limit = min(limit, self.max_drafts)
+        if limit <= 0:
+            return 0
+        num, _ = self.justified_drafts(request, self.bucket(batch_size).token_cost(), limit)
+        state = self._requests[request]
         if num > 0:
             state.backoff = 0
             return num
+        if not retry:
+            return 0
         if state.retry_in > 0:
             state.retry_in -= 1
             return 0

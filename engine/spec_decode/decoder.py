@@ -36,6 +36,7 @@ from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection_sampler import Verified, verify
+from engine.spec_decode.shadow import ShadowDrafts
 
 log = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
@@ -51,6 +52,10 @@ class SpecDecoder:
         self.ngram = None if draft is not None else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.controller = SpecController(config.num_speculative_tokens, config.disable_by_batch_size)
         self.stats = SpecDecodeStats()
+        # n-gram drafts cost a lookup: where a bucket runs plain they are checked against what it
+        # emits instead of verified (`engine.spec_decode.shadow`); a draft model's are too dear.
+        self.shadow = None if self.ngram is None else ShadowDrafts(self.ngram, self.controller)
+        self._shadowing = False      # this step's bucket runs plain by choice (its probes: no retries)
 
     @classmethod
     def create(cls, config: SpeculativeConfig | None, role: str, target_dir: Path, target_cfg: ModelConfig,
@@ -98,13 +103,19 @@ class SpecDecoder:
     def wants_step(self, scheduler) -> bool:
         running = scheduler.running
         mixed = bool(scheduler.waiting) or any(len(r.token_ids) - r.num_computed_tokens > 1 for r in running)
-        return self.controller.wants_step(len(running), mixed)
+        controller, predict = self.controller, None
+        self._shadowing = self.shadow is not None and controller.shadows(len(running))
+        if self._shadowing and not mixed:
+            def predict():
+                return self.shadow.observe([r for r in running if r.status is _RUNNING], len(running))
+        return controller.wants_step(len(running), mixed, predict)
 
     def propose(self, scheduler) -> dict[str, list[int]]:
         """Drafts of every running decode that gets some (n-gram: the tokens; draft model: slots
         that `fill` gives tokens once scheduled, so the draft writes only into allocated blocks)."""
         running = scheduler.running
-        batch_size, controller, ngram = len(running), self.controller, self.ngram
+        batch_size, controller, ngram, shadow = len(running), self.controller, self.ngram, self.shadow
+        retry = not self._shadowing     # a probe of a shadowed bucket: the estimates are current
         drafts: dict[str, list[int]] = {}
         for request in running:
             tokens = request.token_ids
@@ -115,12 +126,14 @@ class SpecDecoder:
                 continue          # a grammar's drafts would need its matcher (not here)
             # Every emitted token must fit max_tokens and the context: k + 1 tokens at most.
             limit = min(params.max_tokens - len(request.output_token_ids), self.max_model_len - len(tokens)) - 1
-            k = controller.num_drafts(request, batch_size, limit)
+            k = controller.num_drafts(request, batch_size, limit, retry)
             if k <= 0:
                 continue
             proposed = ngram.propose(request, k) if ngram is not None else [_SLOT] * k
             if proposed:
                 drafts[request.request_id] = proposed
+                if shadow is not None:
+                    shadow.forget(request)
         return drafts
 
     def fill(self, seqs: tuple, requests: list) -> tuple:

@@ -41,12 +41,18 @@ class NgramProposer:
     def propose(self, request, k: int) -> list[int]:
         """Up to `k` draft tokens to follow `request.token_ids` (fewer near the end of a match, none
         without one)."""
+        return self.propose_at(request, len(request.token_ids), k)
+
+    def propose_at(self, request, length: int, k: int) -> list[int]:
+        """`propose` as if the context were `request.token_ids[:length]` (the shadow drafts of
+        `engine.spec_decode.shadow` continue the newest token the host knows, which with async
+        scheduling may be one behind the placeholder at the end)."""
         tokens = request.token_ids
         index = self._indexes.get(request)
         if index is None:
             index = self._indexes[request] = _Index(self.max_n - self.min_n + 1)
-        self._extend(index, tokens, len(tokens) - 1)
-        return self.lookup(index, tokens, k)
+        self._extend(index, tokens, length - 1)
+        return self.lookup(index, tokens, k, length)
 
     def _extend(self, index: _Index, tokens: Sequence[int], end: int) -> None:
         """Index every n-gram that ends at a position in `[index.end, end)`."""
@@ -59,14 +65,15 @@ class NgramProposer:
                 table.setdefault(tuple(tokens[stop - n:stop]), stop - n)
         index.end = max(index.end, end)
 
-    def lookup(self, index: _Index, tokens: Sequence[int], k: int) -> list[int]:
-        """The tokens after the earliest earlier occurrence of the longest suffix n-gram."""
-        length = len(tokens)
+    def lookup(self, index: _Index, tokens: Sequence[int], k: int, length: int | None = None) -> list[int]:
+        """The tokens after the earliest earlier occurrence of the longest suffix n-gram of
+        `tokens[:length]` (all of `tokens` by default)."""
+        length = len(tokens) if length is None else length
         for j in range(len(index.by_length) - 1, -1, -1):
             n = self.min_n + j
             if n > length:
                 continue
-            start = index.by_length[j].get(tuple(tokens[length - n:]))
+            start = index.by_length[j].get(tuple(tokens[length - n:length]))
             if start is not None:
                 follow = start + n
                 return list(tokens[follow:min(follow + k, length)])
