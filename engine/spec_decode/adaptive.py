@@ -48,7 +48,21 @@ Two decisions, both from measurements, none from a constant threshold:
      what it saved). A cheap probe (an n-gram lookup) runs on
      schedule; a dear one (a draft model's or EAGLE head's catch-up over every token since its last
      proposal, 3-6x a plain step on `tiny`) runs rarely, so probing stays under ~1% of the time.
-     Learning steps are not charged: they run once per bucket in the engine's life.
+     The budget holds since the last probe too (a probe waits until its expected cost fits in
+     `PROBE_BUDGET` of the decode seconds since the last probe that cost something), so a quiet
+     while's savings are not spent in a burst of probes. Learning steps are not charged: they run
+     once per bucket in the engine's life.
+   - **Shadow drafts gate n-gram probes** (`engine.spec_decode.shadow`): a plain step emits a
+     point-mass draft `d` with the probability verification would accept it, so when a probe of
+     speculation is due in an off bucket the n-gram proposer is run (a lookup) and its drafts are
+     later compared with what the plain steps emitted: each request's acceptance estimate stays
+     current without a verification. The pass also predicts the speculative step now (draft tokens,
+     expected accepted tokens); with the bucket's plain cost per token and its fitted extra seconds
+     (`overhead + cost * drafts`, below) the probe runs only where that predicts a lower cost per
+     token, else it waits the interval again. A free-like stream (no match, or matches that are
+     rejected) runs no timed probe; the prediction never turns a bucket on (the paired ratios of the
+     probes it lets through do). Such a probe proposes only for requests with a match, as many drafts
+     as their estimate justifies, with no retries (the estimates are current).
 
 2. **Per request, how many drafts.** A request's draft `j` is used only if drafts `1..j` are
    all accepted: with per-draft acceptance `alpha` (the geometric estimate from its verifications:
@@ -410,8 +424,11 @@ class FixedController(SpecController):
     """Always speculate, always the most drafts: for tests of the verification path and for
     benchmarks that separate acceptance from the adaptive policy (never the engine's default)."""
 
-    def wants_step(self, batch_size: int, mixed: bool = False) -> bool:
+    def wants_step(self, batch_size: int, mixed: bool = False, predict=None) -> bool:
         return batch_size >= 1
 
-    def num_drafts(self, request, batch_size: int, limit: int) -> int:
+    def shadows(self, batch_size: int) -> bool:
+        return False
+
+    def num_drafts(self, request, batch_size: int, limit: int, retry: bool = True) -> int:
         return max(0, min(limit, self.max_drafts))

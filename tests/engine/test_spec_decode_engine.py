@@ -289,11 +289,16 @@ class _EveryOther(SpecController):
         super().__init__(k)
         self._n = 0
 
-    def wants_step(self, batch_size: int, mixed: bool = False) -> bool:
+    def wants_step(self, batch_size: int, mixed: bool = False, predict=None) -> bool:
         self._n += 1
+        if predict is not None:      # shadow drafts on the plain steps, placeholders and all
+            predict()
         return self._n % 2 == 0
 
-    def num_drafts(self, request, batch_size: int, limit: int) -> int:
+    def shadows(self, batch_size: int) -> bool:
+        return True
+
+    def num_drafts(self, request, batch_size: int, limit: int, retry: bool = True) -> int:
         return max(0, min(limit, self.max_drafts))
 
 

@@ -326,6 +326,101 @@ class _Request:    # any object a WeakKeyDictionary can hold
     pass
 
 
+def _shadowed(controller: SpecController, batch: int, steps: int, plain_s: float, spec_s: float, emitted: int,
+              drafts: int, predicted) -> list[bool]:
+    """`_run` with a prediction of shadow drafts, `predicted(step)`: (draft tokens, expected accepted)."""
+    modes = []
+    for step in range(steps):
+        spec = controller.wants_step(batch, predict=lambda: predicted(step))
+        modes.append(spec)
+        if spec:
+            controller.observe_step(batch, spec_s, emitted, drafts, speculative=True)
+        else:
+            controller.observe_step(batch, plain_s, batch, 0, speculative=False)
+    return modes
+
+
+def test_an_off_bucket_runs_no_timed_probe_where_shadow_drafts_predict_no_gain():
+    # A free-like stream: speculation 2x dearer per step for 1 token more; learned off. Without a
+    # prediction the off bucket probes (16, 32, ... steps apart); with shadow drafts that match
+    # nothing (expected gain 0) it runs none, nor where the gain predicted is too small to pay.
+    controller = SpecController(4)
+    modes = _run(controller, 8, 300, plain_s=0.01, spec_s=0.02, emitted=9, drafts=32)
+    assert not controller.bucket(8).on and sum(modes[100:]) >= 1        # the old behaviour: probes
+    for predicted in ((0, 0.0), (32, 0.5)):
+        controller = SpecController(4)
+        _run(controller, 8, 100, plain_s=0.01, spec_s=0.02, emitted=9, drafts=32)
+        assert not controller.bucket(8).on
+        modes = _shadowed(controller, 8, 2000, 0.01, 0.02, 9, 32, lambda step: predicted)
+        assert sum(modes) == 0, predicted
+
+
+def test_a_change_from_free_to_copy_turns_speculation_on_within_a_bounded_number_of_steps():
+    # Free first (shadow drafts predict nothing), then at step 1000 copying: the shadow drafts
+    # predict 3 tokens a request, the probes run, measure 3x the tokens for 1.2x the time, and the
+    # bucket turns on within a few probe intervals.
+    controller = SpecController(4)
+    _run(controller, 8, 100, plain_s=0.01, spec_s=0.02, emitted=9, drafts=32)
+    assert not controller.bucket(8).on
+    copying = 1000
+    spec_s = lambda step: 0.02 if step < copying else 0.012
+    modes = []
+    for step in range(copying + 300):
+        spec = controller.wants_step(8, predict=lambda: (0, 0.0) if step < copying else (32, 24.0))
+        modes.append(spec)
+        if spec:
+            controller.observe_step(8, spec_s(step), 9 if step < copying else 24, 32, speculative=True)
+        else:
+            controller.observe_step(8, 0.01, 8, 0, speculative=False)
+    assert sum(modes[:copying]) == 0
+    assert controller.bucket(8).on and sum(modes[copying + 150:]) >= 0.95 * 150   # plain probes only
+
+
+def test_the_probe_budget_holds_in_every_window_that_starts_at_a_probe():
+    # After a long quiet while the budget since the start would pay for a burst of dear probes
+    # (each 5-9% of a short round); the bound since the last probe spaces them out.
+    from engine.spec_decode.adaptive import PROBE_BUDGET, _ProbeBudget
+
+    budget = _ProbeBudget()
+    budget.elapsed = 100.0                       # 1 s of budget saved up
+    cost = 0.05
+    assert budget.allows(cost)
+    budget.charge(cost)
+    assert budget.spent + cost <= PROBE_BUDGET * budget.elapsed     # the old bound: a second one now
+    assert not budget.allows(cost)
+    budget.elapsed += 0.9 * cost / PROBE_BUDGET
+    assert not budget.allows(cost)
+    budget.elapsed += 0.1 * cost / PROBE_BUDGET
+    assert budget.allows(cost)
+    budget.charge(-0.01)                         # a probe that saved: no wait after it
+    assert budget.allows(0.0)
+
+
+def test_shadow_drafts_measure_acceptance_from_the_tokens_plain_steps_emit():
+    from engine.spec_decode.shadow import ShadowDrafts
+
+    class _Req:
+        def __init__(self, tokens):
+            self.token_ids = tokens
+            self.sampling_params = type("P", (), {"structured": None})()
+
+    controller = SpecController(4)
+    shadow = ShadowDrafts(NgramProposer(2, 2), controller)
+    copy, other = _Req([1, 2, 3, 4, 5, 6, 1, 2]), _Req([7, 8, 9, 10, 11, 7, 8])
+    num, expected = shadow.observe([copy, other], 2)
+    assert num > 0 and expected > 0                    # both match: [3, 4, 5, 6] and [9, 10, 11]
+    copy.token_ids += [3, 4, 5, 6]                     # what the plain steps then emit: all 4 confirmed
+    other.token_ids += [9, 0]                          # 1 accepted, then a rejection
+    shadow.observe([copy, other], 2)
+    good, bad = controller._requests[copy], controller._requests[other]
+    assert good.alpha > 0.6 > bad.alpha                # from the prior 0.6: up, and down
+    # the placeholder at the end (async scheduling) is not compared; the trial continues the known tokens
+    from engine.scheduling.output import PLACEHOLDER_TOKEN_ID
+    late = _Req([1, 2, 3, 1, 2, PLACEHOLDER_TOKEN_ID])
+    shadow.observe([late], 1)
+    assert shadow._trials[late].start == 5 and shadow._trials[late].drafts == [3, 1, 2]
+
+
 def test_drafts_per_request_follow_acceptance_and_cost():
     controller = SpecController(8)
     good, bad = _Request(), _Request()
