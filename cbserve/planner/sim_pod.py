@@ -35,7 +35,7 @@ from cbserve.planner.cost_model import StepCostModel
 from cbserve.planner.cpu_share import CpuShare
 from cbserve.planner.step_shape import StepShape
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_groups.spec import cache_groups, num_pages, serving_cache
+from engine.kv_groups.spec import cache_groups, num_pages, serving_cache, serving_groups
 from engine.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.output import SchedulerOutput
@@ -86,9 +86,8 @@ class PodKV:
         """The decode pods' groups, for a log line."""
         if not self.layer_windows:
             return "one KV group" + ("" if self.num_layers > 1 else " (the profile records no layer windows)")
-        cache = self.cache("decode", 16, 2, False)
-        speculates = pod_kv_flags("decode", self.speculative, self.kv_cache_groups)[0]
-        return (cache_groups(self.layer_windows, self.num_layers, cache.kv_group_windows).describe()
+        speculates, mode = pod_kv_flags("decode", self.speculative, self.kv_cache_groups)
+        return (serving_groups(self.layer_windows, self.num_layers, "decode", speculates, mode).describe()
                 + f" (--kv-cache-groups {self.kv_cache_groups}{', speculating' if speculates else ''})")
 
     def page_layers(self, cache: CacheConfig) -> int:

@@ -326,6 +326,10 @@ class SpecController:
         return found
 
     # ------------------------------------------------------------------ decisions
+    def _speculates_at(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` requests may speculate at all (`disable_by_batch_size`)."""
+        return batch_size >= 1 and (self.disable_by_batch_size is None or batch_size < self.disable_by_batch_size)
+
     def wants_step(self, batch_size: int, mixed: bool = False,
                    predict: Callable[[], tuple[int, float]] | None = None) -> bool:
         """Whether the next step (about `batch_size` running requests) speculates. `mixed`: it
@@ -336,7 +340,7 @@ class SpecController:
         is due: the probe runs only where it predicts a gain."""
         self._clock += 1
         self._asked = True
-        if batch_size < 1 or (self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size):
+        if not self._speculates_at(batch_size):
             return False
         b = self.bucket(batch_size)
         return b.decided and b.on if mixed else b.choose(batch_size, self._clock, predict)
@@ -344,7 +348,7 @@ class SpecController:
     def shadows(self, batch_size: int) -> bool:
         """Whether a step of `batch_size` requests would run plain by choice (a decided, off
         bucket): where shadow drafts measure acceptance and predict probes."""
-        if batch_size < 1 or (self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size):
+        if not self._speculates_at(batch_size):
             return False
         b = self._buckets.get(bucket_of(batch_size))
         return b is not None and b.decided and not b.on

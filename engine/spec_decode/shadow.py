@@ -16,7 +16,7 @@ are kept), so sparse passes give the same unbiased trials, only fewer.
 
 Each pass also sums, over the requests that have a match now, the drafts the controller
 would give them and the tokens those drafts are expected to add (`alpha + alpha**2 + ...`): the
-controller's prediction of a speculative step (`SpecController.wants_step`'s `predicted`), which
+controller's prediction of a speculative step (`SpecController.wants_step`'s `predict`), which
 decides whether a timed probe is worth running. A prediction only gates probes: the bucket's mode
 still changes only on measured, paired step costs.
 
