@@ -64,6 +64,13 @@ Two decisions, both from measurements, none from a constant threshold:
      probes it lets through do). Such a probe proposes only for requests with a match, as many drafts
      as their estimate justifies, with no retries (the estimates are current).
 
+   - **Each step is priced** (`SpecController.declines`): in a decided bucket a step's drafts,
+     once proposed, run only where their expected accepted tokens pay the extra seconds the fit
+     predicts (the shadow drafts' rule, on real drafts); else the step runs plain and is timed as
+     one. At a medium batch an "on" bucket's steps differ: a few requests matching pay the fixed
+     cost of a speculative step for a token or two, most matching gain. `WINDOW` declines in a row
+     turn the bucket off (the lookups cost more than the rare step that pays; probes find those).
+
 2. **Per request, how many drafts.** A request's draft `j` is used only if drafts `1..j` are
    all accepted: with per-draft acceptance `alpha` (the geometric estimate from its verifications:
    accepted drafts / (accepted + first rejections), decayed), it is worth `alpha ** j` tokens.
@@ -146,6 +153,7 @@ class _Bucket:
     probing: bool = False
     probe_cost: float = 0.0              # extra seconds the last probe cost: what the next is expected to
     fruitless: int = 0                   # speculative steps in a row that accepted no draft
+    declined: int = 0                    # steps in a row whose drafts `SpecController.declines` ran plain
     cost: float | None = None            # `token_cost` until the next step is observed
 
     def token_cost(self) -> float:
@@ -353,6 +361,34 @@ class SpecController:
         b = self._buckets.get(bucket_of(batch_size))
         return b is not None and b.decided and not b.on
 
+    def declines(self, batch_size: int, drafted) -> bool:
+        """Whether a step of a decided bucket should run plain although it found drafts
+        (`drafted`: (request, its draft count) pairs): their expected accepted tokens (each
+        request's `alpha + ... + alpha ** k`) do not pay the extra seconds the bucket's fit predicts
+        (`_Bucket.predicts_gain`). An "on" bucket's steps are not alike: at a medium batch a step
+        where a few requests matched pays the speculative step's fixed cost for a token or two, one
+        where most matched gains; so each step is priced, the bucket's mode only says whether to
+        look. Learning steps are never declined (they fit the costs). `WINDOW` declines in a row
+        turn an "on" bucket off: looking (a lookup per request a step) costs more than the rare
+        step that pays, which the off bucket's probes, gated by shadow drafts, still find."""
+        b = self.bucket(batch_size)
+        if not b.decided:
+            return False
+        requests, num_drafts, expected = self._requests, 0, 0.0
+        for request, k in drafted:
+            state = requests.get(request)
+            alpha = PRIOR_ACCEPTANCE if state is None else state.alpha
+            num_drafts += k
+            expected += alpha * (1 - alpha ** k) / (1 - alpha) if alpha < 1 else k
+        if b.predicts_gain(batch_size, num_drafts, expected):
+            b.declined = 0
+            return False
+        b.declined += 1
+        if b.on and b.declined >= WINDOW:
+            b.on, b.declined = False, 0
+            b.interval = b.countdown = FIRST_PROBE_INTERVAL
+        return True
+
     def justified_drafts(self, request, cost: float, limit: int) -> tuple[int, float]:
         """(drafts worth proposing for `request` at `cost` tokens per draft token, at most `limit`;
         its acceptance estimate): the drafts `j` with `alpha ** j > cost`."""
@@ -432,6 +468,9 @@ class FixedController(SpecController):
         return batch_size >= 1
 
     def shadows(self, batch_size: int) -> bool:
+        return False
+
+    def declines(self, batch_size: int, drafted) -> bool:
         return False
 
     def num_drafts(self, request, batch_size: int, limit: int, retry: bool = True) -> int:

@@ -56,6 +56,7 @@ class SpecDecoder:
         # emits instead of verified (`engine.spec_decode.shadow`); a draft model's are too dear.
         self.shadow = None if self.ngram is None else ShadowDrafts(self.ngram, self.controller)
         self._shadowing = False      # this step's bucket runs plain by choice (its probes: no retries)
+        self.declined = False        # the last `propose` found drafts the controller priced as a loss
 
     @classmethod
     def create(cls, config: SpeculativeConfig | None, role: str, target_dir: Path, target_cfg: ModelConfig,
@@ -117,6 +118,7 @@ class SpecDecoder:
         batch_size, controller, ngram, shadow = len(running), self.controller, self.ngram, self.shadow
         retry = not self._shadowing     # a probe of a shadowed bucket: the estimates are current
         drafts: dict[str, list[int]] = {}
+        drafted = []
         for request in running:
             tokens = request.token_ids
             if len(tokens) - request.num_computed_tokens != 1 or request.status is not _RUNNING:
@@ -132,8 +134,13 @@ class SpecDecoder:
             proposed = ngram.propose(request, k) if ngram is not None else [_SLOT] * k
             if proposed:
                 drafts[request.request_id] = proposed
-                if shadow is not None:
-                    shadow.forget(request)
+                drafted.append((request, len(proposed)))
+        self.declined = bool(drafts) and controller.declines(batch_size, drafted)
+        if self.declined:
+            return {}
+        if shadow is not None:
+            for request, _ in drafted:
+                shadow.forget(request)
         return drafts
 
     def fill(self, seqs: tuple, requests: list) -> tuple:

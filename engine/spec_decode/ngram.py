@@ -57,6 +57,9 @@ class NgramProposer:
     def _extend(self, index: _Index, tokens: Sequence[int], end: int) -> None:
         """Index every n-gram that ends at a position in `[index.end, end)`."""
         min_n = self.min_n
+        if index.end == 0 and end > self.BULK:
+            self._build(index, tokens, end)
+            return
         for stop in range(index.end + 1, end + 1):        # the n-gram is tokens[stop - n:stop]
             for j, table in enumerate(index.by_length):
                 n = min_n + j
@@ -64,6 +67,19 @@ class NgramProposer:
                     break
                 table.setdefault(tuple(tokens[stop - n:stop]), stop - n)
         index.end = max(index.end, end)
+
+    BULK = 32    # a first index over more tokens than this is built in bulk (`_build`)
+
+    def _build(self, index: _Index, tokens: Sequence[int], end: int) -> None:
+        """`_extend` of an empty index, a context's first proposal (the prompt): the same tables,
+        built by `dict` from zipped slices (reversed, so each n-gram keeps its earliest start),
+        ~4x faster than an insert per n-gram."""
+        head = list(tokens[:end])
+        for j in range(len(index.by_length)):
+            n = self.min_n + j
+            grams = list(zip(*(head[i:end - n + 1 + i] for i in range(n))))   # grams[s]: tokens[s:s + n]
+            index.by_length[j] = dict(zip(reversed(grams), range(len(grams) - 1, -1, -1)))
+        index.end = end
 
     def lookup(self, index: _Index, tokens: Sequence[int], k: int, length: int | None = None) -> list[int]:
         """The tokens after the earliest earlier occurrence of the longest suffix n-gram of

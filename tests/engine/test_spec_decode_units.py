@@ -12,7 +12,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.spec_decode.adaptive import FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, SWITCH_MARGIN, SpecController, bucket_of
+from engine.spec_decode.adaptive import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, SWITCH_MARGIN, WINDOW, SpecController,
+                                        bucket_of)
 from engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError, speculative_config_arg
 from engine.spec_decode.hidden_states import Chunks, HiddenStates
 from engine.spec_decode.metrics import SpecDecodeMetrics, stats_from_pb, stats_to_pb
@@ -145,6 +146,18 @@ def test_ngram_matches_a_rescan_of_the_whole_context_as_it_grows(min_n, max_n):
             k = rng.randrange(1, 6)
             assert proposer.propose(request, k) == _reference(tokens, min_n, max_n, k), tokens
             tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+def test_a_first_index_built_in_bulk_equals_one_built_insert_by_insert():
+    rng = random.Random(3)
+    for _ in range(40):
+        tokens = [rng.randrange(rng.choice([3, 50])) for _ in range(rng.randrange(NgramProposer.BULK + 1, 300))]
+        bulk, loop = NgramProposer(2, 5), NgramProposer(2, 5)
+        loop.BULK = len(tokens)              # this one extends token by token
+        a, b = _Req(tokens), _Req(tokens)
+        for k in (1, 4):
+            assert bulk.propose(a, k) == loop.propose(b, k) == _reference(tokens, 2, 5, k)
+        assert bulk._indexes[a].by_length == loop._indexes[b].by_length
 
 
 def test_ngram_examples():
@@ -450,6 +463,26 @@ def test_steps_with_a_prefill_chunk_speculate_only_where_the_bucket_decided_to()
     assert controller.wants_step(8, mixed=True)
     _run(controller, 64, 100, plain_s=0.01, spec_s=0.03, emitted=70, drafts=256)
     assert not any(controller.wants_step(64, mixed=True) for _ in range(2 * MAX_PROBE_INTERVAL))   # never probes
+
+
+def test_a_decided_bucket_prices_each_steps_drafts_and_turns_off_when_none_pay():
+    # batch 8, learned on: a speculative step with 32 drafts costs 1.25x a plain one and emits 2x.
+    controller = SpecController(4)
+    _run(controller, 8, 200, plain_s=0.008, spec_s=0.010, emitted=16, drafts=32)
+    assert controller.bucket(8).on
+    strong, weak = [_Req([1]) for _ in range(8)], _Req([2])
+    for _ in range(10):
+        for r in strong:
+            controller.observe_acceptance(r, 4, 4)
+        controller.observe_acceptance(weak, 4, 0)
+    assert not controller.declines(8, [(r, 4) for r in strong])      # most of the batch matched: pays
+    assert not controller.declines(8, [(r, 4) for r in strong[:2]])
+    # one request that rarely accepts: its drafts' seconds buy ~0.1 token; the step runs plain
+    for _ in range(WINDOW - 1):
+        assert controller.declines(8, [(weak, 4)]) and controller.bucket(8).on
+    assert controller.declines(8, [(weak, 4)])
+    assert not controller.bucket(8).on                             # WINDOW in a row: off, probes resume
+    assert not controller.declines(2, [(weak, 4)])                  # a new bucket learns: never declined
 
 
 def test_disable_by_batch_size():
