@@ -9,11 +9,13 @@ stage-A cost model to see what the engine alone would take:
    2-token answer's TPOT is the P->D hand-over, whose growth with the prompt gives the KV
    bandwidth and whose intercept the per-pull latency; a 24-token answer's TPOT gives each decode
    step's wall time, of which what the step model does not explain is the pod's loop gap;
-2. a load run on the calibration mix with the busiest pod busy about 60% of the time: each pod's
-   mean step wall time (its `cbserve_step_seconds` histogram) over the simulated mean step cost of
-   the same run is that role's contention factor: two pods, the router and the client sharing the
-   machine's cores (and, on a shared machine, the neighbours); a colocated-2 cluster takes the
-   same kind of run for the colocated pods' factor, and a colocated-1 cluster for a lone pod's:
+2. a load run on the calibration mix with the busiest pod busy about 60% of the time: the factor
+   on the profiled step cost at which the simulated run's mean step is each pod's measured one (its
+   `cbserve_step_seconds` histogram) is that role's contention factor (a fixed point: a slower step
+   grows the batches, so the measured mean over the simulated one at factor 1 overshoots): two
+   pods, the router and the client sharing the machine's cores (and, on a shared machine, the
+   neighbours); a colocated-2 cluster takes the same kind of run for the colocated pods' factor,
+   and a colocated-1 cluster for a lone pod's:
    a step is slower while another engine steps on another core (measured: a colocated-1 pod's
    steps at 0.8-1.3x the profiled cost, a colocated-2 pod's at about 1.8x, both all CPU time, so
    not a share of the cores but the caches and memory both engines use), so a one-pod cluster
@@ -33,6 +35,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cbserve.cluster_spec import ClusterSpec
@@ -205,16 +208,81 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
                    colocated_cpu_per_token_s=colocated_rate)
 
 
+FIXED_POINT_ROUNDS = 8          # simulations at most per fitted set of factors
+FIXED_POINT_TOLERANCE = 0.01    # every simulated mean step within 1% of its measured one
+
+
+def _fixed_point(measured: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
+                 start: dict[str, float]) -> dict[str, float]:
+    """The factors (one per name in `start`) at which `simulate(factors)`, each name's simulated
+    mean step, is the `measured` one.
+
+    A slower step makes batches grow, which makes the mean step longer still, so one ratio
+    measured / simulated at a trial factor overshoots (session 8's colocated run: 2.04 at 1.0,
+    where about 1.8 reproduces it). So f <- f x measured / simulated(f), round after round, until
+    each name is within `FIXED_POINT_TOLERANCE`. The rounds alternate around the fixed point
+    (growing batches make the next ratio smaller than the last), and near saturation they would
+    swing wider: each name keeps the bracket its rounds have shown (a factor whose simulated step
+    came out short is below the fixed point, long above), and a step that would leave it goes to
+    the bracket's geometric middle instead. Names absent from `measured` keep their factor."""
+    factors = dict(start)
+    lower = dict.fromkeys(measured, 0.0)
+    upper = dict.fromkeys(measured, math.inf)
+    for _ in range(FIXED_POINT_ROUNDS):
+        simulated = simulate(factors)
+        ratios = {k: m / simulated[k] for k, m in measured.items() if simulated.get(k)}
+        if all(abs(r - 1.0) <= FIXED_POINT_TOLERANCE for r in ratios.values()):
+            break
+        for k, ratio in ratios.items():
+            f = factors[k]
+            if ratio > 1.0:
+                lower[k] = max(lower[k], f)
+            else:
+                upper[k] = min(upper[k], f)
+            proposal = f * ratio
+            # Outside the bracket only when both its ends are known (the step moves off the
+            # end it just set), so the middle is finite.
+            factors[k] = proposal if lower[k] < proposal < upper[k] else math.sqrt(lower[k] * upper[k])
+    return factors
+
+
+def _step_mean(steps: dict[str, tuple[float, float]], role: str) -> float | None:
+    """A role's mean step from its (seconds, steps) totals; None without steps."""
+    total, count = steps.get(role, (0.0, 0))
+    return total / count if count and total else None
+
+
 def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
                     serving: ServingProfile) -> ServingProfile:
-    """Each role's measured mean step over the simulated one (at the current factors), times them."""
-    _, simulated_steps = _simulate(with_serving(profile, serving), load)
-    factors = {"decode": serving.contention, "prefill": serving.prefill_contention}
-    for role, (total, count) in measured_steps.items():
-        busy, steps = simulated_steps.get(role, (0.0, 0))
-        if role in factors and count and steps and busy:
-            factors[role] *= (total / count) / (busy / steps)
+    """The decode and prefill factors at which the simulated 1P+1D run's mean steps are the
+    measured ones (`_fixed_point`, from the current factors)."""
+    measured = {role: m for role in ("decode", "prefill") if (m := _step_mean(measured_steps, role))}
+
+    def simulate(factors: dict[str, float]) -> dict[str, float]:
+        trial = replace(serving, contention=factors["decode"], prefill_contention=factors["prefill"])
+        _, steps = _simulate(with_serving(profile, trial), load)
+        return {role: m for role in factors if (m := _step_mean(steps, role))}
+
+    factors = _fixed_point(measured, simulate, {"decode": serving.contention, "prefill": serving.prefill_contention})
     return replace(serving, contention=factors["decode"], prefill_contention=factors["prefill"])
+
+
+def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fields: dict, field: str,
+                              measured_steps: dict[str, tuple[float, float]],
+                              serving: ServingProfile) -> ServingProfile:
+    """`field` (`colocated_contention` or `alone_contention`): the factor at which the colocated
+    cluster `fields`, simulated on `requests`, has the measured mean step (`_fixed_point` from
+    1.0; its first round is the one ratio at 1.0 that sessions up to 8 stopped at)."""
+    measured = _step_mean(measured_steps, "colocated")
+    if measured is None:
+        return serving
+
+    def simulate(factors: dict[str, float]) -> dict[str, float]:
+        _, steps = _simulate(with_serving(profile, replace(serving, **{field: factors[field]})), requests, fields)
+        mean = _step_mean(steps, "colocated")
+        return {field: mean} if mean else {}
+
+    return replace(serving, **_fixed_point({field: measured}, simulate, {field: 1.0}))
 
 
 def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],
@@ -387,14 +455,9 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     colocated = raw.get("colocated")
     for key, fields, field in (("colocated", COLOCATED, "colocated_contention"), ("alone", ALONE, "alone_contention")):
         run = raw.get(key)
-        if not run:
-            continue
-        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
-        total, count = run["step_seconds"].get("colocated", (0.0, 0))
-        _, steps = _simulate(with_serving(profile, replace(serving, **{field: 1.0})), requests, fields)
-        busy, n = steps.get("colocated", (0.0, 0))
-        if count and n and busy:
-            serving = replace(serving, **{field: (total / count) / (busy / n)})
+        if run:
+            requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
+            serving = _fit_colocated_contention(profile, requests, fields, field, run["step_seconds"], serving)
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}

@@ -109,3 +109,38 @@ def test_a_one_pod_cluster_steps_at_the_lone_pods_contention_and_the_file_keeps_
             mean_step[(alone, name)] = busy / n
     assert mean_step[(3.0, "colocated-1")] == pytest.approx(3 * mean_step[(None, "colocated-1")], rel=0.02)
     assert mean_step[(3.0, "colocated-2")] == pytest.approx(mean_step[(None, "colocated-2")], rel=1e-9)
+
+
+def test_colocated_and_alone_contention_are_the_fixed_point_that_reproduces_the_mean_step(profile):
+    """A stage B whose runs the simulator made at known factors (colocated 1.7, alone 1.5; the
+    1P+1D run's decode and prefill 2.0): the fit finds them again within 2%. The one ratio at
+    factor 1 (the colocated and alone fit up to session 8) is off by more: at 1.0 the batches are
+    smaller and the mean step shorter than the run's."""
+    from dataclasses import replace
+
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import ALONE, COLOCATED, PD, InSituSettings, _result_json, fit_in_situ
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, colocated_contention=1.7, alone_contention=1.5)
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
+    for key, fields, rate in ((None, PD, 2.0), ("colocated", COLOCATED, 7.2), ("alone", ALONE, 3.2)):
+        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
+        results, steps = _simulate(with_serving(profile, truth), requests, fields)
+        run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
+        raw |= run if key is None else {key: run}
+
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.colocated_contention == pytest.approx(1.7, rel=0.02)
+    assert serving.alone_contention == pytest.approx(1.5, rel=0.02)
+    assert serving.contention == pytest.approx(2.0, rel=0.02)          # the 1P+1D run's, the same helper's
+    assert serving.prefill_contention == pytest.approx(2.0, rel=0.02)
+    for key, fields, field, fitted in (("colocated", COLOCATED, "colocated_contention", 1.7),
+                                       ("alone", ALONE, "alone_contention", 1.5)):
+        requests = MIXES[settings.mix].requests(raw[key]["load_rate"], settings.seconds, settings.seed)
+        _, steps = _simulate(with_serving(profile, replace(serving, **{field: 1.0})), requests, fields)
+        total, count = raw[key]["step_seconds"]["colocated"]
+        busy, n = steps["colocated"]
+        one_ratio = (total / count) / (busy / n)
+        assert abs(one_ratio / fitted - 1) > 0.04, (field, one_ratio)
