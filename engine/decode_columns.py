@@ -41,7 +41,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduling.output import PLACEHOLDER_TOKEN_ID, DecodeSeqs, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.scheduling.scheduler import Scheduler
+    from engine.scheduling.state import SchedulerState   # the Scheduler's state (importing the Scheduler would be a circle)
 
 _RUNNING, _ABORTED = RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED
 _TOKENS, _OUTPUTS, _COMPUTED, _ID, _PROMPT, _PARAMS, _FIRST_TOKEN, _STATUS = (operator.attrgetter(name) for name in (
@@ -121,7 +121,7 @@ def _running_rows(requests: list[Request]) -> list[bool]:
     return list(map(operator.is_, map(_STATUS, requests), repeat(_RUNNING, len(requests))))
 
 
-def _columns_for(scheduler: Scheduler, running: list[Request]) -> DecodeColumns:
+def _columns_for(scheduler: SchedulerState, running: list[Request]) -> DecodeColumns:
     """Columns whose rows are `running`: the last ones, with the rows of requests that left
     dropped and those that joined at the end appended; or gathered afresh."""
     cols, max_len, eos = scheduler._columns, scheduler.config.max_model_len, scheduler.eos_token_ids
@@ -141,7 +141,7 @@ def _columns_for(scheduler: Scheduler, running: list[Request]) -> DecodeColumns:
     return cols
 
 
-def schedule_columns(scheduler: Scheduler, reserved: tuple, finished: tuple) -> SchedulerOutput | None:
+def schedule_columns(scheduler: SchedulerState, reserved: tuple, finished: tuple) -> SchedulerOutput | None:
     """This step as columns, or None where the general path must plan it (`Scheduler.schedule`
     checked the budget, the pool, the drafts and the queue). Grows the tables that need a block."""
     running = scheduler.running
@@ -175,7 +175,7 @@ def schedule_columns(scheduler: Scheduler, reserved: tuple, finished: tuple) -> 
     return out
 
 
-def update_columns(scheduler: Scheduler, seqs: DecodeSeqs, now: float) -> list[Request] | None:
+def update_columns(scheduler: SchedulerState, seqs: DecodeSeqs, now: float) -> list[Request] | None:
     """`update(out, None)` of a columns step: every request still running one computed token
     more and a placeholder (the rows of those that left since `schedule` are dropped); None when
     the batch changed otherwise (the general update runs)."""
@@ -214,7 +214,7 @@ def update_columns(scheduler: Scheduler, seqs: DecodeSeqs, now: float) -> list[R
     return requests
 
 
-def resolve_columns(scheduler: Scheduler, requests: list[Request], token_ids: list[int]) -> list[Request] | None:
+def resolve_columns(scheduler: SchedulerState, requests: list[Request], token_ids: list[int]) -> list[Request] | None:
     """`resolve_placeholders` of the requests a columns update returned, none of them aborted
     since: the tokens written in one pass, the stop tests only for rows whose token is a stop
     token of some row. None: not such a batch (the general loop resolves it)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from engine.decode_columns import (COLUMNS_MIN_BATCH, DecodeColumns, reads_host_tokens, resolve_columns,
+from engine.decode_columns import (COLUMNS_MIN_BATCH, reads_host_tokens, resolve_columns,
                                    schedule_columns, update_columns)
 from engine.request import Request, RequestStatus
 from engine.scheduling.request_queue import priority_key
@@ -39,8 +39,6 @@ class Scheduler(SchedulerState):
     as columns (`engine.decode_columns`)."""
 
     decode_columns = False
-    _columns: DecodeColumns | None = None   # the running batch's columns (engine.decode_columns)
-    _resolving: DecodeColumns | None = None  # the columns whose requests the last update returned
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
@@ -306,14 +304,6 @@ class Scheduler(SchedulerState):
         """Some request's next step needs its newest token's value on the host (penalties, a
         grammar): an async step resolves the one in flight first."""
         return reads_host_tokens(self._columns, requests)
-
-    def finished_in_update(self, request: Request, now: float) -> None:
-        """`update` found a token-level stop (`_check_stop` set the status): free and forget it."""
-        request.finished_time = now
-        self._release_lora(request)
-        self.kv_manager.free(request)
-        del self.requests[request.request_id]
-        self._finished_ids.append(request.request_id)
 
     @property
     def scheduled_requests(self) -> list[Request]:

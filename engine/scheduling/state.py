@@ -85,6 +85,10 @@ class SchedulerState:
         # streams each finished chunk's KV from this (a second list rather than a richer return
         # type, so `update` keeps returning just the requests that got a token).
         self.last_progressed: list[Request] = []
+        # Steady decode steps as columns: `engine.decode_columns` (above this module) keeps its
+        # `DecodeColumns` here, the running batch's and those whose requests the last update returned.
+        self._columns = None
+        self._resolving = None
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request) -> None:
@@ -231,6 +235,14 @@ class SchedulerState:
             request.status = status
             request.finished_time = self.clock()
             self._finished_ids.append(request_id)
+
+    def finished_in_update(self, request: Request, now: float) -> None:
+        """`update` found a token-level stop (`_check_stop` set the status): free and forget it."""
+        request.finished_time = now
+        self._release_lora(request)
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
 
     def _release_lora(self, request: Request) -> None:
         """The request left the batch: its adapter's slot is free for others once unused."""
