@@ -6,8 +6,9 @@ profile, and the table shows measured and predicted goodput, attainment, p95 TTF
 with the goodput error. Two predictions:
 - `profile`: the profile's in-situ contention (what `cbserve plan` predicts);
 - `measured contention`: each run's contention set so that the simulated pods' mean step equals
-  what the measured pods' step histograms said for that run (`mean_step_s` in the rows; two
-  fixed-point rounds). It takes the machine's load at measurement time out of the comparison and
+  what the measured pods' step histograms said for that run (`mean_step_s` in the rows; the
+  planner's bracketed fixed point, `cbserve.planner.in_situ.fixed_point`). It takes the machine's
+  load at measurement time out of the comparison and
   leaves the planner's own modelling error (on a shared machine the load changes from minute to
   minute, and the profile saw another minute).
 
@@ -39,6 +40,7 @@ if __package__ in (None, ""):
 from cbserve.goodput.stats import Slo
 from cbserve.goodput.trace import load_trace
 from cbserve.goodput.workloads import MIXES
+from cbserve.planner.in_situ import fixed_point
 from cbserve.planner.profile import load_profile
 from cbserve.planner.simulate import sim_model, sweep
 
@@ -58,7 +60,7 @@ def refit(profile):
     return fit_in_situ(profile, raw, InSituSettings(seconds=info["load_seconds"], mix=info["calibration_mix"]))
 
 
-def check(profile_path: str, measured_path: str, rounds: int = 2, refitted: bool = False) -> list[dict]:
+def check(profile_path: str, measured_path: str, refitted: bool = False) -> list[dict]:
     measured = json.loads(Path(measured_path).read_text())
     meta = measured["meta"]
     profile = load_profile(profile_path)
@@ -80,18 +82,28 @@ def check(profile_path: str, measured_path: str, rounds: int = 2, refitted: bool
         rates = [r["rate"] for r in rows]
         common = dict(warmup=4, prefix_caching=caching, stop_below_attainment=0.0)
         plain = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo, **common)
-        contention: dict[float, dict[str, float]] = {}
-        oracle = plain
-        for _ in range(rounds):
-            for m, p in zip(rows, oracle):
-                factors = contention.setdefault(m["rate"], {})
-                for role, mean in (m.get("mean_step_s") or {}).items():
-                    simulated = p.get("mean_step_s", {}).get(role)
-                    if simulated:
-                        base = factors.get(role) or _profile_contention(profile, role)
-                        factors[role] = base * mean / simulated
-            oracle = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
-                           contention=contention, **common)
+        # Each (rate, role) factor at which the simulated mean step is the measured one: the
+        # planner's own bracketed fixed point (`in_situ.fixed_point`; one ratio overshoots where
+        # slower steps grow the batches, and near saturation plain rounds swing).
+        measured_steps = {(m["rate"], role): mean for m in rows for role, mean in (m.get("mean_step_s") or {}).items()}
+        swept: list[dict] = []
+
+        def simulate(factors: dict) -> dict:
+            contention: dict[float, dict[str, float]] = {}
+            for (rate, role), factor in factors.items():
+                contention.setdefault(rate, {})[role] = factor
+            swept[:] = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
+                             contention=contention, **common)
+            return {(r["rate"], role): mean for r in swept for role, mean in (r.get("mean_step_s") or {}).items()}
+
+        start = {key: _profile_contention(profile, key[1]) for key in measured_steps}
+        factors = fixed_point(measured_steps, simulate, start) if start else {}
+        if start:
+            simulate(factors)         # the sweep at the factors returned (the last round's may be a step before them)
+        oracle = swept or plain
+        contention = {}
+        for (rate, role), factor in factors.items():
+            contention.setdefault(rate, {})[role] = factor
         for m, p, o in zip(rows, plain, oracle):
             out.append({"mix": mix, "config": config, "rate": m["rate"], "measured": _figures(m),
                         "predicted": _figures(p), "predicted_measured_contention": _figures(o),

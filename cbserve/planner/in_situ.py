@@ -212,7 +212,7 @@ FIXED_POINT_ROUNDS = 8          # simulations at most per fitted set of factors
 FIXED_POINT_TOLERANCE = 0.01    # every simulated mean step within 1% of its measured one
 
 
-def _fixed_point(measured: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
+def fixed_point(measured: dict[str, float], simulate: Callable[[dict[str, float]], dict[str, float]],
                  start: dict[str, float]) -> dict[str, float]:
     """The factors (one per name in `start`) at which `simulate(factors)`, each name's simulated
     mean step, is the `measured` one.
@@ -255,7 +255,7 @@ def _step_mean(steps: dict[str, tuple[float, float]], role: str) -> float | None
 def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
                     serving: ServingProfile) -> ServingProfile:
     """The decode and prefill factors at which the simulated 1P+1D run's mean steps are the
-    measured ones (`_fixed_point`, from the current factors)."""
+    measured ones (`fixed_point`, from the current factors)."""
     measured = {role: m for role in ("decode", "prefill") if (m := _step_mean(measured_steps, role))}
 
     def simulate(factors: dict[str, float]) -> dict[str, float]:
@@ -263,7 +263,7 @@ def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: d
         _, steps = _simulate(with_serving(profile, trial), load)
         return {role: m for role in factors if (m := _step_mean(steps, role))}
 
-    factors = _fixed_point(measured, simulate, {"decode": serving.contention, "prefill": serving.prefill_contention})
+    factors = fixed_point(measured, simulate, {"decode": serving.contention, "prefill": serving.prefill_contention})
     return replace(serving, contention=factors["decode"], prefill_contention=factors["prefill"])
 
 
@@ -271,7 +271,7 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
                               measured_steps: dict[str, tuple[float, float]],
                               serving: ServingProfile) -> ServingProfile:
     """`field` (`colocated_contention` or `alone_contention`): the factor at which the colocated
-    cluster `fields`, simulated on `requests`, has the measured mean step (`_fixed_point` from
+    cluster `fields`, simulated on `requests`, has the measured mean step (`fixed_point` from
     1.0; its first round is the one ratio at 1.0 that sessions up to 8 stopped at)."""
     measured = _step_mean(measured_steps, "colocated")
     if measured is None:
@@ -282,7 +282,7 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
         mean = _step_mean(steps, "colocated")
         return {field: mean} if mean else {}
 
-    return replace(serving, **_fixed_point({field: measured}, simulate, {field: 1.0}))
+    return replace(serving, **fixed_point({field: measured}, simulate, {field: 1.0}))
 
 
 def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],

@@ -150,7 +150,7 @@ def test_fixed_point_stays_in_its_bracket_where_the_plain_rounds_swing_apart():
     """A mean step as steep as f^3 in its factor (plain f <- f x measured / simulated(f) goes
     1, 8, 1/8, 512, ...): the bracketed rounds close in on f = 2; a name with no measurement keeps
     its factor; a linear mean step is found in one round."""
-    from cbserve.planner.in_situ import _fixed_point
+    from cbserve.planner.in_situ import fixed_point
 
     calls = []
 
@@ -158,7 +158,7 @@ def test_fixed_point_stays_in_its_bracket_where_the_plain_rounds_swing_apart():
         calls.append(dict(factors))
         return {"a": factors["a"] ** 3, "b": 1.0}
 
-    factors = _fixed_point({"a": 8.0}, steep, {"a": 1.0, "b": 3.0})
+    factors = fixed_point({"a": 8.0}, steep, {"a": 1.0, "b": 3.0})
     assert factors["a"] == pytest.approx(2.0, rel=0.03) and factors["b"] == 3.0
     assert all(0.99 < c["a"] < 8.01 for c in calls)     # never outside the first bracket [1, 8]
-    assert _fixed_point({"a": 6.0}, lambda f: {"a": 2.0 * f["a"]}, {"a": 1.0}) == {"a": 3.0}
+    assert fixed_point({"a": 6.0}, lambda f: {"a": 2.0 * f["a"]}, {"a": 1.0}) == {"a": 3.0}
