@@ -86,24 +86,21 @@ def check(profile_path: str, measured_path: str, refitted: bool = False) -> list
         # planner's own bracketed fixed point (`in_situ.fixed_point`; one ratio overshoots where
         # slower steps grow the batches, and near saturation plain rounds swing).
         measured_steps = {(m["rate"], role): mean for m in rows for role, mean in (m.get("mean_step_s") or {}).items()}
-        swept: list[dict] = []
+        swept: dict = {"factors": None, "rows": plain}      # the last sweep and the factors it ran at
 
         def simulate(factors: dict) -> dict:
-            contention: dict[float, dict[str, float]] = {}
-            for (rate, role), factor in factors.items():
-                contention.setdefault(rate, {})[role] = factor
-            swept[:] = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
-                             contention=contention, **common)
-            return {(r["rate"], role): mean for r in swept for role, mean in (r.get("mean_step_s") or {}).items()}
+            swept["factors"], swept["rows"] = dict(factors), sweep(
+                model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
+                contention=_by_rate(factors), **common)
+            return {(r["rate"], role): mean for r in swept["rows"] for role, mean in (r.get("mean_step_s") or {}).items()}
 
-        start = {key: _profile_contention(profile, key[1]) for key in measured_steps}
-        factors = fixed_point(measured_steps, simulate, start) if start else {}
-        if start:
-            simulate(factors)         # the sweep at the factors returned (the last round's may be a step before them)
-        oracle = swept or plain
-        contention = {}
-        for (rate, role), factor in factors.items():
-            contention.setdefault(rate, {})[role] = factor
+        factors = {}
+        if measured_steps:
+            factors = fixed_point(measured_steps, simulate,
+                                  {key: _profile_contention(profile, key[1]) for key in measured_steps})
+            if factors != swept["factors"]:     # the rounds ran out one step before the factors returned
+                simulate(factors)
+        oracle, contention = swept["rows"], _by_rate(factors)
         for m, p, o in zip(rows, plain, oracle):
             out.append({"mix": mix, "config": config, "rate": m["rate"], "measured": _figures(m),
                         "predicted": _figures(p), "predicted_measured_contention": _figures(o),
@@ -111,6 +108,14 @@ def check(profile_path: str, measured_path: str, refitted: bool = False) -> list
                         "goodput_error": _error(p["goodput_rps"], m["goodput_rps"]),
                         "goodput_error_measured_contention": _error(o["goodput_rps"], m["goodput_rps"])})
     return out
+
+
+def _by_rate(factors: dict[tuple[float, str], float]) -> dict[float, dict[str, float]]:
+    """(rate, role) -> factor, as `sweep`'s `contention` (rate -> role -> factor)."""
+    contention: dict[float, dict[str, float]] = {}
+    for (rate, role), factor in factors.items():
+        contention.setdefault(rate, {})[role] = factor
+    return contention
 
 
 def _profile_contention(profile, role: str) -> float:

@@ -503,9 +503,9 @@ class Engine:
         # Nothing to verify (no n-gram match): a plain step costs less. While a prompt is being
         # scored (prompt logprobs) steps are plain too: only they carry its extra logits rows.
         # Timed from t0 as a speculative step: proposing that found nothing is speculation's cost.
-        # Drafts the controller priced as a loss (`SpecController.declines`): a plain step, timed as one.
+        # Drafts the controller priced as a loss (None, `SpecController.declines`): a plain step, timed as one.
         if not drafts or self.prompt_logprobs.pending:
-            return [*outputs, *self._step_sync(t0, speculative=not spec.declined)]
+            return [*outputs, *self._step_sync(t0, speculative=drafts is not None)]
         out = self._schedule(drafts)
         if not out.scheduled:
             return outputs

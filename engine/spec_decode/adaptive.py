@@ -222,6 +222,11 @@ class _Bucket:
         ref = median(run)
         return (cost / ref if speculative else ref / cost), seconds - emitted * ref
 
+    def decide(self, on: bool) -> None:
+        """The bucket's mode is now `on`: probes of the other start again at the first interval."""
+        self.on, self.decided, self.declined = on, True, 0
+        self.interval = self.countdown = FIRST_PROBE_INTERVAL
+
     def observe(self, speculative: bool, seconds: float, emitted: int, fruitless: bool = False,
                 num_seqs: int = 0, clock: int = 0) -> None:
         """Step `clock` over `num_seqs` requests took `seconds` and emitted `emitted` tokens: the
@@ -246,8 +251,7 @@ class _Bucket:
         # at an acceptance of one half), a new or plain one MIN_SAMPLES.
         if self.fruitless >= (WINDOW if self.decided and self.on else MIN_SAMPLES):
             if not self.decided or self.on:
-                self.on, self.decided = False, True
-                self.interval = self.countdown = FIRST_PROBE_INTERVAL
+                self.decide(False)
             elif probe:
                 self.interval = self.countdown = min(MAX_PROBE_INTERVAL, 2 * self.interval)
             return
@@ -258,8 +262,7 @@ class _Bucket:
         if not self.decided and on and len(self.ratios) < MIN_RATIOS_ON:
             return                         # on needs more evidence than off (the module docstring)
         if not self.decided or on != self.on:
-            self.on, self.decided = on, True
-            self.interval = self.countdown = FIRST_PROBE_INTERVAL
+            self.decide(on)
         elif probe and ratio is not None:   # agreeing: the probed mode cost more than the chosen one
             agrees = ratio >= 1 - SWITCH_MARGIN if speculative else ratio < 1
             self.interval = min(MAX_PROBE_INTERVAL, 2 * self.interval) if agrees else FIRST_PROBE_INTERVAL
@@ -305,6 +308,12 @@ class _Acceptance:
     @property
     def alpha(self) -> float:
         return self.accepted / self.trials
+
+
+def expected_accepted(alpha: float, num_drafts: int) -> float:
+    """Tokens `num_drafts` drafts at per-draft acceptance `alpha` add in expectation: draft `j`
+    counts only if drafts `1..j` are all accepted, so `alpha + alpha ** 2 + ... + alpha ** k`."""
+    return alpha * (1 - alpha ** num_drafts) / (1 - alpha) if alpha < 1 else float(num_drafts)
 
 
 def bucket_of(batch_size: int) -> int:
@@ -379,14 +388,13 @@ class SpecController:
             state = requests.get(request)
             alpha = PRIOR_ACCEPTANCE if state is None else state.alpha
             num_drafts += k
-            expected += alpha * (1 - alpha ** k) / (1 - alpha) if alpha < 1 else k
+            expected += expected_accepted(alpha, k)
         if b.predicts_gain(batch_size, num_drafts, expected):
             b.declined = 0
             return False
         b.declined += 1
         if b.on and b.declined >= WINDOW:
-            b.on, b.declined = False, 0
-            b.interval = b.countdown = FIRST_PROBE_INTERVAL
+            b.decide(False)
         return True
 
     def justified_drafts(self, request, cost: float, limit: int) -> tuple[int, float]:

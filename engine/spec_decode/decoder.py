@@ -56,7 +56,6 @@ class SpecDecoder:
         # emits instead of verified (`engine.spec_decode.shadow`); a draft model's are too dear.
         self.shadow = None if self.ngram is None else ShadowDrafts(self.ngram, self.controller)
         self._shadowing = False      # this step's bucket runs plain by choice (its probes: no retries)
-        self.declined = False        # the last `propose` found drafts the controller priced as a loss
 
     @classmethod
     def create(cls, config: SpeculativeConfig | None, role: str, target_dir: Path, target_cfg: ModelConfig,
@@ -111,9 +110,11 @@ class SpecDecoder:
                 return self.shadow.observe([r for r in running if r.status is _RUNNING], len(running))
         return controller.wants_step(len(running), mixed, predict)
 
-    def propose(self, scheduler) -> dict[str, list[int]]:
+    def propose(self, scheduler) -> dict[str, list[int]] | None:
         """Drafts of every running decode that gets some (n-gram: the tokens; draft model: slots
-        that `fill` gives tokens once scheduled, so the draft writes only into allocated blocks)."""
+        that `fill` gives tokens once scheduled, so the draft writes only into allocated blocks).
+        None: drafts were found, but the controller priced them as a loss (`SpecController.declines`):
+        the step runs plain."""
         running = scheduler.running
         batch_size, controller, ngram, shadow = len(running), self.controller, self.ngram, self.shadow
         retry = not self._shadowing     # a probe of a shadowed bucket: the estimates are current
@@ -135,9 +136,8 @@ class SpecDecoder:
             if proposed:
                 drafts[request.request_id] = proposed
                 drafted.append((request, len(proposed)))
-        self.declined = bool(drafts) and controller.declines(batch_size, drafted)
-        if self.declined:
-            return {}
+        if drafts and controller.declines(batch_size, drafted):
+            return None
         if shadow is not None:
             for request, _ in drafted:
                 shadow.forget(request)

@@ -34,6 +34,8 @@ class _Index:
 class NgramProposer:
     """Drafts by prompt lookup for requests with `token_ids` (see the module docstring)."""
 
+    BULK = 32    # a first index over more tokens than this is built in bulk (`_build`)
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self._indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -67,8 +69,6 @@ class NgramProposer:
                     break
                 table.setdefault(tuple(tokens[stop - n:stop]), stop - n)
         index.end = max(index.end, end)
-
-    BULK = 32    # a first index over more tokens than this is built in bulk (`_build`)
 
     def _build(self, index: _Index, tokens: Sequence[int], end: int) -> None:
         """`_extend` of an empty index, a context's first proposal (the prompt): the same tables,

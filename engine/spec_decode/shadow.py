@@ -30,6 +30,7 @@ from __future__ import annotations
 import weakref
 
 from engine.scheduling.output import PLACEHOLDER_TOKEN_ID
+from engine.spec_decode.adaptive import expected_accepted
 
 
 class _Trial:
@@ -78,7 +79,7 @@ class ShadowDrafts:
             left = len(trial.drafts) - trial.checked
             k, alpha = controller.justified_drafts(request, cost, left)
             num_drafts += k
-            expected += sum(alpha ** j for j in range(1, k + 1))
+            expected += expected_accepted(alpha, k)
         return num_drafts, expected
 
     def forget(self, request) -> None:
