@@ -69,11 +69,18 @@ Two decisions, both from measurements, none from a constant threshold:
      predicts (the shadow drafts' rule, on real drafts); else the step runs plain and is timed as
      one. At a medium batch an "on" bucket's steps differ: a few requests matching pay the fixed
      cost of a speculative step for a token or two, most matching gain. `WINDOW` declines in a row
-     turn the bucket off (the lookups cost more than the rare step that pays; probes find those).
+     turn the bucket off (the lookups cost more than the rare step that pays; probes find those)
+     and clear its paired ratios: they said on, and kept, the next plain step would turn the
+     bucket straight back on, every step still declined.
 
 2. **Per request, how many drafts.** A request's draft `j` is used only if drafts `1..j` are
    all accepted: with per-draft acceptance `alpha` (the geometric estimate from its verifications:
    accepted drafts / (accepted + first rejections), decayed), it is worth `alpha ** j` tokens.
+   A new request's estimate starts at the engine's recent acceptance (every request's
+   verifications, decayed more slowly): its workload is most likely the one before it. A fixed
+   prior deadlocked: a closed batch of 8 copying requests (acceptance 1.00) started at 0.6, which
+   justified 2 drafts a request, 7.7 expected tokens in all that did not pay for the step, so every step
+   was declined and no request was ever verified (a round at 1.00x plain TPOT between rounds at 0.5x).
    It costs the extra step time one draft token adds, worth `cost * rate` tokens at the plain
    rate: per bucket, the extra seconds of speculative steps over plain ones are fitted as
    `overhead + cost * draft_tokens` (least squares, decayed), so a step's fixed costs (proposing,
@@ -101,8 +108,9 @@ FIRST_PROBE_INTERVAL = 16       # steps between probes of the mode not chosen, r
 MAX_PROBE_INTERVAL = 256
 PROBE_BUDGET = 0.01             # probes' extra seconds stay under this share of all decode seconds
 ACCEPTANCE_DECAY = 0.9          # per verification: a request's recent drafts count most
-PRIOR_ACCEPTANCE = 0.6          # before a request's first verification
-PRIOR_TRIALS = 2.0
+PRIOR_ACCEPTANCE = 0.6          # before the engine's first verification
+PRIOR_TRIALS = 2.0              # the weight of a request's prior: the engine's recent acceptance
+POPULATION_DECAY = 0.99         # per verification: the engine's recent acceptance, every request's drafts
 PRIOR_TOKEN_COST = 0.05         # tokens a draft token costs before the bucket has both rates
 MAX_RETRY_BACKOFF = 64
 
@@ -299,15 +307,23 @@ class _LineFit:
 
 
 class _Acceptance:
+    """A geometric per-draft acceptance estimate: accepted drafts / (accepted + first rejections),
+    each verification's counts decayed, from a prior worth `PRIOR_TRIALS` verifications."""
+
     __slots__ = ("accepted", "trials", "retry_in", "backoff", "__weakref__")
 
-    def __init__(self) -> None:
-        self.accepted, self.trials = PRIOR_ACCEPTANCE * PRIOR_TRIALS, PRIOR_TRIALS
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE) -> None:
+        self.accepted, self.trials = prior * PRIOR_TRIALS, PRIOR_TRIALS
         self.retry_in = self.backoff = 0
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.trials
+
+    def observe(self, num_drafts: int, num_accepted: int, decay: float) -> None:
+        rejected = 1.0 if num_accepted < num_drafts else 0.0
+        self.accepted = decay * self.accepted + num_accepted
+        self.trials = decay * self.trials + num_accepted + rejected
 
 
 def expected_accepted(alpha: float, num_drafts: int) -> float:
@@ -330,6 +346,9 @@ class SpecController:
         self._buckets: dict[int, _Bucket] = {}
         self._budget = _ProbeBudget()
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Every request's verifications: a new request's prior (its workload is most likely the
+        # engine's recent one: the copying requests of a batch accept nearly all, free ones nearly none).
+        self._population = _Acceptance()
         # Engine steps so far (`wants_step` is asked once a step; an observation without one, as in
         # tests that feed costs alone, counts as a step): pairs come only from consecutive steps.
         self._clock = 0
@@ -383,10 +402,9 @@ class SpecController:
         b = self.bucket(batch_size)
         if not b.decided:
             return False
-        requests, num_drafts, expected = self._requests, 0, 0.0
+        num_drafts, expected = 0, 0.0
         for request, k in drafted:
-            state = requests.get(request)
-            alpha = PRIOR_ACCEPTANCE if state is None else state.alpha
+            alpha = self._acceptance(request).alpha
             num_drafts += k
             expected += expected_accepted(alpha, k)
         if b.predicts_gain(batch_size, num_drafts, expected):
@@ -395,15 +413,13 @@ class SpecController:
         b.declined += 1
         if b.on and b.declined >= WINDOW:
             b.decide(False)
+            b.ratios.clear()    # the paired ratios said on; the prices say no step pays: probes start afresh
         return True
 
     def justified_drafts(self, request, cost: float, limit: int) -> tuple[int, float]:
         """(drafts worth proposing for `request` at `cost` tokens per draft token, at most `limit`;
         its acceptance estimate): the drafts `j` with `alpha ** j > cost`."""
-        state = self._requests.get(request)
-        if state is None:
-            state = self._requests[request] = _Acceptance()
-        alpha = state.alpha
+        alpha = self._acceptance(request).alpha
         if limit <= 0:
             return 0, alpha
         if cost <= 0 or alpha >= 1.0:
@@ -436,12 +452,15 @@ class SpecController:
     # ------------------------------------------------------------------ measurements
     def observe_acceptance(self, request, num_drafts: int, num_accepted: int) -> None:
         """A verification of `num_drafts` drafts accepted `num_accepted` of them."""
+        self._acceptance(request).observe(num_drafts, num_accepted, ACCEPTANCE_DECAY)
+        self._population.observe(num_drafts, num_accepted, POPULATION_DECAY)
+
+    def _acceptance(self, request) -> _Acceptance:
+        """`request`'s estimate; a new one starts from the engine's recent acceptance."""
         state = self._requests.get(request)
         if state is None:
-            state = self._requests[request] = _Acceptance()
-        rejected = 1.0 if num_accepted < num_drafts else 0.0
-        state.accepted = ACCEPTANCE_DECAY * state.accepted + num_accepted
-        state.trials = ACCEPTANCE_DECAY * state.trials + num_accepted + rejected
+            state = self._requests[request] = _Acceptance(self._population.alpha)
+        return state
 
     def observe_step(self, num_seqs: int, seconds: float, num_emitted: int, num_draft_tokens: int,
                      speculative: bool) -> None:

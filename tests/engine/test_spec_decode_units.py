@@ -483,6 +483,28 @@ def test_a_decided_bucket_prices_each_steps_drafts_and_turns_off_when_none_pay()
     assert controller.declines(8, [(weak, 4)])
     assert not controller.bucket(8).on                             # WINDOW in a row: off, probes resume
     assert not controller.declines(2, [(weak, 4)])                  # a new bucket learns: never declined
+    # the paired ratios that turned the bucket on are gone: plain steps do not turn it straight back
+    for _ in range(4):
+        controller.observe_step(8, 0.008, 8, 0, speculative=False)
+    assert not controller.bucket(8).on
+
+
+def test_a_new_requests_acceptance_starts_at_the_engines_recent_one():
+    controller = SpecController(4)
+    assert controller.justified_drafts(_Req([0]), 0.05, 4)[1] == pytest.approx(0.6)     # nothing seen yet
+    for _ in range(200):                                           # a copying workload: every draft accepted
+        controller.observe_acceptance(_Req([1]), 4, 4)
+    drafts, alpha = controller.justified_drafts(_Req([2]), 0.3, 4)
+    assert alpha > 0.95 and drafts == 4                            # the fixed prior of 0.6 gave 2 at this cost
+    for _ in range(400):                                           # then a free one: nothing accepted
+        controller.observe_acceptance(_Req([3]), 4, 0)
+    drafts, alpha = controller.justified_drafts(_Req([4]), 0.3, 4)
+    assert alpha < 0.1 and drafts == 0
+    # its own verifications soon outweigh the prior
+    late = _Req([7])
+    for _ in range(5):
+        controller.observe_acceptance(late, 4, 4)
+    assert controller.justified_drafts(late, 0.3, 4)[1] > 0.8
 
 
 def test_disable_by_batch_size():
