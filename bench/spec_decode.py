@@ -29,7 +29,8 @@ request's slot takes the next, as a server at that concurrency): throughput is t
 figure, tokens and seconds until the last request is admitted (`bench.interleaved`). A closed batch
 (W = 1) ends in a drain, and speculation, which finishes some requests sooner than others, drains
 through small, dear steps the plain batch never runs: its throughput there is the drain's more
-than the decode's (`edit`, B = 8: TPOT 0.91x, closed-batch tok/s 0.94x).
+than the decode's (`edit`, B = 8: TPOT 0.91x, closed-batch tok/s 0.94x in
+session 9's runs; 0.86x and 0.98-1.01x in session 10's).
 
     .venv/bin/python bench/spec_decode.py --batch-sizes 1,8,32,128 --rounds 3
     .venv/bin/python bench/spec_decode.py --model copy --workloads copy,free --batch-sizes 1
