@@ -14,8 +14,10 @@ stage-A cost model to see what the engine alone would take:
    `cbserve_step_seconds` histogram) is that role's contention factor (a fixed point: a slower step
    grows the batches, so the measured mean over the simulated one at factor 1 overshoots): two
    pods, the router and the client sharing the machine's cores (and, on a shared machine, the
-   neighbours); a colocated-2 cluster takes the same kind of run for the colocated pods' factor,
-   and a colocated-1 cluster for a lone pod's:
+   neighbours); a colocated-2 cluster takes the same kind of run, then one near its knee (pods
+   busy `high_busy` of the time), for the colocated pods' per-step overhead and factor (the line
+   through the two runs' fixed points, `_fit_colocated_line`: one factor falls as steps grow), and
+   a colocated-1 cluster one run for a lone pod's factor:
    a step is slower while another engine steps on another core (measured: a colocated-1 pod's
    steps at 0.8-1.3x the profiled cost, a colocated-2 pod's at about 1.8x, both all CPU time, so
    not a share of the cores but the caches and memory both engines use), so a one-pod cluster
@@ -62,6 +64,7 @@ class InSituSettings:
     mix: str = "chat"               # the calibration workload
     seed: int = 0
     target_busy: float = 0.6        # the load run's rate: this share of the busiest pod's time
+    high_busy: float = 0.95         # the colocated-2 cluster's second run: near its knee
 
 
 def probe_requests(profile: Profile, repeats: int, seed: int) -> list[RequestSpec]:
@@ -285,6 +288,42 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
     return replace(serving, **fixed_point({field: measured}, simulate, {field: 1.0}))
 
 
+def _fit_colocated_line(profile: Profile, settings: InSituSettings, runs: list[dict],
+                        serving: ServingProfile) -> tuple[ServingProfile, list[dict]]:
+    """`colocated_contention` and `colocated_step_overhead_s` from the colocated-2 runs (`raw
+    ["colocated"]`, and `raw["colocated_high"]` near the knee where stage B took it), and what
+    each run says (the list, for the profile's `in_situ`).
+
+    A colocated pod's wall per profiled second is not one number: small int8's pair measured 1.23
+    at stage B's load (34 ms profiled steps) and 1.01-1.19 at 2.25-3 req/s of fixed-256-64 (64-119
+    ms; session 9). So `wall = overhead + factor x profiled` per step (`PodCosts.seconds`): each
+    run's one-factor fixed point f_i gives its mean step before the factor, p_i = m_i / f_i (the
+    profiled cost times the cores' share, as the simulated run had it at that mean step m_i), and
+    the line through the two (p_i, m_i) is the pair. The line's mean step is m_i at each p_i, so
+    each run's fixed point is kept. An overhead below 0 (or a slope at or below 0: two runs' noise)
+    is no model of a step: then one factor, the least-squares line through the origin. One run
+    (older profiles): its factor, no overhead."""
+    base = replace(serving, colocated_step_overhead_s=0.0)
+    points = []
+    for run in runs:
+        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
+        fitted = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention", run["step_seconds"],
+                                           base)
+        measured = _step_mean(run["step_seconds"], "colocated")
+        if measured is not None:
+            points.append({"load_rate": run["load_rate"], "factor": fitted.colocated_contention,
+                           "measured_step_s": measured, "step_before_factor_s": measured / fitted.colocated_contention})
+    if not points:
+        return serving, points
+    (p1, m1), (p2, m2) = ((q["step_before_factor_s"], q["measured_step_s"]) for q in (points[0], points[-1]))
+    slope = (m2 - m1) / (p2 - p1) if abs(p2 - p1) > 1e-12 else 0.0
+    overhead = m1 - slope * p1
+    if len(points) < 2 or overhead < 0 or slope <= 0:
+        slope, overhead = sum(q["measured_step_s"] * q["step_before_factor_s"] for q in points) / sum(
+            q["step_before_factor_s"] ** 2 for q in points), 0.0
+    return replace(serving, colocated_contention=slope, colocated_step_overhead_s=overhead), points
+
+
 def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],
                  serving: ServingProfile) -> ServingProfile:
     """The loop gap that brings the simulated TPOT median to the measured one, then the longer
@@ -343,8 +382,9 @@ def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, 
     return out
 
 
-def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD) -> float:
-    """A rate at which the simulated busiest pod is busy about `target_busy` of the time."""
+def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, target_busy: float | None = None) -> float:
+    """A rate at which the simulated busiest pod is busy about `target_busy` (the settings') of the time."""
+    target_busy = settings.target_busy if target_busy is None else target_busy
     mix = MIXES[settings.mix]
     rate = 0.125
     chosen = rate
@@ -354,7 +394,7 @@ def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD) ->
         results, steps = _simulate(profile, requests, fields)
         elapsed = max((r.done_s or 0.0) for r in results)
         busy = max(b for b, _ in steps.values()) / pods / max(elapsed, 1e-9)
-        if busy > settings.target_busy:
+        if busy > target_busy:
             break
         chosen = rate
         rate *= 1.5
@@ -384,27 +424,34 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         load_results, step_seconds, cpu_used, threads = _load_run(cluster, load, model_id)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
            "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads}
-    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run;
-    # and one pod alone, whose steps no other engine's slow down.
-    for key, fields in (("colocated", COLOCATED), ("alone", ALONE)):
-        raw[key] = _colocated_run(profile, args, spec, fields, settings, log_dir, log)
+    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own runs,
+    # at two loads (`_fit_colocated_line`); and one pod alone, whose steps no other engine's slow down.
+    raw["colocated"], raw["colocated_high"] = _colocated_runs(
+        profile, args, spec, COLOCATED, (settings.target_busy, settings.high_busy), settings, log_dir, log)
+    raw["alone"], = _colocated_runs(profile, args, spec, ALONE, (settings.target_busy,), settings, log_dir, log)
     raw["seconds"] = time.monotonic() - started
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
 
 
-def _colocated_run(profile: Profile, args, spec: ClusterSpec, fields: dict, settings: InSituSettings,
-                   log_dir: str, log) -> dict:
-    """A colocated cluster's load run (`fields`), as `raw["colocated"]` / `raw["alone"]` keep it."""
+def _colocated_runs(profile: Profile, args, spec: ClusterSpec, fields: dict, targets: tuple[float, ...],
+                    settings: InSituSettings, log_dir: str, log) -> list[dict]:
+    """A colocated cluster's (`fields`) load runs, one after another on one cluster, each at the
+    rate that keeps the simulated pods busy that `targets` share of the time; each as
+    `raw["colocated"]` / `raw["colocated_high"]` / `raw["alone"]` keep it."""
     mix, pods = MIXES[settings.mix], fields["num_colocated"]
-    rate = _load_rate(with_serving(profile, ServingProfile()), settings, fields)
-    requests = mix.requests(rate, settings.seconds, settings.seed)
-    log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at {rate:g} req/s")
+    rates = [_load_rate(with_serving(profile, ServingProfile()), settings, fields, busy) for busy in targets]
+    log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at " + ", then ".join(f"{r:g}" for r in rates)
+        + " req/s")
+    runs = []
     with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=pods), log_dir=log_dir) as cluster:
         asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
-        results, steps, cpu_used, threads = _load_run(cluster, requests, args.model)
-    return {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
-            "cpu_seconds": cpu_used, "cpu_threads": threads}
+        for rate in rates:
+            results, steps, cpu_used, threads = _load_run(cluster, mix.requests(rate, settings.seconds, settings.seed),
+                                                          args.model)
+            runs.append({"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
+                         "cpu_seconds": cpu_used, "cpu_threads": threads})
+    return runs
 
 
 def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str):
@@ -453,18 +500,21 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
     colocated = raw.get("colocated")
-    for key, fields, field in (("colocated", COLOCATED, "colocated_contention"), ("alone", ALONE, "alone_contention")):
-        run = raw.get(key)
-        if run:
-            requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
-            serving = _fit_colocated_contention(profile, requests, fields, field, run["step_seconds"], serving)
+    line = None
+    if colocated:
+        serving, line = _fit_colocated_line(profile, settings, [r for r in (colocated, raw.get("colocated_high")) if r],
+                                            serving)
+    if raw.get("alone"):
+        requests = MIXES[settings.mix].requests(raw["alone"]["load_rate"], settings.seconds, settings.seed)
+        serving = _fit_colocated_contention(profile, requests, ALONE, "alone_contention", raw["alone"]["step_seconds"],
+                                            serving)
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
     in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
                "load_seconds": settings.seconds,
                "colocated_load_rate": colocated["load_rate"] if colocated else None,
-               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"),
+               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_line": line,
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

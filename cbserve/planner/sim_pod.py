@@ -15,9 +15,10 @@ group and frees its local layers' pages behind their window, unless `--kv-cache-
 speculation keeps one group), and a pull moves what P/D's `KVSource` moves: each group's pages
 from where `KVCacheManager.pull_starts` starts it (`SimPod.pull_pages`).
 
-The step costs `PodCosts.step_seconds(out)`: the profiled cost model on the step's shape times the
-in-situ contention factor, times the share of the cores it gets (`cpu_share.CpuShare`, where the
-pods share a machine's cores), times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
+The step costs `PodCosts.step_seconds(out, scale)`: the profiled cost model on the step's shape times
+the share of the cores it gets (`cpu_share.CpuShare`, where the pods share a machine's cores) and
+the machine's `Jitter` at that instant (`scale`), times the in-situ contention factor, plus the
+in-situ per-step overhead (colocated pods; 0 elsewhere and in older profiles). The pod's load report is built by the pods' own `build_load_report`
 from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 `REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
 """
@@ -54,9 +55,18 @@ class PodCosts:
     model: StepCostModel
     contention: float = 1.0     # serving's wall seconds per profiled second (in situ)
     step_gap_s: float = 0.0     # the pod's loop between two steps (outputs out, commands in)
+    step_overhead_s: float = 0.0    # serving's wall seconds per step besides (in situ; 0: one factor)
 
-    def step_seconds(self, out: SchedulerOutput) -> float:
-        return self.model.seconds(StepShape.of(out)) * self.contention
+    def seconds(self, shape: StepShape, scale: float = 1.0) -> float:
+        """A step's wall seconds: its profiled cost, times `scale` (the cores' share and the
+        machine's jitter at that moment) and the contention factor, plus the per-step overhead.
+        A fixed cost per step with a factor below the one-point factor is the factor falling as
+        steps grow (`in_situ._fit_colocated_line`: small's colocated pods, 1.23 at 34 ms steps,
+        1.0-1.07 at 100-120 ms)."""
+        return self.model.seconds(shape) * scale * self.contention + self.step_overhead_s
+
+    def step_seconds(self, out: SchedulerOutput, scale: float = 1.0) -> float:
+        return self.seconds(StepShape.of(out), scale)
 
 
 @dataclass(frozen=True)
@@ -191,11 +201,12 @@ class SimPod:
             sampled: dict[str, int] = {}
             seconds = 0.0
             if out.scheduled:
-                seconds = costs.step_seconds(out)
+                scale = 1.0
                 if self.cpu_share is not None:
-                    seconds *= self.cpu_share.factor(self.name)
+                    scale *= self.cpu_share.factor(self.name)
                 if self.jitter is not None:
-                    seconds *= self.jitter.factor(self.clock())
+                    scale *= self.jitter.factor(self.clock())
+                seconds = costs.step_seconds(out, scale)
                 if self.cpu_share is not None:
                     self.cpu_share.stepped(self.name, self.clock(), self.clock() + seconds)
                 await asyncio.sleep(seconds)
