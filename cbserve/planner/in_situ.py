@@ -211,6 +211,8 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
                    colocated_cpu_per_token_s=colocated_rate)
 
 
+HIGHER_RATE = 1.2              # the colocated runs' rates after the first: a finer ladder above it
+MIN_LEVER = 1.2                # the colocated line needs the second run's steps this much longer
 FIXED_POINT_ROUNDS = 8          # simulations at most per fitted set of factors
 FIXED_POINT_TOLERANCE = 0.01    # every simulated mean step within 1% of its measured one
 
@@ -301,8 +303,9 @@ def _fit_colocated_line(profile: Profile, settings: InSituSettings, runs: list[d
     profiled cost times the cores' share, as the simulated run had it at that mean step m_i), and
     the line through the two (p_i, m_i) is the pair. The line's mean step is m_i at each p_i, so
     each run's fixed point is kept. An overhead below 0 (or a slope at or below 0: two runs' noise)
-    is no model of a step: then one factor, the least-squares line through the origin. One run
-    (older profiles): its factor, no overhead."""
+    is no model of a step, and two runs whose steps differ by less than `MIN_LEVER` give a line
+    that is noise: then one factor, the least-squares line through the origin. One run (older
+    profiles): its factor, no overhead."""
     base = replace(serving, colocated_step_overhead_s=0.0)
     points = []
     for run in runs:
@@ -316,7 +319,7 @@ def _fit_colocated_line(profile: Profile, settings: InSituSettings, runs: list[d
     if not points:
         return serving, points
     (p1, m1), (p2, m2) = ((q["step_before_factor_s"], q["measured_step_s"]) for q in (points[0], points[-1]))
-    slope = (m2 - m1) / (p2 - p1) if abs(p2 - p1) > 1e-12 else 0.0
+    slope = (m2 - m1) / (p2 - p1) if p2 > MIN_LEVER * p1 else 0.0
     overhead = m1 - slope * p1
     if len(points) < 2 or overhead < 0 or slope <= 0:
         slope, overhead = sum(q["measured_step_s"] * q["step_before_factor_s"] for q in points) / sum(
@@ -382,11 +385,13 @@ def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, 
     return out
 
 
-def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, target_busy: float | None = None) -> float:
-    """A rate at which the simulated busiest pod is busy about `target_busy` (the settings') of the time."""
+def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, target_busy: float | None = None,
+               start: float = 0.125, growth: float = 1.5) -> float:
+    """The highest rate of `start` x `growth`^k (k < 10; `start` if none) at which the simulated
+    busiest pod is busy at most `target_busy` (the settings') of the time."""
     target_busy = settings.target_busy if target_busy is None else target_busy
     mix = MIXES[settings.mix]
-    rate = 0.125
+    rate = start
     chosen = rate
     pods = fields.get("num_colocated") or 1
     for _ in range(10):
@@ -397,7 +402,7 @@ def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, ta
         if busy > target_busy:
             break
         chosen = rate
-        rate *= 1.5
+        rate *= growth
     return chosen
 
 
@@ -437,10 +442,14 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
 def _colocated_runs(profile: Profile, args, spec: ClusterSpec, fields: dict, targets: tuple[float, ...],
                     settings: InSituSettings, log_dir: str, log) -> list[dict]:
     """A colocated cluster's (`fields`) load runs, one after another on one cluster, each at the
-    rate that keeps the simulated pods busy that `targets` share of the time; each as
-    `raw["colocated"]` / `raw["colocated_high"]` / `raw["alone"]` keep it."""
+    rate that keeps the simulated pods busy that `targets` share of the time, each one above the
+    last (a finer ladder from it: the first's steps of 1.5x can jump from 60% busy to past the
+    knee, tiny's did); each as `raw["colocated"]` / `raw["colocated_high"]` / `raw["alone"]` keep it."""
     mix, pods = MIXES[settings.mix], fields["num_colocated"]
-    rates = [_load_rate(with_serving(profile, ServingProfile()), settings, fields, busy) for busy in targets]
+    bare = with_serving(profile, ServingProfile())
+    rates = [_load_rate(bare, settings, fields, targets[0])]
+    for busy in targets[1:]:
+        rates.append(_load_rate(bare, settings, fields, busy, start=rates[-1] * HIGHER_RATE, growth=HIGHER_RATE))
     log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at " + ", then ".join(f"{r:g}" for r in rates)
         + " req/s")
     runs = []

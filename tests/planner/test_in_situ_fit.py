@@ -251,3 +251,30 @@ def test_an_old_profile_without_the_overhead_steps_at_its_one_factor(tmp_path):
         for role, factor in (("decode", 1.2), ("prefill", 0.9), ("alone", 1.3)):
             assert costs[role].seconds(shape) == pytest.approx(factor * profiled, rel=1e-12)
         assert costs["colocated"].seconds(shape) == pytest.approx(1.1 * profiled + overhead, rel=1e-12)
+
+
+def test_two_runs_of_about_the_same_steps_give_one_factor_not_a_line(profile):
+    """Two colocated runs at one rate (tiny's stage B, before the finer ladder): their steps
+    differ by noise only, so no line through them; one factor, between the two runs' own."""
+    from dataclasses import replace
+
+    from cbserve.planner.in_situ import InSituSettings, _fit_colocated_line
+
+    settings = InSituSettings(seconds=6.0)
+    truth = replace(TRUTH, colocated_contention=1.1, colocated_step_overhead_s=0.006)
+    low = _colocated_runs(profile, truth, settings, (6.0,))[0]
+    noisy = low | {"step_seconds": {"colocated": [low["step_seconds"]["colocated"][0] * 1.03,
+                                                  low["step_seconds"]["colocated"][1]]}}
+    serving, points = _fit_colocated_line(profile, settings, [low, noisy], TRUTH)
+    a, b = sorted(p["factor"] for p in points)
+    assert serving.colocated_step_overhead_s == 0.0 and a <= serving.colocated_contention <= b
+
+
+def test_the_second_colocated_rate_is_above_the_first(profile):
+    """The knee run's rate comes from a finer ladder above the first run's, so it is never the same."""
+    from cbserve.planner.in_situ import COLOCATED, HIGHER_RATE, InSituSettings, _load_rate
+
+    settings = InSituSettings(seconds=4.0)
+    low = _load_rate(profile, settings, COLOCATED, 0.6)
+    high = _load_rate(profile, settings, COLOCATED, 0.95, start=low * HIGHER_RATE, growth=HIGHER_RATE)
+    assert high >= low * HIGHER_RATE
