@@ -15,9 +15,10 @@ stage-A cost model to see what the engine alone would take:
    grows the batches, so the measured mean over the simulated one at factor 1 overshoots): two
    pods, the router and the client sharing the machine's cores (and, on a shared machine, the
    neighbours); a colocated-2 cluster takes the same kind of run, then one near its knee (pods
-   busy `high_busy` of the time), for the colocated pods' per-step overhead and factor (the line
-   through the two runs' fixed points, `_fit_colocated_line`: one factor falls as steps grow), and
-   a colocated-1 cluster one run for a lone pod's factor:
+   busy `high_busy` of the time): plans step a colocated pod's decode rows at the decode factor
+   and its prefill chunks at the prefill factor (`sim_pod.PodCosts.seconds`), and the two runs
+   check that (`_colocated_check`; their own one factor, kept as `colocated_contention`, falls as
+   the steps take more prefill); a colocated-1 cluster takes one run for a lone pod's factor:
    a step is slower while another engine steps on another core (measured: a colocated-1 pod's
    steps at 0.8-1.3x the profiled cost, a colocated-2 pod's at about 1.8x, both all CPU time, so
    not a share of the cores but the caches and memory both engines use), so a one-pod cluster
@@ -212,7 +213,6 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
 
 
 HIGHER_RATE = 1.2              # the colocated runs' rates after the first: a finer ladder above it
-MIN_LEVER = 1.2                # the colocated line needs the second run's steps this much longer
 FIXED_POINT_ROUNDS = 8          # simulations at most per fitted set of factors
 FIXED_POINT_TOLERANCE = 0.01    # every simulated mean step within 1% of its measured one
 
@@ -239,6 +239,8 @@ def fixed_point(measured: dict[str, float], simulate: Callable[[dict[str, float]
         if all(abs(r - 1.0) <= FIXED_POINT_TOLERANCE for r in ratios.values()):
             break
         for k, ratio in ratios.items():
+            if abs(ratio - 1.0) <= FIXED_POINT_TOLERANCE:
+                continue        # this one is there (an exact 1 would set its upper end and go to 0)
             f = factors[k]
             if ratio > 1.0:
                 lower[k] = max(lower[k], f)
@@ -290,41 +292,30 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
     return replace(serving, **fixed_point({field: measured}, simulate, {field: 1.0}))
 
 
-def _fit_colocated_line(profile: Profile, settings: InSituSettings, runs: list[dict],
-                        serving: ServingProfile) -> tuple[ServingProfile, list[dict]]:
-    """`colocated_contention` and `colocated_step_overhead_s` from the colocated-2 runs (`raw
-    ["colocated"]`, and `raw["colocated_high"]` near the knee where stage B took it), and what
-    each run says (the list, for the profile's `in_situ`).
+def _colocated_check(profile: Profile, settings: InSituSettings, runs: list[dict],
+                     serving: ServingProfile) -> list[dict]:
+    """Each colocated-2 run (`raw["colocated"]`, and `raw["colocated_high"]` near the knee where
+    stage B took it): its measured mean step, the simulated one with the steps split by part
+    (`serving.colocated_split`, what plans use) and its own one-factor fixed point.
 
-    A colocated pod's wall per profiled second is not one number: small int8's pair measured 1.23
-    at stage B's load (34 ms profiled steps) and 1.01-1.19 at 2.25-3 req/s of fixed-256-64 (64-119
-    ms; session 9). So `wall = overhead + factor x profiled` per step (`PodCosts.seconds`): each
-    run's one-factor fixed point f_i gives its mean step before the factor, p_i = m_i / f_i (the
-    profiled cost times the cores' share, as the simulated run had it at that mean step m_i), and
-    the line through the two (p_i, m_i) is the pair. The line's mean step is m_i at each p_i, so
-    each run's fixed point is kept. An overhead below 0 (or a slope at or below 0: two runs' noise)
-    is no model of a step, and two runs whose steps differ by less than `MIN_LEVER` give a line
-    that is noise: then one factor, the least-squares line through the origin. One run (older
-    profiles): its factor, no overhead."""
-    base = replace(serving, colocated_step_overhead_s=0.0)
-    points = []
+    Why the split: one colocated factor is right only for the mix of decode and prefill work it
+    was fitted on. Small int8's pair measured 1.23-1.37 on `chat` at stage B's load and 1.01-1.14
+    on fixed-256-64 at 2.25-3 req/s (more prefill per step); its decode rows at the 1P+1D run's
+    decode factor (1.27-1.45) and its prefill chunks at the prefill factor (0.59-0.72) give both
+    runs' mean steps within 10% and every knee row's goodput within 5% (sessions 9 and 10)."""
+    out = []
+    single = replace(serving, colocated_split=False)
     for run in runs:
-        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
-        fitted = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention", run["step_seconds"],
-                                           base)
         measured = _step_mean(run["step_seconds"], "colocated")
-        if measured is not None:
-            points.append({"load_rate": run["load_rate"], "factor": fitted.colocated_contention,
-                           "measured_step_s": measured, "step_before_factor_s": measured / fitted.colocated_contention})
-    if not points:
-        return serving, points
-    (p1, m1), (p2, m2) = ((q["step_before_factor_s"], q["measured_step_s"]) for q in (points[0], points[-1]))
-    slope = (m2 - m1) / (p2 - p1) if p2 > MIN_LEVER * p1 else 0.0
-    overhead = m1 - slope * p1
-    if len(points) < 2 or overhead < 0 or slope <= 0:
-        slope, overhead = sum(q["measured_step_s"] * q["step_before_factor_s"] for q in points) / sum(
-            q["step_before_factor_s"] ** 2 for q in points), 0.0
-    return replace(serving, colocated_contention=slope, colocated_step_overhead_s=overhead), points
+        if measured is None:
+            continue
+        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
+        factor = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention", run["step_seconds"],
+                                           single).colocated_contention
+        _, steps = _simulate(with_serving(profile, serving), requests, COLOCATED)
+        out.append({"load_rate": run["load_rate"], "measured_step_s": measured,
+                    "simulated_step_s": _step_mean(steps, "colocated"), "factor": factor})
+    return out
 
 
 def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],
@@ -430,7 +421,7 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
            "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads}
     # Colocated pods share the machine differently (no KV streaming, mixed steps): their own runs,
-    # at two loads (`_fit_colocated_line`); and one pod alone, whose steps no other engine's slow down.
+    # at two loads (`_colocated_check`); and one pod alone, whose steps no other engine's slow down.
     raw["colocated"], raw["colocated_high"] = _colocated_runs(
         profile, args, spec, COLOCATED, (settings.target_busy, settings.high_busy), settings, log_dir, log)
     raw["alone"], = _colocated_runs(profile, args, spec, ALONE, (settings.target_busy,), settings, log_dir, log)
@@ -509,10 +500,13 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
     colocated = raw.get("colocated")
-    line = None
+    check = None
     if colocated:
-        serving, line = _fit_colocated_line(profile, settings, [r for r in (colocated, raw.get("colocated_high")) if r],
-                                            serving)
+        requests = MIXES[settings.mix].requests(colocated["load_rate"], settings.seconds, settings.seed)
+        serving = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention",
+                                            colocated["step_seconds"], serving)
+        serving = replace(serving, colocated_split=True)
+        check = _colocated_check(profile, settings, [r for r in (colocated, raw.get("colocated_high")) if r], serving)
     if raw.get("alone"):
         requests = MIXES[settings.mix].requests(raw["alone"]["load_rate"], settings.seconds, settings.seed)
         serving = _fit_colocated_contention(profile, requests, ALONE, "alone_contention", raw["alone"]["step_seconds"],
@@ -523,7 +517,7 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
                "load_seconds": settings.seconds,
                "colocated_load_rate": colocated["load_rate"] if colocated else None,
-               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_line": line,
+               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_check": check,
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

@@ -17,8 +17,8 @@ from where `KVCacheManager.pull_starts` starts it (`SimPod.pull_pages`).
 
 The step costs `PodCosts.step_seconds(out, scale)`: the profiled cost model on the step's shape times
 the share of the cores it gets (`cpu_share.CpuShare`, where the pods share a machine's cores) and
-the machine's `Jitter` at that instant (`scale`), times the in-situ contention factor, plus the
-in-situ per-step overhead (colocated pods; 0 elsewhere and in older profiles). The pod's load report is built by the pods' own `build_load_report`
+the machine's `Jitter` at that instant (`scale`), times the in-situ contention factor: a colocated
+pod's decode rows at the decode factor and its prefill chunks at the prefill factor (`PodCosts.seconds`). The pod's load report is built by the pods' own `build_load_report`
 from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 `REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
 """
@@ -55,15 +55,22 @@ class PodCosts:
     model: StepCostModel
     contention: float = 1.0     # serving's wall seconds per profiled second (in situ)
     step_gap_s: float = 0.0     # the pod's loop between two steps (outputs out, commands in)
-    step_overhead_s: float = 0.0    # serving's wall seconds per step besides (in situ; 0: one factor)
+    prefill_contention: float | None = None     # a colocated pod's: its steps' prefill part's factor
 
     def seconds(self, shape: StepShape, scale: float = 1.0) -> float:
-        """A step's wall seconds: its profiled cost, times `scale` (the cores' share and the
-        machine's jitter at that moment) and the contention factor, plus the per-step overhead.
-        A fixed cost per step with a factor below the one-point factor is the factor falling as
-        steps grow (`in_situ._fit_colocated_line`: small's colocated pods, 1.23 at 34 ms steps,
-        1.0-1.07 at 100-120 ms)."""
-        return self.model.seconds(shape) * scale * self.contention + self.step_overhead_s
+        """A step's wall seconds: its profiled cost times `scale` (the cores' share and the
+        machine's jitter at that moment) and the contention factor. A colocated pod's step
+        (`prefill_contention` set) is split: its decode rows' cost (`StepShape.decode_part`) at
+        the decode factor, the rest (its prefill chunks) at the prefill factor, as a 1P+1D run
+        measures them; one factor for the whole step is right only for the mix of the two it was
+        fitted on (small int8's colocated pair: 1.23-1.37 on `chat` at stage B's load, 1.01-1.14
+        on fixed-256-64 at 2.25-3 req/s, whose steps hold more prefill; decode 1.27-1.45, prefill
+        0.59-0.72)."""
+        total = self.model.seconds(shape)
+        if self.prefill_contention is None or not shape.prefill_chunks:
+            return total * scale * self.contention
+        decode = self.model.seconds(shape.decode_part()) if shape.num_decodes else 0.0
+        return scale * (self.contention * decode + self.prefill_contention * max(0.0, total - decode))
 
     def step_seconds(self, out: SchedulerOutput, scale: float = 1.0) -> float:
         return self.seconds(StepShape.of(out), scale)

@@ -162,71 +162,17 @@ def test_fixed_point_stays_in_its_bracket_where_the_plain_rounds_swing_apart():
     assert factors["a"] == pytest.approx(2.0, rel=0.03) and factors["b"] == 3.0
     assert all(0.99 < c["a"] < 8.01 for c in calls)     # never outside the first bracket [1, 8]
     assert fixed_point({"a": 6.0}, lambda f: {"a": 2.0 * f["a"]}, {"a": 1.0}) == {"a": 3.0}
+    # A name already there while another is not keeps its factor (an exact 1 once sent it to 0).
+    assert fixed_point({"a": 6.0, "b": 1.0}, lambda f: {"a": 2.0 * f["a"], "b": f["b"]}, {"a": 1.0, "b": 1.0}) \
+        == {"a": 3.0, "b": 1.0}
 
 
-def _colocated_runs(profile, truth, settings, rates):
-    """Stage B's colocated-2 runs at `rates`, made by the simulator with the `truth` serving."""
-    from cbserve.goodput.workloads import MIXES
-    from cbserve.planner.in_situ import COLOCATED, _result_json
 
-    runs = []
-    for rate in rates:
-        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
-        results, steps = _simulate(with_serving(profile, truth), requests, COLOCATED)
-        runs.append({"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps})
-    return runs
-
-
-def test_two_colocated_loads_give_the_per_step_overhead_and_the_factor(profile):
-    """Colocated pods whose steps cost 6 ms + 1.1 x the profiled cost, run at a light and a heavy
-    load: the line through the two runs' fixed points finds both, where one factor is 2.3 at the
-    light load and 2.0 at the heavy one; the fitted pair reproduces both runs' mean steps."""
-    from dataclasses import replace
-
-    from cbserve.planner.in_situ import COLOCATED, InSituSettings, _fit_colocated_line, _step_mean
-
-    settings = InSituSettings(seconds=6.0)
-    truth = replace(TRUTH, colocated_contention=1.1, colocated_step_overhead_s=0.006)
-    runs = _colocated_runs(profile, truth, settings, (3.0, 14.0))
-    serving, points = _fit_colocated_line(profile, settings, runs, TRUTH)
-    assert serving.colocated_contention == pytest.approx(1.1, rel=0.05)
-    assert serving.colocated_step_overhead_s == pytest.approx(0.006, rel=0.2)
-    factors = [p["factor"] for p in points]
-    assert factors[0] > factors[1] + 0.3                # one factor falls as the steps grow
-    for run in runs:
-        requests = _requests(settings, run["load_rate"])
-        _, steps = _simulate(with_serving(profile, serving), requests, COLOCATED)
-        assert _step_mean(steps, "colocated") == pytest.approx(_step_mean(run["step_seconds"], "colocated"), rel=0.03)
-
-
-def _requests(settings, rate):
-    from cbserve.goodput.workloads import MIXES
-
-    return MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
-
-
-def test_a_line_without_a_positive_overhead_is_one_factor_and_one_run_keeps_its_own(profile):
-    """Steps at 1.4 x the profiled cost less 3 ms (shorter than one factor says as they grow): no
-    overhead below 0, one factor through both runs instead (between their own). One run alone
-    (a profile from before the second run): exactly its fixed point's factor."""
-    from dataclasses import replace
-
-    from cbserve.planner.in_situ import InSituSettings, _fit_colocated_line
-
-    settings = InSituSettings(seconds=6.0)
-    truth = replace(TRUTH, colocated_contention=1.4, colocated_step_overhead_s=-0.003)
-    runs = _colocated_runs(profile, truth, settings, (3.0, 14.0))
-    serving, points = _fit_colocated_line(profile, settings, runs, TRUTH)
-    low, high = sorted(p["factor"] for p in points)
-    assert serving.colocated_step_overhead_s == 0.0 and low < serving.colocated_contention < high
-    one, (point,) = _fit_colocated_line(profile, settings, runs[:1], TRUTH)
-    assert one.colocated_step_overhead_s == 0.0 and one.colocated_contention == pytest.approx(point["factor"], rel=1e-12)
-
-
-def test_an_old_profile_without_the_overhead_steps_at_its_one_factor(tmp_path):
-    """A serving section written before `colocated_step_overhead_s` loads with 0: every role's
-    step is its factor times the profiled cost, as before; a new one keeps the overhead, on the
-    colocated pods only."""
+def test_a_colocated_step_is_split_by_part_at_the_disaggregated_factors(tmp_path):
+    """With `colocated_split` a colocated pod's mixed step is its decode rows' cost at the decode
+    factor plus the rest (its prefill chunks) at the prefill factor; a decode-only step is all at
+    the decode factor. A serving section written before the field (an old profile) loads without
+    it: every role, colocated too, steps at its one factor as before."""
     import json
 
     from cbserve.planner.profile import load_profile
@@ -234,41 +180,57 @@ def test_an_old_profile_without_the_overhead_steps_at_its_one_factor(tmp_path):
 
     from tests.planner.conftest import make_profile
 
-    new = make_profile(ServingProfile(contention=1.2, prefill_contention=0.9, colocated_contention=1.1,
-                                      alone_contention=1.3, colocated_step_overhead_s=0.005))
+    serving = ServingProfile(contention=1.5, prefill_contention=0.6, colocated_contention=1.1, alone_contention=1.3,
+                             colocated_split=True)
     path = tmp_path / "new.json"
-    new.save(path)
+    make_profile(serving).save(path)
     data = json.loads(path.read_text())
-    assert data["serving"]["colocated_step_overhead_s"] == 0.005
-    del data["serving"]["colocated_step_overhead_s"]
+    assert data["serving"]["colocated_split"] is True
+    del data["serving"]["colocated_split"]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    shape = StepShape(4, 400, 400, 400, num_sampled=4)
-    for name, overhead in (("old", 0.0), ("new", 0.005)):
-        profile = load_profile(tmp_path / f"{name}.json")
-        assert profile.serving.colocated_step_overhead_s == overhead
-        costs = profile.pod_costs()
-        profiled = profile.cost_model.seconds(shape)
-        for role, factor in (("decode", 1.2), ("prefill", 0.9), ("alone", 1.3)):
-            assert costs[role].seconds(shape) == pytest.approx(factor * profiled, rel=1e-12)
-        assert costs["colocated"].seconds(shape) == pytest.approx(1.1 * profiled + overhead, rel=1e-12)
+    mixed = StepShape(4, 400, 100, 100, prefill_chunks=((200, 0),), num_sampled=5)
+    decodes = mixed.decode_part()
+    assert decodes == StepShape(4, 400, 100, 100, (), 4)
+    new, old = load_profile(path), load_profile(tmp_path / "old.json")
+    assert old.serving.colocated_split is False
+    model = new.cost_model
+    whole, decode = model.seconds(mixed), model.seconds(decodes)
+    assert 0 < decode < whole
+    costs = new.pod_costs()
+    assert costs["colocated"].seconds(mixed) == pytest.approx(1.5 * decode + 0.6 * (whole - decode), rel=1e-12)
+    assert costs["colocated"].seconds(decodes) == pytest.approx(1.5 * decode, rel=1e-12)
+    assert costs["colocated"].seconds(mixed, scale=2.0) == pytest.approx(2 * (1.5 * decode + 0.6 * (whole - decode)))
+    for role, factor in (("decode", 1.5), ("prefill", 0.6), ("alone", 1.3)):
+        assert costs[role].seconds(mixed) == pytest.approx(factor * whole, rel=1e-12)
+    for role, factor in (("decode", 1.5), ("prefill", 0.6), ("alone", 1.3), ("colocated", 1.1)):
+        assert old.pod_costs()[role].seconds(mixed) == pytest.approx(factor * whole, rel=1e-12)
 
 
-def test_two_runs_of_about_the_same_steps_give_one_factor_not_a_line(profile):
-    """Two colocated runs at one rate (tiny's stage B, before the finer ladder): their steps
-    differ by noise only, so no line through them; one factor, between the two runs' own."""
+def test_stage_b_checks_the_split_on_both_colocated_runs(profile):
+    """Colocated pods that really step by part (decode 2.0, prefill 2.0 x 0.5), run at a light
+    and a heavy load: the fitted profile splits, reproduces both runs' mean steps, and records
+    each run's own one factor, which falls as the heavier load's steps take more prefill."""
     from dataclasses import replace
 
-    from cbserve.planner.in_situ import InSituSettings, _fit_colocated_line
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import COLOCATED, PD, InSituSettings, _result_json, fit_in_situ
 
-    settings = InSituSettings(seconds=6.0)
-    truth = replace(TRUTH, colocated_contention=1.1, colocated_step_overhead_s=0.006)
-    low = _colocated_runs(profile, truth, settings, (6.0,))[0]
-    noisy = low | {"step_seconds": {"colocated": [low["step_seconds"]["colocated"][0] * 1.03,
-                                                  low["step_seconds"]["colocated"][1]]}}
-    serving, points = _fit_colocated_line(profile, settings, [low, noisy], TRUTH)
-    a, b = sorted(p["factor"] for p in points)
-    assert serving.colocated_step_overhead_s == 0.0 and a <= serving.colocated_contention <= b
-
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, prefill_contention=1.0, colocated_split=True)
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
+    for key, fields, rate in ((None, PD, 2.0), ("colocated", COLOCATED, 2.0), ("colocated_high", COLOCATED, 14.0)):
+        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
+        results, steps = _simulate(with_serving(profile, truth), requests, fields)
+        run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
+        raw |= run if key is None else {key: run}
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.colocated_split        # (the 1P+1D factors as the fit finds them: 1.9 and 0.9 here)
+    assert serving.contention == pytest.approx(2.0, rel=0.1) and serving.prefill_contention == pytest.approx(1.0, rel=0.15)
+    low, high = serving.in_situ["colocated_check"]
+    for run in (low, high):
+        assert run["simulated_step_s"] == pytest.approx(run["measured_step_s"], rel=0.05)
+    assert low["factor"] > high["factor"] + 0.05
 
 def test_the_second_colocated_rate_is_above_the_first(profile):
     """The knee run's rate comes from a finer ladder above the first run's, so it is never the same."""
