@@ -18,8 +18,8 @@ from where `KVCacheManager.pull_starts` starts it (`SimPod.pull_pages`).
 The step costs `PodCosts.step_seconds(out, scale)`: the profiled cost model on the step's shape times
 the share of the cores it gets (`cpu_share.CpuShare`, where the pods share a machine's cores) and
 the machine's `Jitter` at that instant (`scale`), times the in-situ contention factor: a colocated
-pod's decode rows at the decode factor and its prefill chunks at the prefill factor (`PodCosts.seconds`). The pod's load report is built by the pods' own `build_load_report`
-from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
+pod's decode rows at the decode factor and its prefill chunks at the prefill factor
+(`PodCosts.seconds`). The pod's load report is built by the pods' own `build_load_report` from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 `REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
 """
 

@@ -98,7 +98,7 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
             await cluster.run(requests, model.encode(requests))
         runs = []
         for rate in rates:
-            for pod in cluster.pods.values():     # a run's own contention (`sweep`): one factor, no overhead
+            for pod in cluster.pods.values():     # a run's own contention (`sweep`): one factor, the whole step
                 factor = (contention or {}).get(rate, {}).get(pod.role)
                 if factor is not None:
                     pod.costs = replace(pod.costs, contention=factor, prefill_contention=None)
