@@ -14,8 +14,11 @@ stage-A cost model to see what the engine alone would take:
    `cbserve_step_seconds` histogram) is that role's contention factor (a fixed point: a slower step
    grows the batches, so the measured mean over the simulated one at factor 1 overshoots): two
    pods, the router and the client sharing the machine's cores (and, on a shared machine, the
-   neighbours); a colocated-2 cluster takes the same kind of run for the colocated pods' factor,
-   and a colocated-1 cluster for a lone pod's:
+   neighbours); a colocated-2 cluster takes the same kind of run, then one near its knee (pods
+   busy `high_busy` of the time): plans step a colocated pod's decode rows at the decode factor
+   and its prefill chunks at the prefill factor (`sim_pod.PodCosts.seconds`), and the two runs
+   check that (`_colocated_check`; their own one factor, kept as `colocated_contention`, falls as
+   the steps take more prefill); a colocated-1 cluster takes one run for a lone pod's factor:
    a step is slower while another engine steps on another core (measured: a colocated-1 pod's
    steps at 0.8-1.3x the profiled cost, a colocated-2 pod's at about 1.8x, both all CPU time, so
    not a share of the cores but the caches and memory both engines use), so a one-pod cluster
@@ -62,6 +65,7 @@ class InSituSettings:
     mix: str = "chat"               # the calibration workload
     seed: int = 0
     target_busy: float = 0.6        # the load run's rate: this share of the busiest pod's time
+    high_busy: float = 0.95         # the colocated-2 cluster's second run: near its knee
 
 
 def probe_requests(profile: Profile, repeats: int, seed: int) -> list[RequestSpec]:
@@ -208,6 +212,7 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
                    colocated_cpu_per_token_s=colocated_rate)
 
 
+HIGHER_RATE = 1.2              # the colocated runs' rates after the first: a finer ladder above it
 FIXED_POINT_ROUNDS = 8          # simulations at most per fitted set of factors
 FIXED_POINT_TOLERANCE = 0.01    # every simulated mean step within 1% of its measured one
 
@@ -234,6 +239,8 @@ def fixed_point(measured: dict[str, float], simulate: Callable[[dict[str, float]
         if all(abs(r - 1.0) <= FIXED_POINT_TOLERANCE for r in ratios.values()):
             break
         for k, ratio in ratios.items():
+            if abs(ratio - 1.0) <= FIXED_POINT_TOLERANCE:
+                continue        # this one is there (an exact 1 would set its upper end and go to 0)
             f = factors[k]
             if ratio > 1.0:
                 lower[k] = max(lower[k], f)
@@ -283,6 +290,32 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
         return {field: mean} if mean else {}
 
     return replace(serving, **fixed_point({field: measured}, simulate, {field: 1.0}))
+
+
+def _colocated_check(profile: Profile, settings: InSituSettings, runs: list[dict],
+                     serving: ServingProfile) -> list[dict]:
+    """Each colocated-2 run (`raw["colocated"]`, and `raw["colocated_high"]` near the knee where
+    stage B took it): its measured mean step, the simulated one with the steps split by part
+    (`serving.colocated_split`, what plans use) and its own one-factor fixed point.
+
+    Why the split: one colocated factor is right only for the mix of decode and prefill work it
+    was fitted on. Small int8's pair measured 1.23-1.37 on `chat` at stage B's load and 1.01-1.14
+    on fixed-256-64 at 2.25-3 req/s (more prefill per step); its decode rows at the 1P+1D run's
+    decode factor (1.27-1.45) and its prefill chunks at the prefill factor (0.59-0.72) give both
+    runs' mean steps within 10% and every knee row's goodput within 5% (sessions 9 and 10)."""
+    out = []
+    single = replace(serving, colocated_split=False)
+    for run in runs:
+        measured = _step_mean(run["step_seconds"], "colocated")
+        if measured is None:
+            continue
+        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
+        factor = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention", run["step_seconds"],
+                                           single).colocated_contention
+        _, steps = _simulate(with_serving(profile, serving), requests, COLOCATED)
+        out.append({"load_rate": run["load_rate"], "measured_step_s": measured,
+                    "simulated_step_s": _step_mean(steps, "colocated"), "factor": factor})
+    return out
 
 
 def _fit_medians(profile: Profile, load: list[RequestSpec], measured: dict[str, float],
@@ -343,10 +376,13 @@ def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, 
     return out
 
 
-def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD) -> float:
-    """A rate at which the simulated busiest pod is busy about `target_busy` of the time."""
+def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, target_busy: float | None = None,
+               start: float = 0.125, growth: float = 1.5) -> float:
+    """The highest rate of `start` x `growth`^k (k < 10; `start` if none) at which the simulated
+    busiest pod is busy at most `target_busy` (the settings') of the time."""
+    target_busy = settings.target_busy if target_busy is None else target_busy
     mix = MIXES[settings.mix]
-    rate = 0.125
+    rate = start
     chosen = rate
     pods = fields.get("num_colocated") or 1
     for _ in range(10):
@@ -354,10 +390,10 @@ def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD) ->
         results, steps = _simulate(profile, requests, fields)
         elapsed = max((r.done_s or 0.0) for r in results)
         busy = max(b for b, _ in steps.values()) / pods / max(elapsed, 1e-9)
-        if busy > settings.target_busy:
+        if busy > target_busy:
             break
         chosen = rate
-        rate *= 1.5
+        rate *= growth
     return chosen
 
 
@@ -384,27 +420,38 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         load_results, step_seconds, cpu_used, threads = _load_run(cluster, load, model_id)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
            "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads}
-    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own run;
-    # and one pod alone, whose steps no other engine's slow down.
-    for key, fields in (("colocated", COLOCATED), ("alone", ALONE)):
-        raw[key] = _colocated_run(profile, args, spec, fields, settings, log_dir, log)
+    # Colocated pods share the machine differently (no KV streaming, mixed steps): their own runs,
+    # at two loads (`_colocated_check`); and one pod alone, whose steps no other engine's slow down.
+    raw["colocated"], raw["colocated_high"] = _colocated_runs(
+        profile, args, spec, COLOCATED, (settings.target_busy, settings.high_busy), settings, log_dir, log)
+    raw["alone"], = _colocated_runs(profile, args, spec, ALONE, (settings.target_busy,), settings, log_dir, log)
     raw["seconds"] = time.monotonic() - started
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
 
 
-def _colocated_run(profile: Profile, args, spec: ClusterSpec, fields: dict, settings: InSituSettings,
-                   log_dir: str, log) -> dict:
-    """A colocated cluster's load run (`fields`), as `raw["colocated"]` / `raw["alone"]` keep it."""
+def _colocated_runs(profile: Profile, args, spec: ClusterSpec, fields: dict, targets: tuple[float, ...],
+                    settings: InSituSettings, log_dir: str, log) -> list[dict]:
+    """A colocated cluster's (`fields`) load runs, one after another on one cluster, each at the
+    rate that keeps the simulated pods busy that `targets` share of the time, each one above the
+    last (a finer ladder from it: the first's steps of 1.5x can jump from 60% busy to past the
+    knee, tiny's did); each as `raw["colocated"]` / `raw["colocated_high"]` / `raw["alone"]` keep it."""
     mix, pods = MIXES[settings.mix], fields["num_colocated"]
-    rate = _load_rate(with_serving(profile, ServingProfile()), settings, fields)
-    requests = mix.requests(rate, settings.seconds, settings.seed)
-    log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at {rate:g} req/s")
+    bare = with_serving(profile, ServingProfile())
+    rates = [_load_rate(bare, settings, fields, targets[0])]
+    for busy in targets[1:]:
+        rates.append(_load_rate(bare, settings, fields, busy, start=rates[-1] * HIGHER_RATE, growth=HIGHER_RATE))
+    log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at " + ", then ".join(f"{r:g}" for r in rates)
+        + " req/s")
+    runs = []
     with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=pods), log_dir=log_dir) as cluster:
         asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
-        results, steps, cpu_used, threads = _load_run(cluster, requests, args.model)
-    return {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
-            "cpu_seconds": cpu_used, "cpu_threads": threads}
+        for rate in rates:
+            results, steps, cpu_used, threads = _load_run(cluster, mix.requests(rate, settings.seconds, settings.seed),
+                                                          args.model)
+            runs.append({"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
+                         "cpu_seconds": cpu_used, "cpu_threads": threads})
+    return runs
 
 
 def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str):
@@ -453,18 +500,24 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
     colocated = raw.get("colocated")
-    for key, fields, field in (("colocated", COLOCATED, "colocated_contention"), ("alone", ALONE, "alone_contention")):
-        run = raw.get(key)
-        if run:
-            requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
-            serving = _fit_colocated_contention(profile, requests, fields, field, run["step_seconds"], serving)
+    check = None
+    if colocated:
+        requests = MIXES[settings.mix].requests(colocated["load_rate"], settings.seconds, settings.seed)
+        serving = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention",
+                                            colocated["step_seconds"], serving)
+        serving = replace(serving, colocated_split=True)
+        check = _colocated_check(profile, settings, [r for r in (colocated, raw.get("colocated_high")) if r], serving)
+    if raw.get("alone"):
+        requests = MIXES[settings.mix].requests(raw["alone"]["load_rate"], settings.seconds, settings.seed)
+        serving = _fit_colocated_contention(profile, requests, ALONE, "alone_contention", raw["alone"]["step_seconds"],
+                                            serving)
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
     in_situ = {"cluster": "1P1D", "calibration_mix": settings.mix, "load_rate": raw["load_rate"],
                "load_seconds": settings.seconds,
                "colocated_load_rate": colocated["load_rate"] if colocated else None,
-               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"),
+               "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_check": check,
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

@@ -112,9 +112,9 @@ def per_pod_guess(model, workload, seed: int) -> float:
     work = 0.0
     for request, ids in zip(sample, model.encode(sample)):
         n = len(ids)
-        work += costs.model.seconds(StepShape(0, 0, prefill_chunks=((n, 0),), num_sampled=1))
-        work += request.max_tokens * costs.model.seconds(StepShape(1, n, n, n, num_sampled=1))
-    work = work / len(sample) * costs.contention
+        work += costs.seconds(StepShape(0, 0, prefill_chunks=((n, 0),), num_sampled=1))
+        work += request.max_tokens * costs.seconds(StepShape(1, n, n, n, num_sampled=1))
+    work = work / len(sample)
     return 4.0 / work if work > 0 else 1.0
 
 

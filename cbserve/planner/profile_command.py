@@ -115,7 +115,7 @@ def _profile(args: argparse.Namespace) -> int:
         profile.data["seconds"]["in_situ"] = time.monotonic() - stage_b
         s = profile.serving
         _log(f"# profile: serving: contention decode {s.contention:.2f} prefill {s.prefill_contention:.2f} "
-             f"colocated {s.contention_of('colocated'):.2f}, "
+             f"colocated {'split by part, ' if s.colocated_split else ''}one factor {s.contention_of('colocated'):.2f}, "
              f"loop gap {s.step_gap_s * 1e3:.1f} ms, request path {(s.http_in_s + s.rpc_s + s.token_out_s) * 1e3:.1f} ms, "
              f"KV {s.kv_message_s * 1e3:.1f} ms + {_rate(s.kv_bytes_per_s)}; "
              f"{profile.data['seconds']['in_situ']:.0f} s")

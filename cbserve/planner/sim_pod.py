@@ -15,10 +15,11 @@ group and frees its local layers' pages behind their window, unless `--kv-cache-
 speculation keeps one group), and a pull moves what P/D's `KVSource` moves: each group's pages
 from where `KVCacheManager.pull_starts` starts it (`SimPod.pull_pages`).
 
-The step costs `PodCosts.step_seconds(out)`: the profiled cost model on the step's shape times the
-in-situ contention factor, times the share of the cores it gets (`cpu_share.CpuShare`, where the
-pods share a machine's cores), times the machine's `Jitter` at that instant. The pod's load report is built by the pods' own `build_load_report`
-from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
+The step costs `PodCosts.step_seconds(out, scale)`: the profiled cost model on the step's shape times
+the share of the cores it gets (`cpu_share.CpuShare`, where the pods share a machine's cores) and
+the machine's `Jitter` at that instant (`scale`), times the in-situ contention factor: a colocated
+pod's decode rows at the decode factor and its prefill chunks at the prefill factor
+(`PodCosts.seconds`). The pod's load report is built by the pods' own `build_load_report` from a snapshot refreshed as `PodRuntime.after_step` refreshes it (at most every
 `REFRESH_SECONDS` while busy, at once when idle or when its held-KV count changes).
 """
 
@@ -54,9 +55,25 @@ class PodCosts:
     model: StepCostModel
     contention: float = 1.0     # serving's wall seconds per profiled second (in situ)
     step_gap_s: float = 0.0     # the pod's loop between two steps (outputs out, commands in)
+    prefill_contention: float | None = None     # a colocated pod's: its steps' prefill part's factor
 
-    def step_seconds(self, out: SchedulerOutput) -> float:
-        return self.model.seconds(StepShape.of(out)) * self.contention
+    def seconds(self, shape: StepShape, scale: float = 1.0) -> float:
+        """A step's wall seconds: its profiled cost times `scale` (the cores' share and the
+        machine's jitter at that moment) and the contention factor. A colocated pod's step
+        (`prefill_contention` set) is split: its decode rows' cost (`StepShape.decode_part`) at
+        the decode factor, the rest (its prefill chunks) at the prefill factor, as a 1P+1D run
+        measures them; one factor for the whole step is right only for the mix of the two it was
+        fitted on (small int8's colocated pair: 1.23-1.37 on `chat` at stage B's load, 1.01-1.14
+        on fixed-256-64 at 2.25-3 req/s, whose steps hold more prefill; decode 1.27-1.45, prefill
+        0.59-0.72)."""
+        total = self.model.seconds(shape)
+        if self.prefill_contention is None or not shape.prefill_chunks:
+            return total * scale * self.contention
+        decode = self.model.seconds(shape.decode_part()) if shape.num_decodes else 0.0
+        return scale * (self.contention * decode + self.prefill_contention * max(0.0, total - decode))
+
+    def step_seconds(self, out: SchedulerOutput, scale: float = 1.0) -> float:
+        return self.seconds(StepShape.of(out), scale)
 
 
 @dataclass(frozen=True)
@@ -191,11 +208,12 @@ class SimPod:
             sampled: dict[str, int] = {}
             seconds = 0.0
             if out.scheduled:
-                seconds = costs.step_seconds(out)
+                scale = 1.0
                 if self.cpu_share is not None:
-                    seconds *= self.cpu_share.factor(self.name)
+                    scale *= self.cpu_share.factor(self.name)
                 if self.jitter is not None:
-                    seconds *= self.jitter.factor(self.clock())
+                    scale *= self.jitter.factor(self.clock())
+                seconds = costs.step_seconds(out, scale)
                 if self.cpu_share is not None:
                     self.cpu_share.stepped(self.name, self.clock(), self.clock() + seconds)
                 await asyncio.sleep(seconds)

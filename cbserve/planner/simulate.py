@@ -98,10 +98,10 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
             await cluster.run(requests, model.encode(requests))
         runs = []
         for rate in rates:
-            for pod in cluster.pods.values():     # a run's own contention (`sweep`)
+            for pod in cluster.pods.values():     # a run's own contention (`sweep`): one factor, the whole step
                 factor = (contention or {}).get(rate, {}).get(pod.role)
                 if factor is not None:
-                    pod.costs = replace(pod.costs, contention=factor)
+                    pod.costs = replace(pod.costs, contention=factor, prefill_contention=None)
             requests = workload.requests(rate, duration_s, seed)
             before, preemptions = prom.parse(cluster.metrics.render().decode()), cluster.num_preemptions
             steps = _step_totals(cluster)
@@ -124,7 +124,8 @@ def sweep(model: SimModel, config: str, workload, rates: list[float], duration_s
           prefix_caching: bool | None = None, contention: dict[float, dict[str, float]] | None = None) -> list[dict]:
     """Rows for `config` at each of `rates` in turn on one cluster (the benchmark's procedure).
     `contention`: rate -> role -> factor, replacing the profile's for that rate's run (a check
-    against a measurement can give each run the contention its pods measured)."""
+    against a measurement can give each run the contention its pods measured): the whole of the
+    step's wall per profiled second (a colocated pod's split by part, `PodCosts.seconds`, with it)."""
     return [run.row for run in run_virtual(_play(model, config, workload, sorted(rates), duration_s, seed, slo,
                                                  warmup, stop_below_attainment, prefix_caching, contention))]
 

@@ -45,6 +45,11 @@ class StepShape:
             sampled += seq.sample
         return cls(decodes, context, longest, shortest if decodes else 0, tuple(chunks), sampled)
 
+    def decode_part(self) -> StepShape:
+        """The step's decode rows alone (each samples)."""
+        return StepShape(self.num_decodes, self.decode_context_tokens, self.max_decode_context,
+                         self.min_decode_context, (), min(self.num_sampled, self.num_decodes))
+
     @property
     def num_seqs(self) -> int:
         return self.num_decodes + len(self.prefill_chunks)

@@ -162,3 +162,81 @@ def test_fixed_point_stays_in_its_bracket_where_the_plain_rounds_swing_apart():
     assert factors["a"] == pytest.approx(2.0, rel=0.03) and factors["b"] == 3.0
     assert all(0.99 < c["a"] < 8.01 for c in calls)     # never outside the first bracket [1, 8]
     assert fixed_point({"a": 6.0}, lambda f: {"a": 2.0 * f["a"]}, {"a": 1.0}) == {"a": 3.0}
+    # A name already there while another is not keeps its factor (an exact 1 once sent it to 0).
+    assert fixed_point({"a": 6.0, "b": 1.0}, lambda f: {"a": 2.0 * f["a"], "b": f["b"]}, {"a": 1.0, "b": 1.0}) \
+        == {"a": 3.0, "b": 1.0}
+
+
+
+def test_a_colocated_step_is_split_by_part_at_the_disaggregated_factors(tmp_path):
+    """With `colocated_split` a colocated pod's mixed step is its decode rows' cost at the decode
+    factor plus the rest (its prefill chunks) at the prefill factor; a decode-only step is all at
+    the decode factor. A serving section written before the field (an old profile) loads without
+    it: every role, colocated too, steps at its one factor as before."""
+    import json
+
+    from cbserve.planner.profile import load_profile
+    from cbserve.planner.step_shape import StepShape
+
+    from tests.planner.conftest import make_profile
+
+    serving = ServingProfile(contention=1.5, prefill_contention=0.6, colocated_contention=1.1, alone_contention=1.3,
+                             colocated_split=True)
+    path = tmp_path / "new.json"
+    make_profile(serving).save(path)
+    data = json.loads(path.read_text())
+    assert data["serving"]["colocated_split"] is True
+    del data["serving"]["colocated_split"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    mixed = StepShape(4, 400, 100, 100, prefill_chunks=((200, 0),), num_sampled=5)
+    decodes = mixed.decode_part()
+    assert decodes == StepShape(4, 400, 100, 100, (), 4)
+    new, old = load_profile(path), load_profile(tmp_path / "old.json")
+    assert old.serving.colocated_split is False
+    model = new.cost_model
+    whole, decode = model.seconds(mixed), model.seconds(decodes)
+    assert 0 < decode < whole
+    costs = new.pod_costs()
+    assert costs["colocated"].seconds(mixed) == pytest.approx(1.5 * decode + 0.6 * (whole - decode), rel=1e-12)
+    assert costs["colocated"].seconds(decodes) == pytest.approx(1.5 * decode, rel=1e-12)
+    assert costs["colocated"].seconds(mixed, scale=2.0) == pytest.approx(2 * (1.5 * decode + 0.6 * (whole - decode)))
+    for role, factor in (("decode", 1.5), ("prefill", 0.6), ("alone", 1.3)):
+        assert costs[role].seconds(mixed) == pytest.approx(factor * whole, rel=1e-12)
+    for role, factor in (("decode", 1.5), ("prefill", 0.6), ("alone", 1.3), ("colocated", 1.1)):
+        assert old.pod_costs()[role].seconds(mixed) == pytest.approx(factor * whole, rel=1e-12)
+
+
+def test_stage_b_checks_the_split_on_both_colocated_runs(profile):
+    """Colocated pods that really step by part (decode 2.0, prefill 2.0 x 0.5), run at a light
+    and a heavy load: the fitted profile splits, reproduces both runs' mean steps, and records
+    each run's own one factor, which falls as the heavier load's steps take more prefill."""
+    from dataclasses import replace
+
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import COLOCATED, PD, InSituSettings, _result_json, fit_in_situ
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, prefill_contention=1.0, colocated_split=True)
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
+    for key, fields, rate in ((None, PD, 2.0), ("colocated", COLOCATED, 2.0), ("colocated_high", COLOCATED, 14.0)):
+        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
+        results, steps = _simulate(with_serving(profile, truth), requests, fields)
+        run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
+        raw |= run if key is None else {key: run}
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.colocated_split        # (the 1P+1D factors as the fit finds them: 1.9 and 0.9 here)
+    assert serving.contention == pytest.approx(2.0, rel=0.1) and serving.prefill_contention == pytest.approx(1.0, rel=0.15)
+    low, high = serving.in_situ["colocated_check"]
+    for run in (low, high):
+        assert run["simulated_step_s"] == pytest.approx(run["measured_step_s"], rel=0.05)
+    assert low["factor"] > high["factor"] + 0.05
+
+def test_the_second_colocated_rate_is_above_the_first(profile):
+    """The knee run's rate comes from a finer ladder above the first run's, so it is never the same."""
+    from cbserve.planner.in_situ import COLOCATED, HIGHER_RATE, InSituSettings, _load_rate
+
+    settings = InSituSettings(seconds=4.0)
+    low = _load_rate(profile, settings, COLOCATED, 0.6)
+    high = _load_rate(profile, settings, COLOCATED, 0.95, start=low * HIGHER_RATE, growth=HIGHER_RATE)
+    assert high >= low * HIGHER_RATE
