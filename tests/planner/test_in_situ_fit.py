@@ -167,7 +167,6 @@ def test_fixed_point_stays_in_its_bracket_where_the_plain_rounds_swing_apart():
         == {"a": 3.0, "b": 1.0}
 
 
-
 def test_a_colocated_step_is_split_by_part_at_the_disaggregated_factors(tmp_path):
     """With `colocated_split` a colocated pod's mixed step is its decode rows' cost at the decode
     factor plus the rest (its prefill chunks) at the prefill factor; a decode-only step is all at
