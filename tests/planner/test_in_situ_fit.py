@@ -111,6 +111,22 @@ def test_a_one_pod_cluster_steps_at_the_lone_pods_contention_and_the_file_keeps_
     assert mean_step[(3.0, "colocated-2")] == pytest.approx(mean_step[(None, "colocated-2")], rel=1e-9)
 
 
+def _stage_b_raw(profile, truth: ServingProfile, settings, runs) -> dict:
+    """Stage B's raw measurements as a cluster stepping at `truth` would give them: the probes, and
+    per `(key, cluster fields, rate)` a load run (key None: the 1P+1D run, at the top level)."""
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import _result_json
+
+    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
+    raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
+    for key, fields, rate in runs:
+        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
+        results, steps = _simulate(with_serving(profile, truth), requests, fields)
+        run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
+        raw |= run if key is None else {key: run}
+    return raw
+
+
 def test_colocated_and_alone_contention_are_the_fixed_point_that_reproduces_the_mean_step(profile):
     """A stage B whose runs the simulator made at known factors (colocated 1.7, alone 1.5; the
     1P+1D run's decode and prefill 2.0): the fit finds them again within 2%. The one ratio at
@@ -119,17 +135,11 @@ def test_colocated_and_alone_contention_are_the_fixed_point_that_reproduces_the_
     from dataclasses import replace
 
     from cbserve.goodput.workloads import MIXES
-    from cbserve.planner.in_situ import ALONE, COLOCATED, PD, InSituSettings, _result_json, fit_in_situ
+    from cbserve.planner.in_situ import ALONE, COLOCATED, PD, InSituSettings, fit_in_situ
 
     settings = InSituSettings(seconds=8.0, probe_repeats=1)
     truth = replace(TRUTH, colocated_contention=1.7, alone_contention=1.5)
-    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
-    raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
-    for key, fields, rate in ((None, PD, 2.0), ("colocated", COLOCATED, 7.2), ("alone", ALONE, 3.2)):
-        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
-        results, steps = _simulate(with_serving(profile, truth), requests, fields)
-        run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
-        raw |= run if key is None else {key: run}
+    raw = _stage_b_raw(profile, truth, settings, ((None, PD, 2.0), ("colocated", COLOCATED, 7.2), ("alone", ALONE, 3.2)))
 
     serving = fit_in_situ(profile, raw, settings).serving
     assert serving.colocated_contention == pytest.approx(1.7, rel=0.02)
@@ -211,18 +221,12 @@ def test_stage_b_checks_the_split_on_both_colocated_runs(profile):
     each run's own one factor, which falls as the heavier load's steps take more prefill."""
     from dataclasses import replace
 
-    from cbserve.goodput.workloads import MIXES
-    from cbserve.planner.in_situ import COLOCATED, PD, InSituSettings, _result_json, fit_in_situ
+    from cbserve.planner.in_situ import COLOCATED, PD, InSituSettings, fit_in_situ
 
     settings = InSituSettings(seconds=8.0, probe_repeats=1)
     truth = replace(TRUTH, prefill_contention=1.0, colocated_split=True)
-    probes = probe_requests(profile, settings.probe_repeats, settings.seed)
-    raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
-    for key, fields, rate in ((None, PD, 2.0), ("colocated", COLOCATED, 2.0), ("colocated_high", COLOCATED, 14.0)):
-        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
-        results, steps = _simulate(with_serving(profile, truth), requests, fields)
-        run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
-        raw |= run if key is None else {key: run}
+    raw = _stage_b_raw(profile, truth, settings,
+                       ((None, PD, 2.0), ("colocated", COLOCATED, 2.0), ("colocated_high", COLOCATED, 14.0)))
     serving = fit_in_situ(profile, raw, settings).serving
     assert serving.colocated_split        # (the 1P+1D factors as the fit finds them: 1.9 and 0.9 here)
     assert serving.contention == pytest.approx(2.0, rel=0.1) and serving.prefill_contention == pytest.approx(1.0, rel=0.15)
