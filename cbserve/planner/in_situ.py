@@ -305,13 +305,14 @@ def _colocated_check(profile: Profile, settings: InSituSettings, runs: list[dict
     runs' mean steps within 10% and every knee row's goodput within 5% (sessions 9 and 10)."""
     out = []
     single = replace(serving, colocated_split=False)
-    for run in runs:
+    for i, run in enumerate(runs):
         measured = _step_mean(run["step_seconds"], "colocated")
         if measured is None:
             continue
         requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
-        factor = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention", run["step_seconds"],
-                                           single).colocated_contention
+        # The first run's one factor is the profile's `colocated_contention`, fitted on it already.
+        factor = serving.colocated_contention if i == 0 else _fit_colocated_contention(
+            profile, requests, COLOCATED, "colocated_contention", run["step_seconds"], single).colocated_contention
         _, steps = _simulate(with_serving(profile, serving), requests, COLOCATED)
         out.append({"load_rate": run["load_rate"], "measured_step_s": measured,
                     "simulated_step_s": _step_mean(steps, "colocated"), "factor": factor})
