@@ -67,6 +67,9 @@ MIXES: dict[str, Mix] = {m.name: m for m in (
         prompt_bytes=(32, 384), output_tokens=(32, 160)),
     Mix("long-prompt", "long prompts, short outputs: 1000-1800 byte prompts, 8-32 tokens out",
         prompt_bytes=(1000, 1800), output_tokens=(8, 32)),
+    # Agents and reasoning: little to prefill, many tokens to decode (stage B's decode-batch run, `cbserve profile`).
+    Mix("long-output", "short prompts, long outputs: 32-128 byte prompts, 128-256 tokens out",
+        prompt_bytes=(32, 128), output_tokens=(128, 256)),
     Mix("shared-prefix", "RAG / agent: one of 8 shared 1023-byte prefixes + 32-192 bytes, 16-64 tokens out",
         prompt_bytes=(32, 192), output_tokens=(16, 64), num_prefixes=8, prefix_bytes=1023, prefix_caching=True),
     # The yardstick for a CPU engine: random 256-token prompts, 64 tokens out, steady arrivals.

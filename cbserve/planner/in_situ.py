@@ -66,6 +66,8 @@ class InSituSettings:
     seed: int = 0
     target_busy: float = 0.6        # the load run's rate: this share of the busiest pod's time
     high_busy: float = 0.95         # the colocated-2 cluster's second run: near its knee
+    rows_mix: str = "long-output"   # the 1P+1D cluster's second run: its decode pod batching many rows
+    target_rows: float = 12.0       # ... at the rate giving the simulated decode pod this many rows a step
 
 
 def probe_requests(profile: Profile, repeats: int, seed: int) -> list[RequestSpec]:
@@ -100,8 +102,10 @@ COLOCATED = {"num_colocated": 2, "policy": "goodput"}
 ALONE = {"num_colocated": 1, "policy": "goodput"}
 
 
-def _simulate(profile: Profile, requests: list[RequestSpec], fields: dict = PD):
-    """The requests on a simulated cluster (1P+1D by default): (results, {role: (busy seconds, steps)})."""
+def _simulate(profile: Profile, requests: list[RequestSpec], fields: dict = PD, rows: dict | None = None):
+    """The requests on a simulated cluster (1P+1D by default): (results, {role: (busy seconds, steps)});
+    `rows`, if given, gets each role's decode rows summed over its steps, each times its step's
+    scale (`SimPod.scaled_rows`)."""
     model = sim_model(profile)
 
     async def play():
@@ -115,6 +119,8 @@ def _simulate(profile: Profile, requests: list[RequestSpec], fields: dict = PD):
             for p in cluster.pods.values():
                 busy, n = steps.get(p.role, (0.0, 0))
                 steps[p.role] = (busy + p.busy_seconds, n + p.stats.num_steps)
+                if rows is not None:
+                    rows[p.role] = rows.get(p.role, 0.0) + p.scaled_rows
             return results, steps
         finally:
             cluster.close()
@@ -274,6 +280,91 @@ def _fit_contention(profile: Profile, load: list[RequestSpec], measured_steps: d
     return replace(serving, contention=factors["decode"], prefill_contention=factors["prefill"])
 
 
+def _decode_terms(profile: Profile, requests: list[RequestSpec], serving: ServingProfile) -> tuple[float, float, float]:
+    """The simulated 1P+1D run's decode pod at `serving`, per step: (profiled seconds, decode
+    rows, wall seconds), the first two each times its step's scale, so that the wall is
+    `contention` x the first + `decode_row_s` x the second."""
+    rows: dict[str, float] = {}
+    _, steps = _simulate(with_serving(profile, serving), requests, rows=rows)
+    busy, n = steps.get("decode", (0.0, 0))
+    if not n:
+        return 0.0, 0.0, 0.0
+    profiled = (busy - serving.decode_row_s * rows.get("decode", 0.0)) / serving.contention
+    return profiled / n, rows.get("decode", 0.0) / n, busy / n
+
+
+def _fit_decode(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
+                high: dict | None, settings: InSituSettings, serving: ServingProfile) -> ServingProfile:
+    """The 1P+1D factors (`_fit_contention`) and, where stage B ran the decode pod at many rows a
+    step too (`raw["decode_high"]`), a decode row's own cost: `contention` x profiled +
+    `decode_row_s` x rows reproducing both runs' mean decode steps.
+
+    Why: tiny's decode factor grew with the batch (engine CPU over profiled 1.17 at 1.7 rows,
+    1.66-1.82 at 12-20 rows; session 10, u39), so one factor fitted where stage B's `chat` run
+    holds 1-2 rows a step made the knee's decode steps short and its 1P+1D goodput 16-28% high.
+    Two runs at different batches tell the two apart: each round solves the two linear equations
+    at the last simulation's per-step terms (the batches move with the costs, so a few rounds);
+    the round closest to both measured means wins. A row cost the two runs put below 0 (the
+    factor falling with the batch) is not modelled: 0 and the first run's factor, as before."""
+    serving = _fit_contention(profile, load, measured_steps, replace(serving, decode_row_s=0.0))
+    low_step, high_steps = _step_mean(measured_steps, "decode"), (high or {}).get("step_seconds")
+    high_step = _step_mean(high_steps, "decode") if high_steps else None
+    if not (low_step and high_step):
+        return serving
+    requests = MIXES[high["mix"]].requests(high["load_rate"], settings.seconds, settings.seed)
+    one_factor = serving
+    best: tuple[float, ServingProfile] | None = None
+    for _ in range(FIXED_POINT_ROUNDS):
+        (a1, b1, s1), (a2, b2, s2) = (_decode_terms(profile, reqs, serving) for reqs in (load, requests))
+        error = max(abs(s1 / low_step - 1), abs(s2 / high_step - 1)) if s1 and s2 else math.inf
+        if best is None or error < best[0]:
+            best = (error, serving)
+        det = a1 * b2 - a2 * b1
+        if error <= FIXED_POINT_TOLERANCE or not det:
+            break
+        contention, row_s = (low_step * b2 - high_step * b1) / det, (a1 * high_step - a2 * low_step) / det
+        if row_s <= 0 or contention <= 0:
+            return one_factor
+        serving = replace(serving, contention=contention, decode_row_s=row_s)
+    serving = best[1]
+    # The prefill pod's factor once more, at the decode pod's new costs (its steps barely move).
+    if (measured_prefill := _step_mean(measured_steps, "prefill")) is None:
+        return serving
+
+    def simulate(factors: dict[str, float]) -> dict[str, float]:
+        _, steps = _simulate(with_serving(profile, replace(serving, prefill_contention=factors["prefill"])), load)
+        return {"prefill": m} if (m := _step_mean(steps, "prefill")) else {}
+
+    factors = fixed_point({"prefill": measured_prefill}, simulate, {"prefill": serving.prefill_contention})
+    return replace(serving, prefill_contention=factors["prefill"])
+
+
+def _decode_check(profile: Profile, load: list[RequestSpec], measured_steps: dict, high: dict | None,
+                  settings: InSituSettings, serving: ServingProfile) -> list[dict]:
+    """Each 1P+1D run's measured mean decode step, the simulated one at the fitted costs, the
+    simulated decode rows a step, and the run's own one factor (no row cost; the first run's is
+    `_fit_contention`'s, the second's its own fixed point)."""
+    runs = [(load, measured_steps)]
+    if high and high.get("step_seconds"):
+        runs.append((MIXES[high["mix"]].requests(high["load_rate"], settings.seconds, settings.seed),
+                     {role: tuple(v) for role, v in high["step_seconds"].items()}))
+    single = replace(serving, decode_row_s=0.0)
+    out = []
+    for requests, steps in runs:
+        measured = _step_mean(steps, "decode")
+        if measured is None:
+            continue
+        _, rows, simulated = _decode_terms(profile, requests, serving)
+
+        def simulate(factors: dict[str, float], requests=requests) -> dict[str, float]:
+            return {"decode": _decode_terms(profile, requests, replace(single, contention=factors["decode"]))[2]}
+
+        factor = fixed_point({"decode": measured}, simulate, {"decode": serving.contention})["decode"]
+        out.append({"measured_step_s": measured, "simulated_step_s": simulated, "rows_per_step": rows,
+                    "factor": factor})
+    return out
+
+
 def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fields: dict, field: str,
                               measured_steps: dict[str, tuple[float, float]],
                               serving: ServingProfile) -> ServingProfile:
@@ -398,6 +489,22 @@ def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, ta
     return chosen
 
 
+def _rows_rate(profile: Profile, settings: InSituSettings, start: float, growth: float = HIGHER_RATE) -> float:
+    """The lowest rate of `start` x `growth`^k (k < 24) at which the simulated 1P+1D cluster's
+    decode pod, on `settings.rows_mix`, steps at least `settings.target_rows` rows a step on the
+    mean (the last one tried if none does)."""
+    mix = MIXES[settings.rows_mix]
+    rate = start
+    for _ in range(24):
+        rows: dict[str, float] = {}
+        _, steps = _simulate(profile, mix.requests(rate, min(settings.seconds, 20.0), settings.seed), rows=rows)
+        n = steps.get("decode", (0.0, 0))[1]
+        if n and rows.get("decode", 0.0) / n >= settings.target_rows:
+            break
+        rate *= growth
+    return rate
+
+
 def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profile:
     """The profile with its `serving` section measured on a real 1P+1D cluster (see the module)."""
     started = time.monotonic()
@@ -408,19 +515,27 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
                        max_num_seqs=e["max_num_seqs"], num_blocks=e["num_blocks"], prefix_caching=False,
                        threads_per_pod=profile.data["device"]["threads"], drain_seconds=2)
     probes = probe_requests(profile, settings.probe_repeats, settings.seed)
-    rate = _load_rate(with_serving(profile, ServingProfile()), settings)
+    bare = with_serving(profile, ServingProfile())
+    rate = _load_rate(bare, settings)
+    rows_rate = _rows_rate(bare, settings, rate)
     mix = MIXES[settings.mix]
     load = mix.requests(rate, settings.seconds, settings.seed)
     log_dir = tempfile.mkdtemp(prefix="cbserve-profile-")
     log(f"# profile: in situ on a 1P+1D cluster (logs in {log_dir}): {len(probes)} probes, then {settings.mix} "
-        f"at {rate:g} req/s for {settings.seconds:g} s")
+        f"at {rate:g} req/s for {settings.seconds:g} s, then {settings.rows_mix} at {rows_rate:g} req/s "
+        f"(the decode pod at about {settings.target_rows:g} rows a step)")
     with LocalCluster(spec, log_dir=log_dir) as cluster:
         model_id = args.model
         asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
         probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
         load_results, step_seconds, cpu_used, threads = _load_run(cluster, load, model_id)
+        rows_run = _load_run(cluster, MIXES[settings.rows_mix].requests(rows_rate, settings.seconds, settings.seed),
+                             model_id)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
-           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads}
+           "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads,
+           "decode_high": {"mix": settings.rows_mix, "load_rate": rows_rate,
+                           "load": [_result_json(r) for r in rows_run[0]], "step_seconds": rows_run[1],
+                           "cpu_seconds": rows_run[2], "cpu_threads": rows_run[3]}}
     # Colocated pods share the machine differently (no KV streaming, mixed steps): their own runs,
     # at two loads (`_colocated_check`); and one pod alone, whose steps no other engine's slow down.
     raw["colocated"], raw["colocated_high"] = _colocated_runs(
@@ -490,14 +605,15 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     probe_fit = _fit_probes(profile, probes, probe_results)
     serving = _serving_from_probes(probe_fit, profile.engine["kv_bytes_per_token"])
     serving = _fit_cpu(profile, raw, settings, serving)
-    serving = _fit_contention(profile, load, measured_steps, serving)
+    high = raw.get("decode_high")
+    serving = _fit_decode(profile, load, measured_steps, high, settings, serving)
     # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path
     # (TTFT); then the machine's slow stretches (the tails: TTFT's and TPOT's p90 over p50), and
     # the medians once more under them.
     path = (serving.http_in_s, serving.token_out_s)
     serving = _fit_medians(profile, load, measured, serving)
     serving = _fit_jitter(profile, load, load_results, serving)
-    serving = _fit_contention(profile, load, measured_steps, serving)      # jitter moves the mean step
+    serving = _fit_decode(profile, load, measured_steps, high, settings, serving)  # jitter moves the mean step
     serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
     colocated = raw.get("colocated")
@@ -519,6 +635,8 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
                "load_seconds": settings.seconds,
                "colocated_load_rate": colocated["load_rate"] if colocated else None,
                "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_check": check,
+               "decode_high": {k: high[k] for k in ("mix", "load_rate")} if high else None,
+               "decode_check": _decode_check(profile, load, measured_steps, high, settings, serving),
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

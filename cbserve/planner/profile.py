@@ -8,7 +8,7 @@
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
      "grid": [measurements], "held_out_points": [measurements],
      "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention",
-                 "colocated_split", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
+                 "colocated_split", "decode_row_s", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
                  "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "in_situ": {...what was measured}} | null,
      "seconds": {"grid", "in_situ"}}
@@ -54,6 +54,7 @@ class ServingProfile:
     colocated_contention: float | None = None   # ... colocated pods (None: the mean of the two)
     alone_contention: float | None = None       # ... the one pod of a one-pod cluster (None: its role's)
     colocated_split: bool = False     # colocated steps: decode part at `contention`, prefill at `prefill_contention`
+    decode_row_s: float = 0.0         # a decode row's cost beyond `contention` x its profiled share: decode pods, split colocated
     step_gap_s: float = 0.0
     http_in_s: float = 0.0
     rpc_s: float = 0.0
@@ -85,7 +86,7 @@ class ServingProfile:
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention",
-                                             "alone_contention", "colocated_split", "step_gap_s",
+                                             "alone_contention", "colocated_split", "decode_row_s", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
@@ -100,6 +101,7 @@ class ServingProfile:
                    colocated_contention=optional("colocated_contention"),
                    alone_contention=optional("alone_contention"),
                    colocated_split=bool(value.get("colocated_split", False)),
+                   decode_row_s=float(value.get("decode_row_s", 0.0)),
                    step_gap_s=float(value["step_gap_s"]),
                    http_in_s=float(value["http_in_s"]), rpc_s=float(value["rpc_s"]),
                    token_out_s=float(value["token_out_s"]), kv_message_s=float(value["kv_message_s"]),
@@ -155,10 +157,12 @@ class Profile:
         """Each role's step costs, with the step time scaled by `step_scale` (sensitivity runs)."""
         s = self.serving or ServingProfile()
         costs = {role: PodCosts(self.cost_model, s.contention_of(role) * step_scale, s.step_gap_s)
-                 for role in ("prefill", "decode", "colocated")}
+                 for role in ("prefill", "colocated")}
+        costs["decode"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s,
+                                   row_s=s.decode_row_s * step_scale)
         if s.colocated_split:       # a colocated step's parts at the disaggregated roles' factors
             costs["colocated"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s,
-                                          s.prefill_contention * step_scale)
+                                          s.prefill_contention * step_scale, s.decode_row_s * step_scale)
         return costs | {"alone": PodCosts(self.cost_model, s.contention_alone() * step_scale, s.step_gap_s)}
 
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:

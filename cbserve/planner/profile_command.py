@@ -114,7 +114,9 @@ def _profile(args: argparse.Namespace) -> int:
                                                             seed=args.seed), _log)
         profile.data["seconds"]["in_situ"] = time.monotonic() - stage_b
         s = profile.serving
-        _log(f"# profile: serving: contention decode {s.contention:.2f} prefill {s.prefill_contention:.2f} "
+        _log(f"# profile: serving: contention decode {s.contention:.2f}"
+             + (f" + {s.decode_row_s * 1e3:.3f} ms a row" if s.decode_row_s else "")
+             + f" prefill {s.prefill_contention:.2f} "
              f"colocated {'split by part, ' if s.colocated_split else ''}one factor {s.contention_of('colocated'):.2f}, "
              f"loop gap {s.step_gap_s * 1e3:.1f} ms, request path {(s.http_in_s + s.rpc_s + s.token_out_s) * 1e3:.1f} ms, "
              f"KV {s.kv_message_s * 1e3:.1f} ms + {_rate(s.kv_bytes_per_s)}; "

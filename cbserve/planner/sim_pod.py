@@ -56,10 +56,12 @@ class PodCosts:
     contention: float = 1.0     # serving's wall seconds per profiled second (in situ)
     step_gap_s: float = 0.0     # the pod's loop between two steps (outputs out, commands in)
     prefill_contention: float | None = None     # a colocated pod's: its steps' prefill part's factor
+    row_s: float = 0.0          # each decode row's in-situ cost beyond its profiled share (host work per row)
 
     def seconds(self, shape: StepShape, scale: float = 1.0) -> float:
         """A step's wall seconds: its profiled cost times `scale` (the cores' share and the
-        machine's jitter at that moment) and the contention factor. A colocated pod's step
+        machine's jitter at that moment) and the contention factor, plus `row_s` per decode row
+        (times `scale`: it is CPU work in the step too). A colocated pod's step
         (`prefill_contention` set) is split: its decode rows' cost (`StepShape.decode_part`) at
         the decode factor, the rest (its prefill chunks) at the prefill factor, as a 1P+1D run
         measures them; one factor for the whole step is right only for the mix of the two it was
@@ -67,10 +69,11 @@ class PodCosts:
         on fixed-256-64 at 2.25-3 req/s, whose steps hold more prefill; decode 1.27-1.45, prefill
         0.59-0.72)."""
         total = self.model.seconds(shape)
+        rows = self.row_s * shape.num_decodes
         if self.prefill_contention is None or not shape.prefill_chunks:
-            return total * scale * self.contention
+            return scale * (total * self.contention + rows)
         decode = self.model.seconds(shape.decode_part()) if shape.num_decodes else 0.0
-        return scale * (self.contention * decode + self.prefill_contention * max(0.0, total - decode))
+        return scale * (self.contention * decode + rows + self.prefill_contention * max(0.0, total - decode))
 
     def step_seconds(self, out: SchedulerOutput, scale: float = 1.0) -> float:
         return self.seconds(StepShape.of(out), scale)
@@ -157,6 +160,7 @@ class SimPod:
         self._wake = asyncio.Event()
         self.last_schedule: SchedulerOutput | None = None
         self.busy_seconds = 0.0              # virtual seconds spent in steps (utilisation)
+        self.scaled_rows = 0.0               # its steps' decode rows, each times its step's `scale` (stage B's fit)
         # Load reports, as pod.runtime.PodRuntime keeps them.
         self.snapshot = self.stats.snapshot(self.scheduler)
         self.num_held = 0
@@ -214,6 +218,7 @@ class SimPod:
                 if self.jitter is not None:
                     scale *= self.jitter.factor(self.clock())
                 seconds = costs.step_seconds(out, scale)
+                self.scaled_rows += scale * sum(1 for seq in out.scheduled if len(seq.token_ids) == 1)
                 if self.cpu_share is not None:
                     self.cpu_share.stepped(self.name, self.clock(), self.clock() + seconds)
                 await asyncio.sleep(seconds)

@@ -113,17 +113,19 @@ def test_a_one_pod_cluster_steps_at_the_lone_pods_contention_and_the_file_keeps_
 
 def _stage_b_raw(profile, truth: ServingProfile, settings, runs) -> dict:
     """Stage B's raw measurements as a cluster stepping at `truth` would give them: the probes, and
-    per `(key, cluster fields, rate)` a load run (key None: the 1P+1D run, at the top level)."""
+    per `(key, cluster fields, rate[, mix])` a load run (key None: the 1P+1D run, at the top level;
+    the mix: the settings' calibration mix unless given)."""
     from cbserve.goodput.workloads import MIXES
     from cbserve.planner.in_situ import _result_json
 
     probes = probe_requests(profile, settings.probe_repeats, settings.seed)
     raw = {"probes": [_result_json(r) for r in _simulate(with_serving(profile, truth), probes)[0]]}
-    for key, fields, rate in runs:
-        requests = MIXES[settings.mix].requests(rate, settings.seconds, settings.seed)
+    for key, fields, rate, *mix in runs:
+        mix = mix[0] if mix else settings.mix
+        requests = MIXES[mix].requests(rate, settings.seconds, settings.seed)
         results, steps = _simulate(with_serving(profile, truth), requests, fields)
         run = {"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps}
-        raw |= run if key is None else {key: run}
+        raw |= run if key is None else {key: run | {"mix": mix}}
     return raw
 
 
@@ -243,3 +245,84 @@ def test_the_second_colocated_rate_is_above_the_first(profile):
     low = _load_rate(profile, settings, COLOCATED, 0.6)
     high = _load_rate(profile, settings, COLOCATED, 0.95, start=low * HIGHER_RATE, growth=HIGHER_RATE)
     assert high >= low * HIGHER_RATE
+
+
+def test_a_decode_rows_cost_is_fitted_from_the_two_1p1d_runs(profile):
+    """Decode pods that pay 0.4 ms a row beyond 1.5 x their profiled step: stage B's `chat` run
+    (a row or two a step) and its `long-output` run (many rows, at the rate `_rows_rate` picks)
+    give back both within 10%, and the simulated mean steps of both runs within 2%, where each
+    run's own one factor differs (larger at more rows). Without the second run (an older stage
+    B) there is no row cost: one factor, as before."""
+    from dataclasses import replace
+
+    from cbserve.planner.in_situ import PD, InSituSettings, _rows_rate, fit_in_situ
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, contention=1.5, decode_row_s=0.0004)
+    rate = _rows_rate(with_serving(profile, ServingProfile()), settings, 2.0)
+    assert rate > 2.0
+    raw = _stage_b_raw(profile, truth, settings, ((None, PD, 2.0), ("decode_high", PD, rate, settings.rows_mix)))
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.decode_row_s == pytest.approx(0.0004, rel=0.1)
+    assert serving.contention == pytest.approx(1.5, rel=0.1)
+    low, high = serving.in_situ["decode_check"]
+    assert high["rows_per_step"] >= settings.target_rows > 3 * low["rows_per_step"]
+    for run in (low, high):
+        assert run["simulated_step_s"] == pytest.approx(run["measured_step_s"], rel=0.02)
+    assert high["factor"] > low["factor"] + 0.1
+    assert serving.in_situ["decode_high"] == {"mix": "long-output", "load_rate": rate}
+    assert profile.pod_costs()["decode"].row_s == 0.0
+    costs = with_serving(profile, serving).pod_costs()
+    assert costs["decode"].row_s == serving.decode_row_s and costs["prefill"].row_s == 0.0
+
+    del raw["decode_high"]
+    older = fit_in_situ(profile, raw, settings).serving
+    assert older.decode_row_s == 0.0 and older.in_situ["decode_high"] is None
+    assert len(older.in_situ["decode_check"]) == 1
+
+
+def test_no_row_cost_where_the_decode_factor_does_not_grow_with_the_batch(profile):
+    """Decode pods at one factor whatever their batch: the two runs' solve finds no row cost
+    worth modelling (at most a hundredth of a millisecond, or none) and the factor as before."""
+    from dataclasses import replace
+
+    from cbserve.planner.in_situ import PD, InSituSettings, _rows_rate, fit_in_situ
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, contention=1.5)
+    rate = _rows_rate(with_serving(profile, ServingProfile()), settings, 2.0)
+    raw = _stage_b_raw(profile, truth, settings, ((None, PD, 2.0), ("decode_high", PD, rate, settings.rows_mix)))
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.decode_row_s < 1e-5
+    assert serving.contention == pytest.approx(1.5, rel=0.03)
+
+
+def test_a_decode_row_costs_its_share_in_every_step_that_has_it(tmp_path):
+    """`decode_row_s` is paid per decode row, times the step's scale, by decode pods and by split
+    colocated pods' decode part; prefill pods and one-factor pods do not pay it; the file keeps it
+    and an older file reads 0."""
+    import json
+
+    from cbserve.planner.profile import load_profile
+    from cbserve.planner.step_shape import StepShape
+
+    from tests.planner.conftest import make_profile
+
+    serving = ServingProfile(contention=1.5, prefill_contention=0.6, colocated_split=True, decode_row_s=0.001)
+    path = tmp_path / "new.json"
+    make_profile(serving).save(path)
+    data = json.loads(path.read_text())
+    assert data["serving"]["decode_row_s"] == 0.001
+    del data["serving"]["decode_row_s"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_profile(tmp_path / "old.json").serving.decode_row_s == 0.0
+    profile = load_profile(path)
+    mixed = StepShape(4, 400, 100, 100, prefill_chunks=((200, 0),), num_sampled=5)
+    model, costs = profile.cost_model, profile.pod_costs()
+    whole, decode = model.seconds(mixed), model.seconds(mixed.decode_part())
+    assert costs["decode"].seconds(mixed.decode_part(), scale=2.0) == pytest.approx(2 * (1.5 * decode + 0.004))
+    assert costs["colocated"].seconds(mixed) == pytest.approx(1.5 * decode + 0.004 + 0.6 * (whole - decode))
+    assert costs["prefill"].seconds(StepShape(0, 0, prefill_chunks=((200, 0),), num_sampled=1)) == pytest.approx(
+        0.6 * model.seconds(StepShape(0, 0, prefill_chunks=((200, 0),), num_sampled=1)))
+    assert costs["alone"].row_s == 0.0
+    assert profile.pod_costs(step_scale=2.0)["decode"].row_s == pytest.approx(0.002)
