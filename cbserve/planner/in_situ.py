@@ -515,20 +515,25 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
                        max_num_seqs=e["max_num_seqs"], num_blocks=e["num_blocks"], prefix_caching=False,
                        threads_per_pod=profile.data["device"]["threads"], drain_seconds=2)
     probes = probe_requests(profile, settings.probe_repeats, settings.seed)
-    bare = with_serving(profile, ServingProfile())
-    rate = _load_rate(bare, settings)
-    rows_rate = _rows_rate(bare, settings, rate)
+    rate = _load_rate(with_serving(profile, ServingProfile()), settings)
     mix = MIXES[settings.mix]
     load = mix.requests(rate, settings.seconds, settings.seed)
     log_dir = tempfile.mkdtemp(prefix="cbserve-profile-")
     log(f"# profile: in situ on a 1P+1D cluster (logs in {log_dir}): {len(probes)} probes, then {settings.mix} "
-        f"at {rate:g} req/s for {settings.seconds:g} s, then {settings.rows_mix} at {rows_rate:g} req/s "
-        f"(the decode pod at about {settings.target_rows:g} rows a step)")
+        f"at {rate:g} req/s for {settings.seconds:g} s")
     with LocalCluster(spec, log_dir=log_dir) as cluster:
         model_id = args.model
         asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(settings.seed, 4), timeout_s=120))
         probe_results, _ = asyncio.run(run_open_loop(cluster.url, model_id, probes, timeout_s=120, desc="probes"))
         load_results, step_seconds, cpu_used, threads = _load_run(cluster, load, model_id)
+        # The decode-batch run's rate at the probes' factors: at the profiled cost alone a machine
+        # twice as slow (tiny, session 11) put 100 rows in a step, not 12: past the knee.
+        fit = _fit_probes(profile, probes, probe_results)
+        rows_rate = _rows_rate(with_serving(profile, ServingProfile(
+            contention=fit["decode_contention_alone"], prefill_contention=fit["prefill_contention_alone"])),
+            settings, rate)
+        log(f"# profile: then {settings.rows_mix} at {rows_rate:g} req/s (the decode pod at about "
+            f"{settings.target_rows:g} rows a step, at the probes' factors)")
         rows_run = _load_run(cluster, MIXES[settings.rows_mix].requests(rows_rate, settings.seconds, settings.seed),
                              model_id)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
