@@ -15,7 +15,7 @@ group and frees its local layers' pages behind their window, unless `--kv-cache-
 speculation keeps one group), and a pull moves what P/D's `KVSource` moves: each group's pages
 from where `KVCacheManager.pull_starts` starts it (`SimPod.pull_pages`).
 
-The step costs `PodCosts.step_seconds(out, scale)`: the profiled cost model on the step's shape times
+The step costs `PodCosts.seconds(StepShape.of(out), scale)`: the profiled cost model on the step's shape times
 the share of the cores it gets (`cpu_share.CpuShare`, where the pods share a machine's cores) and
 the machine's `Jitter` at that instant (`scale`), times the in-situ contention factor: a colocated
 pod's decode rows at the decode factor and its prefill chunks at the prefill factor
@@ -74,9 +74,6 @@ class PodCosts:
             return scale * (total * self.contention + rows)
         decode = self.model.seconds(shape.decode_part()) if shape.num_decodes else 0.0
         return scale * (self.contention * decode + rows + self.prefill_contention * max(0.0, total - decode))
-
-    def step_seconds(self, out: SchedulerOutput, scale: float = 1.0) -> float:
-        return self.seconds(StepShape.of(out), scale)
 
 
 @dataclass(frozen=True)
@@ -217,8 +214,9 @@ class SimPod:
                     scale *= self.cpu_share.factor(self.name)
                 if self.jitter is not None:
                     scale *= self.jitter.factor(self.clock())
-                seconds = costs.step_seconds(out, scale)
-                self.scaled_rows += scale * sum(1 for seq in out.scheduled if len(seq.token_ids) == 1)
+                shape = StepShape.of(out)
+                seconds = costs.seconds(shape, scale)
+                self.scaled_rows += scale * shape.num_decodes
                 if self.cpu_share is not None:
                     self.cpu_share.stepped(self.name, self.clock(), self.clock() + seconds)
                 await asyncio.sleep(seconds)

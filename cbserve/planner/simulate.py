@@ -101,7 +101,7 @@ async def _play(model: SimModel, config: str, workload, rates: list[float], dura
             for pod in cluster.pods.values():     # a run's own contention (`sweep`): one factor, the whole step
                 factor = (contention or {}).get(rate, {}).get(pod.role)
                 if factor is not None:
-                    pod.costs = replace(pod.costs, contention=factor, prefill_contention=None)
+                    pod.costs = replace(pod.costs, contention=factor, prefill_contention=None, row_s=0.0)
             requests = workload.requests(rate, duration_s, seed)
             before, preemptions = prom.parse(cluster.metrics.render().decode()), cluster.num_preemptions
             steps = _step_totals(cluster)

@@ -8,17 +8,15 @@ from cbserve.planner import sim_pod, cpu_share
 
 REC = collections.defaultdict(lambda: collections.defaultdict(float))
 CUR = {"rate": None}
-_orig_seconds = sim_pod.PodCosts.step_seconds
-def step_seconds(self, out, scale=1.0):
-    from cbserve.planner.step_shape import StepShape
-    shape = StepShape.of(out)
+_orig_seconds = sim_pod.PodCosts.seconds
+def seconds(self, shape, scale=1.0):
     role = "prefill" if shape.prefill_chunks and not shape.num_decodes else ("decode" if not shape.prefill_chunks else "mixed")
     r = REC[(CUR["rate"], role)]
     r["n"] += 1; r["profiled"] += self.model.seconds(shape); r["scale"] += scale
     r["decodes"] += shape.num_decodes; r["prefill_tokens"] += sum(c[0] for c in shape.prefill_chunks)
-    s = _orig_seconds(self, out, scale); r["wall"] += s
+    s = _orig_seconds(self, shape, scale); r["wall"] += s
     return s
-sim_pod.PodCosts.step_seconds = step_seconds
+sim_pod.PodCosts.seconds = seconds
 
 def main(profile_path, measured_path, config, factors_json=None):
     measured = json.load(open(measured_path)); meta = measured["meta"]
