@@ -37,6 +37,7 @@ LEAK_GRACE_SECONDS = 20.0
 
 
 grpc_leaks.track()
+grpc_leaks.ignore_stale_events()
 
 
 @pytest.fixture(autouse=True)
