@@ -7,9 +7,12 @@ fair share), so the step's wall time is its CPU time times max(1, n/c). What wan
 - this pod (one torch thread: one core while it steps);
 - every other pod, for the share of the last `window_s` it spent in steps;
 - the serving path (the router's HTTP, SSE and routing, the pods' gRPC servers, their engine
-  cores' message writer, the client): `cpu_per_token_s` CPU seconds per token streamed to the
-  client, over the same window (measured in situ from the processes' CPU seconds; per token, since
-  the streamed tokens are what the router and the client spend most of their CPU on). It is all
+  cores' message writer, the client): `serving_cores` all the time (load reports every 50 ms,
+  the loops' timers, keep-alives: a cluster with nothing to do uses it too) and `cpu_per_token_s`
+  CPU seconds per token streamed to the client, over the same window (measured in situ from the
+  processes' CPU seconds of stage B's runs at several token rates: one per-token cost from the
+  calibration run alone, 1.8 ms at 178 tokens/s on tiny, made the serving path want 3.7 cores at
+  2044 tokens/s, where it used 0.72; base 0.3 cores and 0.2 ms a token fit all three). It is all
   the CPU the processes used less what the pods' engine threads used, not less the profiled cost
   of the steps: a step in situ takes more CPU than the profiler's (caches and the sibling
   hyperthread shared), and that excess is already in each role's contention factor; counted as
@@ -38,12 +41,16 @@ class CpuShareCosts:
     cpu_per_token_s: float = 0.0                    # disaggregated clusters
     colocated_cpu_per_token_s: float | None = None  # colocated ones (None: the same)
     window_s: float = 1.0
+    serving_cores: float = 0.0                      # the serving path's CPU whatever it streams: disaggregated
+    colocated_serving_cores: float | None = None    # ... colocated (None: the same)
 
     def of(self, colocated: bool) -> CpuShareCosts:
-        """The costs of one cluster: `cpu_per_token_s` is its kind's."""
-        if not colocated or self.colocated_cpu_per_token_s is None:
+        """The costs of one cluster: `cpu_per_token_s` and `serving_cores` are its kind's."""
+        if not colocated:
             return self
-        return replace(self, cpu_per_token_s=self.colocated_cpu_per_token_s)
+        per_token, base = self.colocated_cpu_per_token_s, self.colocated_serving_cores
+        return replace(self, cpu_per_token_s=self.cpu_per_token_s if per_token is None else per_token,
+                       serving_cores=self.serving_cores if base is None else base)
 
 
 class _Window:
@@ -96,7 +103,7 @@ class CpuShare:
         while serving and serving[0][0] <= since:
             self._serving_total -= serving.popleft()[1]
         others = sum(w.seconds(now, c.window_s) for name, w in self._busy.items() if name != pod)
-        wanting = 1.0 + (others + max(0.0, self._serving_total)) / c.window_s
+        wanting = 1.0 + c.serving_cores + (others + max(0.0, self._serving_total)) / c.window_s
         return max(1.0, wanting / c.cores)
 
     def stepped(self, pod: str, start: float, end: float) -> None:

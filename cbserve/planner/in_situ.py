@@ -14,7 +14,10 @@ stage-A cost model to see what the engine alone would take:
    `cbserve_step_seconds` histogram) is that role's contention factor (a fixed point: a slower step
    grows the batches, so the measured mean over the simulated one at factor 1 overshoots): two
    pods, the router and the client sharing the machine's cores (and, on a shared machine, the
-   neighbours); a colocated-2 cluster takes the same kind of run, then one near its knee (pods
+   neighbours). The same cluster then takes `long-output` with the decode pod at about 12 rows a
+   step (a decode row's own cost, `_fit_decode`) and `long-prompt` with the prefill pod busy about
+   60% of the time (the prefill factor, `_fit_prefill`: the calibration run's prefill pod is idle
+   nine tenths of the time, and its factor was twice the knee's); a colocated-2 cluster takes the same kind of run, then one near its knee (pods
    busy `high_busy` of the time): plans step a colocated pod's decode rows at the decode factor
    and its prefill chunks at the prefill factor (`sim_pod.PodCosts.seconds`), and the two runs
    check that (`_colocated_check`; their own one factor, kept as `colocated_contention`, falls as
@@ -68,6 +71,8 @@ class InSituSettings:
     high_busy: float = 0.95         # the colocated-2 cluster's second run: near its knee
     rows_mix: str = "long-output"   # the 1P+1D cluster's second run: its decode pod batching many rows
     target_rows: float = 12.0       # ... at the rate giving the simulated decode pod this many rows a step
+    prefill_mix: str = "long-prompt"    # its third run: the prefill pod's factor, where it has work
+    prefill_busy: float = 0.6       # ... at the rate keeping the simulated prefill pod this busy
 
 
 def probe_requests(profile: Profile, repeats: int, seed: int) -> list[RequestSpec]:
@@ -195,27 +200,53 @@ def _serving_cpu(results: list[RequestResult], cpu_seconds: dict[str, float], st
 
 
 def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: ServingProfile) -> ServingProfile:
-    """The cores the in-situ processes shared and the serving path's CPU per streamed token, from
-    each load run's process CPU seconds: the 1P+1D run's for disaggregated clusters, the
-    colocated-2 run's for colocated ones (profiles made before they were recorded: no sharing)."""
+    """The cores the in-situ processes shared and the serving path's CPU (`_serving_line`: a base
+    in cores and a cost per streamed token), from each load run's process CPU seconds: the 1P+1D
+    runs' for disaggregated clusters, the colocated-2 runs' for colocated ones (profiles made
+    before they were recorded: no sharing)."""
     device = profile.data.get("device", {})
     if device.get("type") != "cpu":     # the host's cores are not what a device's steps wait for
         return serving
-    colocated = raw.get("colocated") or {}
-    per_token = []
-    for run in (raw, colocated):
-        if not run.get("cpu_seconds") or run.get("load_rate") is None:
-            per_token.append(None)
+    disaggregated = _serving_line([raw, raw.get("decode_high"), raw.get("prefill_high")])
+    colocated = _serving_line([raw.get("colocated"), raw.get("colocated_high")])
+    if disaggregated is None and colocated is None:
+        return serving
+    base, per_token = disaggregated or colocated
+    return replace(serving, cores=float(device.get("cpu_count") or 1), cpu_per_token_s=per_token, serving_cores=base,
+                   colocated_cpu_per_token_s=colocated[1] if colocated else None,
+                   colocated_serving_cores=colocated[0] if colocated else None)
+
+
+def _serving_line(runs: list[dict | None]) -> tuple[float, float] | None:
+    """(cores, CPU seconds per streamed token) of the serving path over the load runs of one kind
+    of cluster that recorded their CPU: `CPU = cores x wall + per token x tokens`, least squares;
+    with one run (older profiles), or a term the runs put below 0, the line through the origin
+    (no base). Why a base: its idle timers (the router's load reports every 50 ms, the pods' loops)
+    cost CPU whatever the traffic, so one run's CPU per token, stage B's calibration run's 1.8 ms
+    at 178 tokens/s (tiny, session 13), is 5x what its `long-output` run used per token at 2044
+    tokens/s, and a simulated cluster near its knee wanted cores it does not use."""
+    points = []
+    for run in runs:
+        if not run or not run.get("cpu_seconds") or run.get("load_rate") is None:
             continue
         c, n = _serving_cpu([RequestResult(**r) for r in run.get("load", [])], run["cpu_seconds"],
                             run.get("step_seconds", {}), run.get("cpu_threads"))
-        per_token.append(c / n if n else None)
-    disaggregated, colocated_rate = per_token
-    if disaggregated is None and colocated_rate is None:
-        return serving
-    return replace(serving, cores=float(device.get("cpu_count") or 1),
-                   cpu_per_token_s=disaggregated if disaggregated is not None else colocated_rate,
-                   colocated_cpu_per_token_s=colocated_rate)
+        points.append((float(run["cpu_seconds"].get("wall", 0.0)), float(n), c))
+    if not points or not any(n for _, n, _ in points):
+        return None
+    if len(points) >= 2:
+        sww, swn, snn = (sum(w * w for w, _, _ in points), sum(w * n for w, n, _ in points),
+                         sum(n * n for _, n, _ in points))
+        swc, snc = sum(w * c for w, _, c in points), sum(n * c for _, n, c in points)
+        det = sww * snn - swn * swn
+        if det > 0:
+            base, per_token = (swc * snn - snc * swn) / det, (sww * snc - swn * swc) / det
+            if base >= 0 and per_token >= 0:
+                return base, per_token
+    if len(points) == 1:
+        _, n, c = points[0]
+        return 0.0, c / n
+    return 0.0, sum(n * c for _, n, c in points) / sum(n * n for _, n, _ in points)
 
 
 HIGHER_RATE = 1.2              # the colocated runs' rates after the first: a finer ladder above it
@@ -294,49 +325,119 @@ def _decode_terms(profile: Profile, requests: list[RequestSpec], serving: Servin
 
 
 def _fit_decode(profile: Profile, load: list[RequestSpec], measured_steps: dict[str, tuple[float, float]],
-                high: dict | None, settings: InSituSettings, serving: ServingProfile) -> ServingProfile:
+                high: dict | None, settings: InSituSettings, serving: ServingProfile,
+                prefill: dict | None = None) -> ServingProfile:
     """The 1P+1D factors (`_fit_contention`) and, where stage B ran the decode pod at many rows a
     step too (`raw["decode_high"]`), a decode row's own cost: `contention` x profiled +
-    `decode_row_s` x rows reproducing both runs' mean decode steps.
+    `decode_row_s` x rows reproducing both runs' mean decode steps; then the prefill factor
+    (`_fit_prefill`: on `raw["prefill_high"]` where stage B ran it).
 
     Why: tiny's decode factor grew with the batch (engine CPU over profiled 1.17 at 1.7 rows,
     1.66-1.82 at 12-20 rows; session 10, u39), so one factor fitted where stage B's `chat` run
     holds 1-2 rows a step made the knee's decode steps short and its 1P+1D goodput 16-28% high.
-    Two runs at different batches tell the two apart: each round solves the two linear equations
-    at the last simulation's per-step terms (the batches move with the costs, so a few rounds);
-    the round closest to both measured means wins. A row cost the two runs put below 0 (the
-    factor falling with the batch) is not modelled: 0 and the first run's factor, as before."""
+    Two runs at different batches tell the two apart (`_fit_row_cost`). A row cost the two runs
+    put below 0 (the factor falling with the batch) is not modelled: 0 and the first run's
+    factor, as before."""
     serving = _fit_contention(profile, load, measured_steps, replace(serving, decode_row_s=0.0))
     low_step, high_steps = _step_mean(measured_steps, "decode"), (high or {}).get("step_seconds")
     high_step = _step_mean(high_steps, "decode") if high_steps else None
-    if not (low_step and high_step):
+    if low_step and high_step:
+        serving = _fit_row_cost(profile, load, low_step, _run_requests(high, settings), high_step, serving)
+    return _fit_prefill(profile, *_two_runs(load, measured_steps, prefill, settings)[-1], serving)
+
+
+def _fit_row_cost(profile: Profile, load: list[RequestSpec], low_step: float, requests: list[RequestSpec],
+                  high_step: float, serving: ServingProfile) -> ServingProfile:
+    """`_fit_decode`'s two-run fit of the decode factor and row cost: the row cost by bisection,
+    each trial's factor from the calibration run's linear equation (`low_step` = factor x profiled
+    + row cost x rows, at that trial's simulated per-step terms: a row or two a step, so its batch
+    barely moves), until the many-rows run's simulated mean step is `high_step` (`serving`
+    unchanged where the row cost 0 already reaches it: the factor does not grow with the batch).
+
+    Bisection, not the two equations solved round after round (sessions 11-12): near the many-rows
+    run's knee a longer step grows its batch, which lengthens the step again, so a solve at one
+    round's batch overshoots into saturation (tiny, session 13: 0.52 ms a row at 15 rows a step
+    put 50 rows in a step and the step at 32 ms, against 12.8 measured) and the rounds swung
+    between the two; the simulated step grows with the row cost, so a bracket closes on it."""
+
+    def trial(row_s: float) -> tuple[ServingProfile, float] | None:
+        profiled, rows, _ = _decode_terms(profile, load, replace(serving, decode_row_s=row_s))
+        contention = (low_step - row_s * rows) / profiled if profiled else 0.0
+        if contention <= 0:
+            return None
+        candidate = replace(serving, contention=contention, decode_row_s=row_s)
+        return candidate, _decode_terms(profile, requests, candidate)[2]
+
+    start = trial(0.0)
+    if start is None or start[1] >= high_step * (1 - FIXED_POINT_TOLERANCE):
         return serving
-    requests = MIXES[high["mix"]].requests(high["load_rate"], settings.seconds, settings.seed)
-    one_factor = serving
-    best: tuple[float, ServingProfile] | None = None
-    for _ in range(FIXED_POINT_ROUNDS):
-        (a1, b1, s1), (a2, b2, s2) = (_decode_terms(profile, reqs, serving) for reqs in (load, requests))
-        error = max(abs(s1 / low_step - 1), abs(s2 / high_step - 1)) if s1 and s2 else math.inf
-        if best is None or error < best[0]:
-            best = (error, serving)
-        det = a1 * b2 - a2 * b1
-        if error <= FIXED_POINT_TOLERANCE or not det:
+    rows = _decode_terms(profile, requests, start[0])[1]
+    low, high = 0.0, high_step / rows if rows else 0.0     # the whole step as row cost: above it
+    best = start
+    for _ in range(2 * FIXED_POINT_ROUNDS):
+        middle = (low + high) / 2
+        result = trial(middle)
+        if result is None or result[1] > high_step:
+            high = middle
+        else:
+            low = middle
+        if result is not None and abs(result[1] / high_step - 1) < abs(best[1] / high_step - 1):
+            best = result
+        if abs(best[1] / high_step - 1) <= FIXED_POINT_TOLERANCE:
             break
-        contention, row_s = (low_step * b2 - high_step * b1) / det, (a1 * high_step - a2 * low_step) / det
-        if row_s <= 0 or contention <= 0:
-            return one_factor
-        serving = replace(serving, contention=contention, decode_row_s=row_s)
-    serving = best[1]
-    # The prefill pod's factor once more, at the decode pod's new costs (its steps barely move).
-    if (measured_prefill := _step_mean(measured_steps, "prefill")) is None:
+    return best[0]
+
+
+def _run_requests(run: dict, settings: InSituSettings) -> list[RequestSpec]:
+    """The requests of a second or third 1P+1D run (`raw["decode_high"]`, `raw["prefill_high"]`)."""
+    return MIXES[run["mix"]].requests(run["load_rate"], settings.seconds, settings.seed)
+
+
+def _two_runs(load: list[RequestSpec], measured_steps: dict, run: dict | None,
+              settings: InSituSettings) -> list[tuple[list[RequestSpec], dict]]:
+    """(requests, measured steps) of the calibration run, then of `run` (`raw["decode_high"]` or
+    `raw["prefill_high"]`) where stage B took it: the runs a factor is fitted or checked on."""
+    runs = [(load, measured_steps)]
+    if run and run.get("step_seconds"):
+        runs.append((_run_requests(run, settings), {r: tuple(v) for r, v in run["step_seconds"].items()}))
+    return runs
+
+
+def _fit_prefill(profile: Profile, requests: list[RequestSpec], measured_steps: dict,
+                 serving: ServingProfile) -> ServingProfile:
+    """The prefill factor at which the simulated run of `requests` has its measured mean prefill
+    step, the decode pod's costs held (`fixed_point`; `serving` unchanged without prefill steps).
+
+    Fitted on stage B's third run (`prefill_mix` with the prefill pod `prefill_busy` of the time),
+    not on the calibration run, whose prefill pod is idle nine tenths of the time: there its 39
+    steps in 20 s gave 2.34 and 2.05 (the same requests, minutes apart; `chat` without bursts 1.86),
+    where 256-token prompts gave 1.69 at 3 req/s, 1.44 at 6 and 1.33 at 9, and long prompts 1.58
+    (tiny, session 13): the knee's prefill pod stepped at half the factor the calibration run gave
+    it, and its goodput came out up to 30% low (session 11)."""
+    if (measured := _step_mean(measured_steps, "prefill")) is None:
         return serving
 
     def simulate(factors: dict[str, float]) -> dict[str, float]:
-        _, steps = _simulate(with_serving(profile, replace(serving, prefill_contention=factors["prefill"])), load)
+        _, steps = _simulate(with_serving(profile, replace(serving, prefill_contention=factors["prefill"])), requests)
         return {"prefill": m} if (m := _step_mean(steps, "prefill")) else {}
 
-    factors = fixed_point({"prefill": measured_prefill}, simulate, {"prefill": serving.prefill_contention})
+    factors = fixed_point({"prefill": measured}, simulate, {"prefill": serving.prefill_contention})
     return replace(serving, prefill_contention=factors["prefill"])
+
+
+def _prefill_check(profile: Profile, load: list[RequestSpec], measured_steps: dict, prefill: dict | None,
+                   settings: InSituSettings, serving: ServingProfile) -> list[dict]:
+    """Each 1P+1D run the prefill factor is fitted or checked on (`_two_runs`): its measured
+    mean prefill step, the simulated one at the fitted costs, and the run's own factor."""
+    out = []
+    for requests, steps in _two_runs(load, measured_steps, prefill, settings):
+        measured = _step_mean(steps, "prefill")
+        if measured is None:
+            continue
+        _, simulated = _simulate(with_serving(profile, serving), requests)
+        out.append({"measured_step_s": measured, "simulated_step_s": _step_mean(simulated, "prefill"),
+                    "factor": _fit_prefill(profile, requests, steps, serving).prefill_contention})
+    return out
 
 
 def _decode_check(profile: Profile, load: list[RequestSpec], measured_steps: dict, high: dict | None,
@@ -344,13 +445,9 @@ def _decode_check(profile: Profile, load: list[RequestSpec], measured_steps: dic
     """Each 1P+1D run's measured mean decode step, the simulated one at the fitted costs, the
     simulated decode rows a step, and the run's own one factor (no row cost; the first run's is
     `_fit_contention`'s, the second's its own fixed point)."""
-    runs = [(load, measured_steps)]
-    if high and high.get("step_seconds"):
-        runs.append((MIXES[high["mix"]].requests(high["load_rate"], settings.seconds, settings.seed),
-                     {role: tuple(v) for role, v in high["step_seconds"].items()}))
     single = replace(serving, decode_row_s=0.0)
     out = []
-    for requests, steps in runs:
+    for requests, steps in _two_runs(load, measured_steps, high, settings):
         measured = _step_mean(steps, "decode")
         if measured is None:
             continue
@@ -469,19 +566,21 @@ def _step_means(pod_samples: dict[str, prom.Samples]) -> dict[str, tuple[float, 
 
 
 def _load_rate(profile: Profile, settings: InSituSettings, fields: dict = PD, target_busy: float | None = None,
-               start: float = 0.125, growth: float = 1.5) -> float:
+               start: float = 0.125, growth: float = 1.5, mix: str | None = None, role: str | None = None) -> float:
     """The highest rate of `start` x `growth`^k (k < 10; `start` if none) at which the simulated
-    busiest pod is busy at most `target_busy` (the settings') of the time."""
+    busiest pod (`role`'s, if given) is busy at most `target_busy` (the settings') of the time, on
+    `mix` (the settings' calibration mix if None)."""
     target_busy = settings.target_busy if target_busy is None else target_busy
-    mix = MIXES[settings.mix]
+    workload = MIXES[mix or settings.mix]
     rate = start
     chosen = rate
     pods = fields.get("num_colocated") or 1
     for _ in range(10):
-        requests = mix.requests(rate, min(settings.seconds, 20.0), settings.seed)
+        requests = workload.requests(rate, min(settings.seconds, 20.0), settings.seed)
         results, steps = _simulate(profile, requests, fields)
         elapsed = max((r.done_s or 0.0) for r in results)
-        busy = max(b for b, _ in steps.values()) / pods / max(elapsed, 1e-9)
+        seconds = steps.get(role, (0.0, 0))[0] if role else max(b for b, _ in steps.values())
+        busy = seconds / pods / max(elapsed, 1e-9)
         if busy > target_busy:
             break
         chosen = rate
@@ -529,18 +628,23 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
         # The decode-batch run's rate at the probes' factors: at the profiled cost alone a machine
         # twice as slow (tiny, session 11) put 100 rows in a step, not 12: past the knee.
         fit = _fit_probes(profile, probes, probe_results)
-        rows_rate = _rows_rate(with_serving(profile, ServingProfile(
-            contention=fit["decode_contention_alone"], prefill_contention=fit["prefill_contention_alone"])),
-            settings, rate)
+        at_probes = with_serving(profile, ServingProfile(contention=fit["decode_contention_alone"],
+                                                         prefill_contention=fit["prefill_contention_alone"]))
+        rows_rate = _rows_rate(at_probes, settings, rate)
         log(f"# profile: then {settings.rows_mix} at {rows_rate:g} req/s (the decode pod at about "
             f"{settings.target_rows:g} rows a step, at the probes' factors)")
         rows_run = _load_run(cluster, MIXES[settings.rows_mix].requests(rows_rate, settings.seconds, settings.seed),
                              model_id)
+        prefill_rate = _load_rate(at_probes, settings, target_busy=settings.prefill_busy, mix=settings.prefill_mix,
+                                  role="prefill")
+        log(f"# profile: then {settings.prefill_mix} at {prefill_rate:g} req/s (the prefill pod about "
+            f"{settings.prefill_busy:.0%} busy, at the probes' factors)")
+        prefill_run = _load_run(cluster, MIXES[settings.prefill_mix].requests(prefill_rate, settings.seconds,
+                                                                               settings.seed), model_id)
     raw = {"probes": [_result_json(r) for r in probe_results], "load": [_result_json(r) for r in load_results],
            "load_rate": rate, "step_seconds": step_seconds, "cpu_seconds": cpu_used, "cpu_threads": threads,
-           "decode_high": {"mix": settings.rows_mix, "load_rate": rows_rate,
-                           "load": [_result_json(r) for r in rows_run[0]], "step_seconds": rows_run[1],
-                           "cpu_seconds": rows_run[2], "cpu_threads": rows_run[3]}}
+           "decode_high": _run_json(settings.rows_mix, rows_rate, rows_run),
+           "prefill_high": _run_json(settings.prefill_mix, prefill_rate, prefill_run)}
     # Colocated pods share the machine differently (no KV streaming, mixed steps): their own runs,
     # at two loads (`_colocated_check`); and one pod alone, whose steps no other engine's slow down.
     raw["colocated"], raw["colocated_high"] = _colocated_runs(
@@ -592,6 +696,13 @@ def _load_run(cluster: LocalCluster, requests: list[RequestSpec], model_id: str)
     return results, _step_means(by_role), cpu_used, threads
 
 
+def _run_json(mix: str, rate: float, run: tuple) -> dict:
+    """A second or third 1P+1D run (`_load_run`'s answer) as `raw` keeps it."""
+    results, steps, cpu_used, threads = run
+    return {"mix": mix, "load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
+            "cpu_seconds": cpu_used, "cpu_threads": threads}
+
+
 def _result_json(r: RequestResult) -> dict:
     return {k: getattr(r, k) for k in ("index", "scheduled_s", "sent_s", "outcome", "first_token_s", "last_token_s",
                                        "done_s", "num_chunks", "num_output_tokens")}
@@ -610,15 +721,15 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     probe_fit = _fit_probes(profile, probes, probe_results)
     serving = _serving_from_probes(probe_fit, profile.engine["kv_bytes_per_token"])
     serving = _fit_cpu(profile, raw, settings, serving)
-    high = raw.get("decode_high")
-    serving = _fit_decode(profile, load, measured_steps, high, settings, serving)
+    high, prefill = raw.get("decode_high"), raw.get("prefill_high")
+    serving = _fit_decode(profile, load, measured_steps, high, settings, serving, prefill)
     # What the steps do not explain: a loop gap per decode step (TPOT), then a longer request path
     # (TTFT); then the machine's slow stretches (the tails: TTFT's and TPOT's p90 over p50), and
     # the medians once more under them.
     path = (serving.http_in_s, serving.token_out_s)
     serving = _fit_medians(profile, load, measured, serving)
     serving = _fit_jitter(profile, load, load_results, serving)
-    serving = _fit_decode(profile, load, measured_steps, high, settings, serving)  # jitter moves the mean step
+    serving = _fit_decode(profile, load, measured_steps, high, settings, serving, prefill)  # jitter moves the mean step
     serving = _fit_medians(profile, load, measured, replace(serving, http_in_s=path[0], token_out_s=path[1]))
     simulated, _ = _simulate(with_serving(profile, serving), load)
     colocated = raw.get("colocated")
@@ -642,6 +753,8 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
                "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_check": check,
                "decode_high": {k: high[k] for k in ("mix", "load_rate")} if high else None,
                "decode_check": _decode_check(profile, load, measured_steps, high, settings, serving),
+               "prefill_high": {k: prefill[k] for k in ("mix", "load_rate")} if prefill else None,
+               "prefill_check": _prefill_check(profile, load, measured_steps, prefill, settings, serving),
                "probe_fit": probe_fit, "step_seconds_measured": {r: (t / c if c else None) for r, (t, c) in
                                                                  measured_steps.items()},
                "load_residual": residual, "seconds": raw.get("seconds")}

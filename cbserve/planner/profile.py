@@ -10,6 +10,7 @@
      "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention",
                  "colocated_split", "decode_row_s", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
                  "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
+                 "serving_cores", "colocated_serving_cores",
                  "in_situ": {...what was measured}} | null,
      "seconds": {"grid", "in_situ"}}
 
@@ -66,6 +67,8 @@ class ServingProfile:
     cores: float = 0.0                # the cores pods, router and client share (`cpu_share`; 0: none)
     cpu_per_token_s: float = 0.0      # the serving path's CPU per streamed token, on those cores
     colocated_cpu_per_token_s: float | None = None  # ... in a colocated cluster (None: the same)
+    serving_cores: float = 0.0        # ... and what it uses whatever it streams (cores; older profiles: 0)
+    colocated_serving_cores: float | None = None    # ... in a colocated cluster (None: the same)
     in_situ: dict = field(default_factory=dict)     # the measurements behind these numbers
 
     def contention_of(self, role: str) -> float:
@@ -82,7 +85,9 @@ class ServingProfile:
 
     def costs(self) -> ServingCosts:
         return ServingCosts(self.http_in_s, self.rpc_s, self.token_out_s, self.kv_message_s, self.kv_bytes_per_s,
-                            CpuShareCosts(self.cores, self.cpu_per_token_s, self.colocated_cpu_per_token_s))
+                            CpuShareCosts(self.cores, self.cpu_per_token_s, self.colocated_cpu_per_token_s,
+                                          serving_cores=self.serving_cores,
+                                          colocated_serving_cores=self.colocated_serving_cores))
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention",
@@ -91,7 +96,9 @@ class ServingProfile:
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
                       "cores": self.cores, "cpu_per_token_s": self.cpu_per_token_s,
-                      "colocated_cpu_per_token_s": self.colocated_cpu_per_token_s, "in_situ": self.in_situ}
+                      "colocated_cpu_per_token_s": self.colocated_cpu_per_token_s,
+                      "serving_cores": self.serving_cores, "colocated_serving_cores": self.colocated_serving_cores,
+                      "in_situ": self.in_situ}
 
     @classmethod
     def from_json(cls, value: dict) -> ServingProfile:
@@ -110,6 +117,8 @@ class ServingProfile:
                    jitter_period_s=float(value.get("jitter_period_s", 1.0)), cores=float(value.get("cores", 0.0)),
                    cpu_per_token_s=float(value.get("cpu_per_token_s", 0.0)),
                    colocated_cpu_per_token_s=optional("colocated_cpu_per_token_s"),
+                   serving_cores=float(value.get("serving_cores", 0.0)),
+                   colocated_serving_cores=optional("colocated_serving_cores"),
                    in_situ=dict(value.get("in_situ", {})))
 
 

@@ -86,6 +86,61 @@ def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_engine_thre
     assert _fit_cpu(profile, raw | {"cpu_seconds": None, "colocated": None}, settings, ServingProfile()).cores == 0
 
 
+def test_the_serving_paths_base_cores_want_a_core_whatever_it_streams():
+    from cbserve.planner.cpu_share import CpuShare, CpuShareCosts
+
+    now = [0.0]
+    costs = CpuShareCosts(cores=2, cpu_per_token_s=0.001, serving_cores=0.5, colocated_serving_cores=0.2)
+    share = CpuShare(costs, lambda: now[0])
+    assert share.factor("a") == 1.0                   # 1.5 wanting, 2 cores
+    share.stepped("b", 0.0, 10.0)
+    now[0] = 1.0
+    assert share.factor("a") == pytest.approx(1.25)   # a, b and half a core of timers: 2.5 wanting
+    assert costs.of(colocated=True).serving_cores == 0.2 and costs.of(colocated=False).serving_cores == 0.5
+    assert CpuShareCosts(serving_cores=0.5).of(colocated=True).serving_cores == 0.5   # no colocated base: the same
+
+
+def test_the_serving_cpu_is_a_base_and_a_cost_per_token_fitted_through_every_run_of_a_kind(profile):
+    """Three 1P+1D runs at different token rates (the calibration mix, `long-output`, `long-prompt`)
+    whose serving path used 0.3 cores plus 0.2 ms a token, and two colocated-2 runs at 0.25 cores
+    plus 0.3 ms: both lines come back, where one run's CPU per token would be several times the
+    per-token cost at a high token rate. One run of a kind (older profiles): through the origin."""
+    from cbserve.goodput.workloads import MIXES
+    from cbserve.planner.in_situ import InSituSettings, _fit_cpu, _result_json
+
+    settings = InSituSettings(seconds=4.0)
+
+    def run(mix: str, rate: float, wall: float, base: float, per_token: float, pods: tuple[str, ...]) -> dict:
+        requests = MIXES[mix].requests(rate, settings.seconds, settings.seed)
+        results, _ = _simulate(with_serving(profile, ServingProfile()), requests)
+        tokens = sum(r.num_output_tokens for r in results)
+        threads = {pod: {"server": 0.0, "engine": 2.0, "core_other": 0.0} for pod in pods}
+        cpu = {pod: 2.0 for pod in pods} | {"router": base * wall + per_token * tokens, "client": 0.0, "wall": wall}
+        return {"mix": mix, "load_rate": rate, "load": [_result_json(r) for r in results], "cpu_seconds": cpu,
+                "cpu_threads": threads, "step_seconds": {}}
+
+    pd, colocated = ("prefill-0", "decode-0"), ("colocated-0", "colocated-1")
+    raw = run("chat", 1.0, 6.0, 0.3, 0.0002, pd) | {
+        "decode_high": run("long-output", 8.0, 7.0, 0.3, 0.0002, pd),
+        "prefill_high": run("long-prompt", 1.0, 5.0, 0.3, 0.0002, pd),
+        "colocated": run("chat", 2.0, 6.0, 0.25, 0.0003, colocated),
+        "colocated_high": run("chat", 6.0, 6.5, 0.25, 0.0003, colocated)}
+    fitted = _fit_cpu(profile, raw, settings, ServingProfile())
+    assert fitted.serving_cores == pytest.approx(0.3, rel=1e-6) and fitted.cpu_per_token_s == pytest.approx(0.0002, rel=1e-6)
+    assert fitted.colocated_serving_cores == pytest.approx(0.25, rel=1e-6)
+    assert fitted.colocated_cpu_per_token_s == pytest.approx(0.0003, rel=1e-6)
+    calibration = raw["cpu_seconds"]["router"] / sum(r["num_output_tokens"] for r in raw["load"])
+    assert calibration > 3 * fitted.cpu_per_token_s
+    costs = fitted.costs().cpu
+    assert costs.of(colocated=True).serving_cores == pytest.approx(0.25) and costs.serving_cores == pytest.approx(0.3)
+    assert ServingProfile.from_json(fitted.to_json()) == fitted       # the file keeps both lines
+    assert ServingProfile.from_json({k: v for k, v in fitted.to_json().items()
+                                     if "serving_cores" not in k}).costs().cpu.serving_cores == 0.0   # older files
+    older = {k: v for k, v in raw.items() if k not in ("decode_high", "prefill_high", "colocated_high")}
+    fitted = _fit_cpu(profile, older, settings, ServingProfile())
+    assert fitted.serving_cores == 0.0 and fitted.cpu_per_token_s == pytest.approx(calibration, rel=1e-6)
+
+
 def test_a_one_pod_cluster_steps_at_the_lone_pods_contention_and_the_file_keeps_it(tmp_path):
     """`alone_contention` (stage B's colocated-1 run) is colocated-1's; colocated-2 keeps the
     colocated factor; a profile without it plans colocated-1 as before."""
@@ -279,6 +334,40 @@ def test_a_decode_rows_cost_is_fitted_from_the_two_1p1d_runs(profile):
     older = fit_in_situ(profile, raw, settings).serving
     assert older.decode_row_s == 0.0 and older.in_situ["decode_high"] is None
     assert len(older.in_situ["decode_check"]) == 1
+
+
+def test_the_prefill_factor_is_fitted_on_the_run_whose_prefill_pod_is_busy(profile):
+    """A prefill pod at 2.0x its profiled steps in the calibration run (idle most of the time) and
+    at 1.4x in stage B's third run (`long-prompt`, at the rate `_load_rate` gives for a prefill pod
+    busy 60% of the time): the profile keeps 1.4, the check reports both runs' own factors and the
+    prefill run's mean step within 2%. Without the third run (an older stage B), the calibration
+    run's factor, as before."""
+    from dataclasses import replace
+
+    from cbserve.planner.in_situ import PD, InSituSettings, _load_rate, fit_in_situ
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    rate = _load_rate(with_serving(profile, ServingProfile()), settings, target_busy=settings.prefill_busy,
+                      mix=settings.prefill_mix, role="prefill")
+    busier = _load_rate(with_serving(profile, ServingProfile()), settings, target_busy=0.9,
+                        mix=settings.prefill_mix, role="prefill")
+    assert busier > rate > 0.125
+    raw = _stage_b_raw(profile, TRUTH, settings, ((None, PD, 2.0),))
+    raw |= _stage_b_raw(profile, replace(TRUTH, prefill_contention=1.4), settings,
+                        (("prefill_high", PD, rate, settings.prefill_mix),))
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.prefill_contention == pytest.approx(1.4, rel=0.05)
+    assert serving.contention == pytest.approx(2.0, rel=0.1)
+    assert serving.in_situ["prefill_high"] == {"mix": "long-prompt", "load_rate": rate}
+    calibration, busy = serving.in_situ["prefill_check"]
+    assert calibration["factor"] == pytest.approx(2.0, rel=0.05) and busy["factor"] == pytest.approx(1.4, rel=0.05)
+    assert busy["simulated_step_s"] == pytest.approx(busy["measured_step_s"], rel=0.02)
+    assert calibration["simulated_step_s"] < 0.85 * calibration["measured_step_s"]
+
+    del raw["prefill_high"]
+    older = fit_in_situ(profile, raw, settings).serving
+    assert older.prefill_contention == pytest.approx(2.0, rel=0.05)
+    assert older.in_situ["prefill_high"] is None and len(older.in_situ["prefill_check"]) == 1
 
 
 def test_no_row_cost_where_the_decode_factor_does_not_grow_with_the_batch(profile):
