@@ -465,7 +465,7 @@ def _decode_check(profile: Profile, load: list[RequestSpec], measured_steps: dic
 def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fields: dict, field: str,
                               measured_steps: dict[str, tuple[float, float]],
                               serving: ServingProfile) -> ServingProfile:
-    """`field` (`colocated_contention` or `alone_contention`): the factor at which the colocated
+    """`field` (`colocated_contention`, `alone_contention`, `alone_prefill_contention`): the factor at which the colocated
     cluster `fields`, simulated on `requests`, has the measured mean step (`fixed_point` from
     1.0; its first round is the one ratio at 1.0 that sessions up to 8 stopped at)."""
     measured = _step_mean(measured_steps, "colocated")
@@ -478,6 +478,36 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
         return {field: mean} if mean else {}
 
     return replace(serving, **fixed_point({field: measured}, simulate, {field: 1.0}))
+
+
+def _fit_alone(profile: Profile, alone: dict, prefill: dict | None, settings: InSituSettings,
+               serving: ServingProfile) -> tuple[ServingProfile, list[dict]]:
+    """A one-pod cluster's factors: one (`alone_contention`) from its calibration-mix run; where
+    stage B ran it on `prefill_mix` too, its steps split like a colocated pair's (the decode part at
+    `alone_contention`, the prefill part at `alone_prefill_contention`), each factor fitted on the
+    run whose steps it dominates, in turns (each fixed point moves the other run a little). And
+    each run's measured and simulated mean step.
+
+    Why: one factor fitted on `chat` (0.64, a step a few decode rows) put tiny's lone pod at 41 req/s
+    of fixed-256-64 where it collapsed past 20-24 (session 13): its 256-token prefills stepped at
+    the decode rows' factor; each fixed-256-64 row's own factor was 0.89-1.22."""
+    runs = [(_run_requests(alone | {"mix": alone.get("mix", settings.mix)}, settings), alone["step_seconds"])]
+    if prefill and prefill.get("step_seconds"):
+        runs.append((_run_requests(prefill, settings), prefill["step_seconds"]))
+        serving = replace(serving, alone_prefill_contention=serving.alone_prefill_contention or 1.0)
+    else:
+        serving = replace(serving, alone_prefill_contention=None)
+    for _ in range(3 if len(runs) > 1 else 1):
+        serving = _fit_colocated_contention(profile, runs[0][0], ALONE, "alone_contention", runs[0][1], serving)
+        if len(runs) > 1:
+            serving = _fit_colocated_contention(profile, runs[1][0], ALONE, "alone_prefill_contention", runs[1][1],
+                                                serving)
+    check = []
+    for requests, steps in runs:
+        _, simulated = _simulate(with_serving(profile, serving), requests, ALONE)
+        check.append({"measured_step_s": _step_mean(steps, "colocated"),
+                      "simulated_step_s": _step_mean(simulated, "colocated")})
+    return serving, check
 
 
 def _colocated_check(profile: Profile, settings: InSituSettings, runs: list[dict],
@@ -649,33 +679,40 @@ def run_in_situ(profile: Profile, args, settings: InSituSettings, log) -> Profil
     # at two loads (`_colocated_check`); and one pod alone, whose steps no other engine's slow down.
     raw["colocated"], raw["colocated_high"] = _colocated_runs(
         profile, args, spec, COLOCATED, (settings.target_busy, settings.high_busy), settings, log_dir, log)
-    raw["alone"], = _colocated_runs(profile, args, spec, ALONE, (settings.target_busy,), settings, log_dir, log)
+    raw["alone"], raw["alone_prefill"] = _colocated_runs(profile, args, spec, ALONE, (settings.target_busy,), settings,
+                                                         log_dir, log, prefill_run=True)
     raw["seconds"] = time.monotonic() - started
     profile.data["in_situ_raw"] = raw
     return fit_in_situ(profile, raw, settings)
 
 
 def _colocated_runs(profile: Profile, args, spec: ClusterSpec, fields: dict, targets: tuple[float, ...],
-                    settings: InSituSettings, log_dir: str, log) -> list[dict]:
+                    settings: InSituSettings, log_dir: str, log, prefill_run: bool = False) -> list[dict]:
     """A colocated cluster's (`fields`) load runs, one after another on one cluster, each at the
     rate that keeps the simulated pods busy that `targets` share of the time, each one above the
     last (a finer ladder from it: the first's steps of 1.5x can jump from 60% busy to past the
-    knee, tiny's did); each as `raw["colocated"]` / `raw["colocated_high"]` / `raw["alone"]` keep it."""
+    knee, tiny's did); each as `raw["colocated"]` / `raw["colocated_high"]` / `raw["alone"]` keep it.
+    With `prefill_run`, then `settings.prefill_mix` with the pods `prefill_busy` of the time
+    (`raw["alone_prefill"]`: a lone pod's prefill part, `_fit_alone`)."""
     mix, pods = MIXES[settings.mix], fields["num_colocated"]
     bare = with_serving(profile, ServingProfile())
-    rates = [_load_rate(bare, settings, fields, targets[0])]
+    runs_of = [(settings.mix, _load_rate(bare, settings, fields, targets[0]))]
     for busy in targets[1:]:
-        rates.append(_load_rate(bare, settings, fields, busy, start=rates[-1] * HIGHER_RATE, growth=HIGHER_RATE))
-    log(f"# profile: in situ on a colocated-{pods} cluster: {settings.mix} at " + ", then ".join(f"{r:g}" for r in rates)
+        runs_of.append((settings.mix, _load_rate(bare, settings, fields, busy, start=runs_of[-1][1] * HIGHER_RATE,
+                                                 growth=HIGHER_RATE)))
+    if prefill_run:
+        runs_of.append((settings.prefill_mix, _load_rate(bare, settings, fields, settings.prefill_busy,
+                                                         mix=settings.prefill_mix)))
+    log(f"# profile: in situ on a colocated-{pods} cluster: " + ", then ".join(f"{m} at {r:g}" for m, r in runs_of)
         + " req/s")
     runs = []
     with LocalCluster(replace(spec, num_prefill=0, num_decode=0, num_colocated=pods), log_dir=log_dir) as cluster:
         asyncio.run(run_open_loop(cluster.url, args.model, mix.warmup(settings.seed, 4), timeout_s=120))
-        for rate in rates:
-            results, steps, cpu_used, threads = _load_run(cluster, mix.requests(rate, settings.seconds, settings.seed),
-                                                          args.model)
-            runs.append({"load_rate": rate, "load": [_result_json(r) for r in results], "step_seconds": steps,
-                         "cpu_seconds": cpu_used, "cpu_threads": threads})
+        for name, rate in runs_of:
+            results, steps, cpu_used, threads = _load_run(cluster, MIXES[name].requests(rate, settings.seconds,
+                                                                                        settings.seed), args.model)
+            runs.append({"mix": name, "load_rate": rate, "load": [_result_json(r) for r in results],
+                         "step_seconds": steps, "cpu_seconds": cpu_used, "cpu_threads": threads})
     return runs
 
 
@@ -740,10 +777,9 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
                                             colocated["step_seconds"], serving)
         serving = replace(serving, colocated_split=True)
         check = _colocated_check(profile, settings, [r for r in (colocated, raw.get("colocated_high")) if r], serving)
+    alone_check = None
     if raw.get("alone"):
-        requests = MIXES[settings.mix].requests(raw["alone"]["load_rate"], settings.seconds, settings.seed)
-        serving = _fit_colocated_contention(profile, requests, ALONE, "alone_contention", raw["alone"]["step_seconds"],
-                                            serving)
+        serving, alone_check = _fit_alone(profile, raw["alone"], raw.get("alone_prefill"), settings, serving)
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}
@@ -751,6 +787,8 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
                "load_seconds": settings.seconds,
                "colocated_load_rate": colocated["load_rate"] if colocated else None,
                "alone_load_rate": (raw.get("alone") or {}).get("load_rate"), "colocated_check": check,
+               "alone_prefill": {k: raw["alone_prefill"][k] for k in ("mix", "load_rate")}
+               if raw.get("alone_prefill") else None, "alone_check": alone_check,
                "decode_high": {k: high[k] for k in ("mix", "load_rate")} if high else None,
                "decode_check": _decode_check(profile, load, measured_steps, high, settings, serving),
                "prefill_high": {k: prefill[k] for k in ("mix", "load_rate")} if prefill else None,

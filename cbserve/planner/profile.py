@@ -7,7 +7,7 @@
      "cost_model": {"features": [...], "coefficients": [...]},
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
      "grid": [measurements], "held_out_points": [measurements],
-     "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention",
+     "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention", "alone_prefill_contention",
                  "colocated_split", "decode_row_s", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
                  "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "serving_cores", "colocated_serving_cores",
@@ -54,6 +54,7 @@ class ServingProfile:
     prefill_contention: float = 1.0   # ... prefill pods
     colocated_contention: float | None = None   # ... colocated pods (None: the mean of the two)
     alone_contention: float | None = None       # ... the one pod of a one-pod cluster (None: its role's)
+    alone_prefill_contention: float | None = None   # ... its steps' prefill part (None: the one factor)
     colocated_split: bool = False     # colocated steps: decode part at `contention`, prefill at `prefill_contention`
     decode_row_s: float = 0.0         # a decode row's cost beyond `contention` x its profiled share: decode pods, split colocated
     step_gap_s: float = 0.0
@@ -91,7 +92,7 @@ class ServingProfile:
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention",
-                                             "alone_contention", "colocated_split", "decode_row_s", "step_gap_s",
+                                             "alone_contention", "alone_prefill_contention", "colocated_split", "decode_row_s", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
@@ -107,6 +108,7 @@ class ServingProfile:
         return cls(contention=float(value["contention"]), prefill_contention=float(value["prefill_contention"]),
                    colocated_contention=optional("colocated_contention"),
                    alone_contention=optional("alone_contention"),
+                   alone_prefill_contention=optional("alone_prefill_contention"),
                    colocated_split=bool(value.get("colocated_split", False)),
                    decode_row_s=float(value.get("decode_row_s", 0.0)),
                    step_gap_s=float(value["step_gap_s"]),
@@ -172,7 +174,9 @@ class Profile:
         if s.colocated_split:       # a colocated step's parts at the disaggregated roles' factors
             costs["colocated"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s,
                                           s.prefill_contention * step_scale, s.decode_row_s * step_scale)
-        return costs | {"alone": PodCosts(self.cost_model, s.contention_alone() * step_scale, s.step_gap_s)}
+        alone_prefill = None if s.alone_prefill_contention is None else s.alone_prefill_contention * step_scale
+        return costs | {"alone": PodCosts(self.cost_model, s.contention_alone() * step_scale, s.step_gap_s,
+                                          alone_prefill)}
 
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
         c = (self.serving or ServingProfile()).costs()

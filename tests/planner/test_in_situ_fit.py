@@ -370,6 +370,36 @@ def test_the_prefill_factor_is_fitted_on_the_run_whose_prefill_pod_is_busy(profi
     assert older.in_situ["prefill_high"] is None and len(older.in_situ["prefill_check"]) == 1
 
 
+def test_a_lone_pods_prefill_part_is_fitted_on_its_prefill_run(profile):
+    """A one-pod cluster whose decode rows step at 0.8x their profiled cost and its prefill chunks at
+    1.5x: stage B's calibration run (`chat`) and its `long-prompt` run give both back within 5%,
+    and both runs' mean steps within 3%; one factor fitted on `chat` alone (an older stage B) is
+    far from the prefill part's. The file keeps the factor; older files read None (one factor)."""
+    from dataclasses import replace
+
+    from cbserve.planner.in_situ import ALONE, PD, InSituSettings, _load_rate, fit_in_situ
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, alone_contention=0.8, alone_prefill_contention=1.5)
+    rate = _load_rate(with_serving(profile, ServingProfile()), settings, ALONE, settings.prefill_busy,
+                      mix=settings.prefill_mix)
+    raw = _stage_b_raw(profile, truth, settings, ((None, PD, 2.0), ("alone", ALONE, 3.2),
+                                                 ("alone_prefill", ALONE, rate, settings.prefill_mix)))
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.alone_contention == pytest.approx(0.8, rel=0.05)
+    assert serving.alone_prefill_contention == pytest.approx(1.5, rel=0.05)
+    for run in serving.in_situ["alone_check"]:
+        assert run["simulated_step_s"] == pytest.approx(run["measured_step_s"], rel=0.03)
+    assert serving.in_situ["alone_prefill"] == {"mix": "long-prompt", "load_rate": rate}
+    assert ServingProfile.from_json(serving.to_json()).alone_prefill_contention == serving.alone_prefill_contention
+    assert ServingProfile.from_json(TRUTH.to_json() | {"alone_prefill_contention": None}).alone_prefill_contention is None
+
+    del raw["alone_prefill"]
+    older = fit_in_situ(profile, raw, settings).serving
+    assert older.alone_prefill_contention is None and len(older.in_situ["alone_check"]) == 1
+    assert abs(older.alone_contention - 1.5) > 0.3
+
+
 def test_no_row_cost_where_the_decode_factor_does_not_grow_with_the_batch(profile):
     """Decode pods at one factor whatever their batch: the two runs' solve finds no row cost
     worth modelling (at most a hundredth of a millisecond, or none) and the factor as before."""
