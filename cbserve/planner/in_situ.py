@@ -17,11 +17,12 @@ stage-A cost model to see what the engine alone would take:
    neighbours). The same cluster then takes `long-output` with the decode pod at about 12 rows a
    step (a decode row's own cost, `_fit_decode`) and `long-prompt` with the prefill pod busy about
    60% of the time (the prefill factor, `_fit_prefill`: the calibration run's prefill pod is idle
-   nine tenths of the time, and its factor was twice the knee's); a colocated-2 cluster takes the same kind of run, then one near its knee (pods
-   busy `high_busy` of the time): plans step a colocated pod's decode rows at the decode factor
-   and its prefill chunks at the prefill factor (`sim_pod.PodCosts.seconds`), and the two runs
-   check that (`_colocated_check`; their own one factor, kept as `colocated_contention`, falls as
-   the steps take more prefill); a colocated-1 cluster takes one run for a lone pod's factor:
+   nine tenths of the time, and its factor was twice the knee's); a colocated-2 cluster takes the
+   same kind of run, then one near its knee (pods busy `high_busy` of the time): plans step a
+   colocated pod's decode rows at the decode factor and its prefill chunks at the prefill factor
+   (`sim_pod.PodCosts.seconds`), and the two runs check that (`_colocated_check`; their own one
+   factor, kept as `colocated_contention`, falls as the steps take more prefill); a colocated-1
+   cluster takes the calibration run and a `long-prompt` run for a lone pod's factors (`_fit_alone`):
    a step is slower while another engine steps on another core (measured: a colocated-1 pod's
    steps at 0.8-1.3x the profiled cost, a colocated-2 pod's at about 1.8x, both all CPU time, so
    not a share of the cores but the caches and memory both engines use), so a one-pod cluster
@@ -465,9 +466,9 @@ def _decode_check(profile: Profile, load: list[RequestSpec], measured_steps: dic
 def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fields: dict, field: str,
                               measured_steps: dict[str, tuple[float, float]],
                               serving: ServingProfile) -> ServingProfile:
-    """`field` (`colocated_contention`, `alone_contention`, `alone_prefill_contention`): the factor at which the colocated
-    cluster `fields`, simulated on `requests`, has the measured mean step (`fixed_point` from
-    1.0; its first round is the one ratio at 1.0 that sessions up to 8 stopped at)."""
+    """`field` (`colocated_contention`, `alone_contention`, `alone_prefill_contention`): the factor
+    at which the colocated cluster `fields`, simulated on `requests`, has the measured mean step
+    (`fixed_point` from 1.0; its first round is the one ratio at 1.0 that sessions up to 8 stopped at)."""
     measured = _step_mean(measured_steps, "colocated")
     if measured is None:
         return serving

@@ -7,7 +7,8 @@
      "cost_model": {"features": [...], "coefficients": [...]},
      "fit": {"mape", "max_error", "points"}, "held_out": {"mape", "max_error", "points", "by_kind"},
      "grid": [measurements], "held_out_points": [measurements],
-     "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention", "alone_prefill_contention",
+     "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention",
+                 "alone_prefill_contention",
                  "colocated_split", "decode_row_s", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
                  "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "serving_cores", "colocated_serving_cores",
@@ -92,7 +93,8 @@ class ServingProfile:
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention",
-                                             "alone_contention", "alone_prefill_contention", "colocated_split", "decode_row_s", "step_gap_s",
+                                             "alone_contention", "alone_prefill_contention",
+                                             "colocated_split", "decode_row_s", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,

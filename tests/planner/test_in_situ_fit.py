@@ -126,7 +126,8 @@ def test_the_serving_cpu_is_a_base_and_a_cost_per_token_fitted_through_every_run
         "colocated": run("chat", 2.0, 6.0, 0.25, 0.0003, colocated),
         "colocated_high": run("chat", 6.0, 6.5, 0.25, 0.0003, colocated)}
     fitted = _fit_cpu(profile, raw, settings, ServingProfile())
-    assert fitted.serving_cores == pytest.approx(0.3, rel=1e-6) and fitted.cpu_per_token_s == pytest.approx(0.0002, rel=1e-6)
+    assert fitted.serving_cores == pytest.approx(0.3, rel=1e-6)
+    assert fitted.cpu_per_token_s == pytest.approx(0.0002, rel=1e-6)
     assert fitted.colocated_serving_cores == pytest.approx(0.25, rel=1e-6)
     assert fitted.colocated_cpu_per_token_s == pytest.approx(0.0003, rel=1e-6)
     calibration = raw["cpu_seconds"]["router"] / sum(r["num_output_tokens"] for r in raw["load"])
@@ -392,7 +393,8 @@ def test_a_lone_pods_prefill_part_is_fitted_on_its_prefill_run(profile):
         assert run["simulated_step_s"] == pytest.approx(run["measured_step_s"], rel=0.03)
     assert serving.in_situ["alone_prefill"] == {"mix": "long-prompt", "load_rate": rate}
     assert ServingProfile.from_json(serving.to_json()).alone_prefill_contention == serving.alone_prefill_contention
-    assert ServingProfile.from_json(TRUTH.to_json() | {"alone_prefill_contention": None}).alone_prefill_contention is None
+    older_file = TRUTH.to_json() | {"alone_prefill_contention": None}
+    assert ServingProfile.from_json(older_file).alone_prefill_contention is None
 
     del raw["alone_prefill"]
     older = fit_in_situ(profile, raw, settings).serving
