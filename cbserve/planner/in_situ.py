@@ -220,34 +220,28 @@ def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: Ser
 
 def _serving_line(runs: list[dict | None]) -> tuple[float, float] | None:
     """(cores, CPU seconds per streamed token) of the serving path over the load runs of one kind
-    of cluster that recorded their CPU: `CPU = cores x wall + per token x tokens`, least squares;
-    with one run (older profiles), or a term the runs put below 0, the line through the origin
-    (no base). Why a base: its idle timers (the router's load reports every 50 ms, the pods' loops)
-    cost CPU whatever the traffic, so one run's CPU per token, stage B's calibration run's 1.8 ms
-    at 178 tokens/s (tiny, session 13), is 5x what its `long-output` run used per token at 2044
-    tokens/s, and a simulated cluster near its knee wanted cores it does not use."""
-    points = []
+    of cluster that recorded their CPU: the line `CPU / wall = cores + per token x tokens / wall`
+    through them (`_fit_line`); with one run (older profiles), or a term the runs put below 0, the
+    line through the origin (no base). Why a base: its idle timers (the router's load reports
+    every 50 ms, the pods' loops) cost CPU whatever the traffic, so one run's CPU per token, stage
+    B's calibration run's 1.8 ms at 178 tokens/s (tiny, session 13), is 5x what its `long-output`
+    run used per token at 2044 tokens/s, and a simulated cluster near its knee wanted cores it
+    does not use."""
+    points = []     # (tokens, CPU seconds) per second of each run
     for run in runs:
-        if not run or not run.get("cpu_seconds") or run.get("load_rate") is None:
+        if not run or not run.get("cpu_seconds") or run.get("load_rate") is None or not run["cpu_seconds"].get("wall"):
             continue
         c, n = _serving_cpu([RequestResult(**r) for r in run.get("load", [])], run["cpu_seconds"],
                             run.get("step_seconds", {}), run.get("cpu_threads"))
-        points.append((float(run["cpu_seconds"].get("wall", 0.0)), float(n), c))
-    if not points or not any(n for _, n, _ in points):
+        wall = float(run["cpu_seconds"]["wall"])
+        points.append((n / wall, c / wall))
+    if not any(n for n, _ in points):
         return None
     if len(points) >= 2:
-        sww, swn, snn = (sum(w * w for w, _, _ in points), sum(w * n for w, n, _ in points),
-                         sum(n * n for _, n, _ in points))
-        swc, snc = sum(w * c for w, _, c in points), sum(n * c for _, n, c in points)
-        det = sww * snn - swn * swn
-        if det > 0:
-            base, per_token = (swc * snn - snc * swn) / det, (sww * snc - swn * swc) / det
-            if base >= 0 and per_token >= 0:
-                return base, per_token
-    if len(points) == 1:
-        _, n, c = points[0]
-        return 0.0, c / n
-    return 0.0, sum(n * c for _, n, c in points) / sum(n * n for _, n, _ in points)
+        base, per_token = _fit_line([n for n, _ in points], [c for _, c in points])
+        if base >= 0 and per_token > 0:
+            return base, per_token
+    return 0.0, sum(n * c for n, c in points) / sum(n * n for n, _ in points)
 
 
 HIGHER_RATE = 1.2              # the colocated runs' rates after the first: a finer ladder above it
@@ -390,8 +384,9 @@ def _fit_row_cost(profile: Profile, load: list[RequestSpec], low_step: float, re
 
 
 def _run_requests(run: dict, settings: InSituSettings) -> list[RequestSpec]:
-    """The requests of a second or third 1P+1D run (`raw["decode_high"]`, `raw["prefill_high"]`)."""
-    return MIXES[run["mix"]].requests(run["load_rate"], settings.seconds, settings.seed)
+    """The requests of one of stage B's load runs as `raw` keeps it (its `mix`; runs stored
+    without one, the calibration mix's)."""
+    return MIXES[run.get("mix", settings.mix)].requests(run["load_rate"], settings.seconds, settings.seed)
 
 
 def _two_runs(load: list[RequestSpec], measured_steps: dict, run: dict | None,
@@ -468,7 +463,8 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
                               serving: ServingProfile) -> ServingProfile:
     """`field` (`colocated_contention`, `alone_contention`, `alone_prefill_contention`): the factor
     at which the colocated cluster `fields`, simulated on `requests`, has the measured mean step
-    (`fixed_point` from 1.0; its first round is the one ratio at 1.0 that sessions up to 8 stopped at)."""
+    (`fixed_point` from the field's value in `serving`, 1.0 where it has none: then its first round
+    is the one ratio at 1.0 that sessions up to 8 stopped at)."""
     measured = _step_mean(measured_steps, "colocated")
     if measured is None:
         return serving
@@ -478,7 +474,7 @@ def _fit_colocated_contention(profile: Profile, requests: list[RequestSpec], fie
         mean = _step_mean(steps, "colocated")
         return {field: mean} if mean else {}
 
-    return replace(serving, **fixed_point({field: measured}, simulate, {field: 1.0}))
+    return replace(serving, **fixed_point({field: measured}, simulate, {field: getattr(serving, field) or 1.0}))
 
 
 def _fit_alone(profile: Profile, alone: dict, prefill: dict | None, settings: InSituSettings,
@@ -492,7 +488,7 @@ def _fit_alone(profile: Profile, alone: dict, prefill: dict | None, settings: In
     Why: one factor fitted on `chat` (0.64, a step a few decode rows) put tiny's lone pod at 41 req/s
     of fixed-256-64 where it collapsed past 20-24 (session 13): its 256-token prefills stepped at
     the decode rows' factor; each fixed-256-64 row's own factor was 0.89-1.22."""
-    runs = [(_run_requests(alone | {"mix": alone.get("mix", settings.mix)}, settings), alone["step_seconds"])]
+    runs = [(_run_requests(alone, settings), alone["step_seconds"])]
     if prefill and prefill.get("step_seconds"):
         runs.append((_run_requests(prefill, settings), prefill["step_seconds"]))
         serving = replace(serving, alone_prefill_contention=serving.alone_prefill_contention or 1.0)
@@ -528,7 +524,7 @@ def _colocated_check(profile: Profile, settings: InSituSettings, runs: list[dict
         measured = _step_mean(run["step_seconds"], "colocated")
         if measured is None:
             continue
-        requests = MIXES[settings.mix].requests(run["load_rate"], settings.seconds, settings.seed)
+        requests = _run_requests(run, settings)
         # The first run's one factor is the profile's `colocated_contention`, fitted on it already.
         factor = serving.colocated_contention if i == 0 else _fit_colocated_contention(
             profile, requests, COLOCATED, "colocated_contention", run["step_seconds"], single).colocated_contention
@@ -773,7 +769,7 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
     colocated = raw.get("colocated")
     check = None
     if colocated:
-        requests = MIXES[settings.mix].requests(colocated["load_rate"], settings.seconds, settings.seed)
+        requests = _run_requests(colocated, settings)
         serving = _fit_colocated_contention(profile, requests, COLOCATED, "colocated_contention",
                                             colocated["step_seconds"], serving)
         serving = replace(serving, colocated_split=True)
