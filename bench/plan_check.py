@@ -15,6 +15,12 @@ with the goodput error. Two predictions:
     python -m bench.plan_check --profile profiles/tiny.json --measured docs/goodput_tiny_heldout.json \\
         --json docs/plan_check_tiny.json
 
+`--over-time SECONDS` compares each run window by window, where the measured run saved its requests
+(`bench/goodput.py --save-requests`): arrivals, requests meeting both SLOs and refused, and mean TTFT
+and TPOT, measured against predicted, per window of the run. A row's error is then placed in time: a
+burst of arrivals the simulated pods ride out and the measured ones do not, or the first seconds of a
+fresh cluster.
+
 `--refit` fits the profile's serving section again from the in-situ measurements it stores, with
 this tree's `planner.in_situ` (a profile made before a change to that fit).
 
@@ -37,12 +43,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cbserve.goodput.stats import Slo
+from cbserve.goodput.stats import RequestResult, Slo
 from cbserve.goodput.trace import load_trace
 from cbserve.goodput.workloads import MIXES
 from cbserve.planner.in_situ import fixed_point
 from cbserve.planner.profile import load_profile
-from cbserve.planner.simulate import sim_model, sweep
+from cbserve.planner.simulate import sim_model, sweep, sweep_runs
 
 
 def _error(predicted: float, measured: float) -> float | None:
@@ -60,7 +66,7 @@ def refit(profile):
     return fit_in_situ(profile, raw, InSituSettings(seconds=info["load_seconds"], mix=info["calibration_mix"]))
 
 
-def check(profile_path: str, measured_path: str, refitted: bool = False) -> list[dict]:
+def check(profile_path: str, measured_path: str, refitted: bool = False, window_s: float = 0.0) -> list[dict]:
     measured = json.loads(Path(measured_path).read_text())
     meta = measured["meta"]
     profile = load_profile(profile_path)
@@ -81,7 +87,8 @@ def check(profile_path: str, measured_path: str, refitted: bool = False) -> list
         workload = workloads.get(mix) or MIXES[mix]
         rates = [r["rate"] for r in rows]
         common = dict(warmup=4, prefix_caching=caching, stop_below_attainment=0.0)
-        plain = sweep(model, config, workload, rates, meta["duration_s"], meta["seed"], slo, **common)
+        plain_runs = sweep_runs(model, config, workload, rates, meta["duration_s"], meta["seed"], slo, **common)
+        plain = [run.row for run in plain_runs]
         # Each (rate, role) factor at which the simulated mean step is the measured one: the
         # planner's own bracketed fixed point (`in_situ.fixed_point`; one ratio overshoots where
         # slower steps grow the batches, and near saturation plain rounds swing).
@@ -101,12 +108,51 @@ def check(profile_path: str, measured_path: str, refitted: bool = False) -> list
             if factors != swept["factors"]:     # the rounds ran out one step before the factors returned
                 simulate(factors)
         oracle, contention = swept["rows"], _by_rate(factors)
-        for m, p, o in zip(rows, plain, oracle):
+        for m, p, o, run in zip(rows, plain, oracle, plain_runs):
             out.append({"mix": mix, "config": config, "rate": m["rate"], "measured": _figures(m),
                         "predicted": _figures(p), "predicted_measured_contention": _figures(o),
                         "contention": contention.get(m["rate"]),
                         "goodput_error": _error(p["goodput_rps"], m["goodput_rps"]),
-                        "goodput_error_measured_contention": _error(o["goodput_rps"], m["goodput_rps"])})
+                        "goodput_error_measured_contention": _error(o["goodput_rps"], m["goodput_rps"])}
+                       | ({"over_time": over_time(m["requests"], run.results, slo, window_s)}
+                          if window_s and m.get("requests") else {}))
+    return out
+
+
+def over_time(measured: list[dict], predicted: list[RequestResult], slo: Slo, window_s: float) -> list[dict]:
+    """One run, window by window of the requests' arrivals: how many arrived, met both SLOs and
+    were refused, measured and predicted, and the mean TTFT and TPOT, measured and predicted, of
+    the requests served in both. Where a row's goodput misses, this says when: a burst of
+    arrivals, the run's first seconds on a fresh cluster, or all along.
+
+    `measured` is `bench/goodput.py --save-requests`'s record of each request; `predicted`, the
+    simulated run of the same requests (matched by index)."""
+    simulated = {r.index: r for r in predicted}
+    windows: dict[int, dict] = {}
+    for record in measured:
+        m = RequestResult(**record)
+        p = simulated.get(m.index)
+        if p is None:
+            continue
+        w = windows.setdefault(int(m.scheduled_s // window_s), {"requests": 0, "met": [0, 0], "refused": [0, 0],
+                                                                "served_both": 0, "ttft_sum": [0.0, 0.0],
+                                                                "tpot_sum": [0.0, 0.0], "tpot_n": 0})
+        w["requests"] += 1
+        for i, r in enumerate((m, p)):
+            w["met"][i] += slo.met(r)
+            w["refused"][i] += r.outcome == "rejected"
+        if m.ttft_s is not None and p.ttft_s is not None:
+            w["served_both"] += 1
+            w["ttft_sum"] = [w["ttft_sum"][0] + m.ttft_s, w["ttft_sum"][1] + p.ttft_s]
+            if m.tpot_s is not None and p.tpot_s is not None:
+                w["tpot_n"] += 1
+                w["tpot_sum"] = [w["tpot_sum"][0] + m.tpot_s, w["tpot_sum"][1] + p.tpot_s]
+    out = []
+    for k in sorted(windows):
+        w = windows[k]
+        mean = lambda sums, n: [v / n for v in sums] if n else [None, None]  # noqa: E731
+        out.append({"start_s": k * window_s, "requests": w["requests"], "met": w["met"], "refused": w["refused"],
+                    "ttft_s": mean(w["ttft_sum"], w["served_both"]), "tpot_s": mean(w["tpot_sum"], w["tpot_n"])})
     return out
 
 
@@ -178,20 +224,37 @@ def print_table(rows: list[dict]) -> None:
               f"{_fmt(m['p95_tpot_s'], 1e3, 0):>6}/{_fmt(p['p95_tpot_s'], 1e3, 0):<7}")
 
 
+def print_over_time(rows: list[dict]) -> None:
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
+    for r in rows:
+        if not r.get("over_time"):
+            continue
+        print(f"\n{r['mix']} {r['config']} at {r['rate']:g} req/s ({r.get('measured_file', '')}): measured/predicted")
+        print(f"{'from s':>6} {'requests':>8} | {'met':>7} | {'refused':>7} | {'mean ttft ms':>12} | {'mean tpot ms':>12}")
+        for w in r["over_time"]:
+            print(f"{w['start_s']:6g} {w['requests']:8} | {w['met'][0]:>3}/{w['met'][1]:<3} | "
+                  f"{w['refused'][0]:>3}/{w['refused'][1]:<3} | {ms(w['ttft_s'][0]):>5}/{ms(w['ttft_s'][1]):<6} | "
+                  f"{ms(w['tpot_s'][0]):>5}/{ms(w['tpot_s'][1]):<6}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True)
     p.add_argument("--measured", required=True, nargs="+", help="bench/goodput.py --json files")
     p.add_argument("--json", default=None)
     p.add_argument("--refit", action="store_true", help="refit the profile's in-situ section with this tree's code")
+    p.add_argument("--over-time", type=float, default=0.0, metavar="SECONDS",
+                   help="also compare each run window by window of this many seconds (needs the measured "
+                        "run's requests: bench/goodput.py --save-requests)")
     args = p.parse_args(argv)
     rows = []
     for path in args.measured:
-        mine = check(args.profile, path, refitted=args.refit)
+        mine = check(args.profile, path, refitted=args.refit, window_s=args.over_time)
         for r in mine:
             r["measured_file"] = path
         rows += mine
     print_table(rows)
+    print_over_time(rows)
     summary = medians(rows) if len(args.measured) > 1 else []
     if summary:
         print_medians(summary)

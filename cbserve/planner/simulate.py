@@ -126,8 +126,18 @@ def sweep(model: SimModel, config: str, workload, rates: list[float], duration_s
     `contention`: rate -> role -> factor, replacing the profile's for that rate's run (a check
     against a measurement can give each run the contention its pods measured): the whole of the
     step's wall per profiled second (a colocated pod's split by part, `PodCosts.seconds`, with it)."""
-    return [run.row for run in run_virtual(_play(model, config, workload, sorted(rates), duration_s, seed, slo,
-                                                 warmup, stop_below_attainment, prefix_caching, contention))]
+    return [run.row for run in sweep_runs(model, config, workload, rates, duration_s, seed, slo, warmup,
+                                          stop_below_attainment, prefix_caching, contention)]
+
+
+def sweep_runs(model: SimModel, config: str, workload, rates: list[float], duration_s: float, seed: int, slo: Slo,
+               warmup: int = WARMUP_REQUESTS, stop_below_attainment: float = 0.05,
+               prefix_caching: bool | None = None,
+               contention: dict[float, dict[str, float]] | None = None) -> list[Run]:
+    """`sweep`'s runs whole: each row with the client's results, request by request (what a
+    measured run saved with `bench/goodput.py --save-requests` is compared with)."""
+    return run_virtual(_play(model, config, workload, sorted(rates), duration_s, seed, slo, warmup,
+                             stop_below_attainment, prefix_caching, contention))
 
 
 def at_rate(model: SimModel, config: str, workload, rate: float, duration_s: float, seed: int, slo: Slo,

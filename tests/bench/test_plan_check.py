@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
-from bench.plan_check import check
-from cbserve.goodput.stats import Slo
+from bench.plan_check import check, over_time
+from cbserve.goodput.stats import RequestResult, Slo
 from cbserve.goodput.workloads import MIXES
-from cbserve.planner.simulate import sim_model, sweep
+from cbserve.planner.simulate import sim_model, sweep_runs
 from tests.planner.conftest import make_profile
 
 SLO = Slo(2.0, 0.2)
@@ -22,12 +23,14 @@ def checked(tmp_path_factory):
     directory = tmp_path_factory.mktemp("plan_check")
     profile.save(directory / "profile.json")
     # "Measured": the same simulator on a machine twice to three times as loaded as the profile's.
-    rows = sweep(sim_model(profile), "pd-goodput", MIXES["chat"], [2.0], 6.0, 0, SLO, warmup=4,
-                 stop_below_attainment=0.0, contention={2.0: TRUE_CONTENTION})
+    runs = sweep_runs(sim_model(profile), "pd-goodput", MIXES["chat"], [2.0], 6.0, 0, SLO, warmup=4,
+                      stop_below_attainment=0.0, contention={2.0: TRUE_CONTENTION})
     meta = {"model": "tiny", "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0, "duration_s": 6.0, "seed": 0,
             "prefix_caching": "auto"}
-    (directory / "measured.json").write_text(json.dumps({"meta": meta, "rows": [dict(r, mix="chat") for r in rows]}))
-    return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"))
+    # As `bench/goodput.py --save-requests` keeps them: each row with its requests.
+    rows = [dict(run.row, mix="chat", requests=[asdict(r) for r in run.results]) for run in runs]
+    (directory / "measured.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"), window_s=2.0)
 
 
 def test_measured_contention_is_recovered(checked):
@@ -64,3 +67,34 @@ def test_repeats_are_compared_by_their_medians():
     assert ten["goodput_error"] == pytest.approx(8.5 / 8.0 - 1)
     assert ten["goodput_error_measured_contention"] == pytest.approx(8.5 * 1.1 / 8.0 - 1)
     assert by_rate[12]["runs"] == 1 and by_rate[12]["goodput_error"] == pytest.approx(0.25)
+
+
+def test_a_run_is_compared_window_by_window(checked):
+    measured, (row,) = checked
+    windows = row["over_time"]
+    results = [RequestResult(**r) for r in measured["requests"]]
+    assert [w["start_s"] for w in windows] == sorted(w["start_s"] for w in windows)
+    assert sum(w["requests"] for w in windows) == len(results)
+    assert sum(w["met"][0] for w in windows) == sum(SLO.met(r) for r in results)
+    # The measured pods stepped two to three times slower: every window's TPOT is longer there.
+    assert all(w["tpot_s"][0] > w["tpot_s"][1] for w in windows if w["tpot_s"][0] is not None)
+
+
+def test_windows_count_arrivals_met_and_refused_requests_measured_and_predicted():
+    slo = Slo(1.0, 0.1)
+
+    def result(index, at, outcome="ok", ttft=0.2, tpot=0.05):
+        if outcome != "ok":
+            return RequestResult(index, at, at, outcome)
+        return RequestResult(index, at, at, "ok", first_token_s=at + ttft, last_token_s=at + ttft + 10 * tpot,
+                             num_output_tokens=11)
+
+    measured = [result(0, 0.5), result(1, 1.2, "rejected"), result(2, 1.8, ttft=1.5), result(3, 2.1, tpot=0.08)]
+    predicted = [result(0, 0.5, ttft=0.1), result(1, 1.2), result(2, 1.8), result(3, 2.1, tpot=0.04)]
+    windows = over_time([asdict(r) for r in measured], predicted, slo, 1.0)
+    assert [(w["start_s"], w["requests"], w["met"], w["refused"]) for w in windows] == [
+        (0.0, 1, [1, 1], [0, 0]), (1.0, 2, [0, 2], [1, 0]), (2.0, 1, [1, 1], [0, 0])]
+    # Means over the requests served in both runs only (request 1 was refused in the measured one).
+    assert windows[0]["ttft_s"] == pytest.approx([0.2, 0.1])
+    assert windows[1]["ttft_s"] == pytest.approx([1.5, 0.2])
+    assert windows[2]["tpot_s"] == pytest.approx([0.08, 0.04])

@@ -49,6 +49,9 @@ def test_search_recommends_and_writes_values_plot_and_json(tmp_path, capsys):
     assert chosen in ("colocated-1", "1P1D") and f"recommendation: {chosen}" in printed
     assert all(c["capacity_rps"] > 0 for c in search["capacities"])
     assert all(c["band_rps"][0] <= c["capacity_rps"] <= c["band_rps"][1] for c in search["capacities"])
+    # The HPA targets are set at --headroom (0.8) x the chosen one's band's low end.
+    band = next(c["band_rps"] for c in search["capacities"] if c["config"] == chosen)
+    assert search["operating_point"]["rate"] == pytest.approx(0.8 * band[0])
     planned = yaml.safe_load(values.read_text())
     assert planned["slo"] == {"ttftMs": 1000, "tpotMs": 100} and planned["decode"]["autoscaling"]["enabled"]
     assert values.read_text().startswith("# cbserve plan: ")

@@ -83,3 +83,23 @@ def test_recommendation_table(candidates, target, chosen, reason):
 def test_recommending_nothing_is_an_error():
     with pytest.raises(ValueError):
         recommend([])
+
+
+def test_the_band_holds_stage_bs_out_of_sample_step_error():
+    """The colocated-2 runs, which the split by part was fitted on neither of, widen the band;
+    the calibration medians alone (matched by the fit) leave it at the held-out error."""
+    from dataclasses import replace
+
+    from cbserve.planner.plan_search import MAX_UNCERTAINTY, uncertainty
+    from cbserve.planner.profile import ServingProfile
+    from tests.planner.conftest import make_profile
+
+    residual = {"p50_ttft_measured_s": 0.1, "p50_ttft_simulated_s": 0.1}
+    checks = [{"measured_step_s": 0.010, "simulated_step_s": 0.0095},
+              {"measured_step_s": 0.030, "simulated_step_s": 0.024}]       # -5%, -20%
+    serving = ServingProfile(in_situ={"load_residual": residual})
+    assert uncertainty(make_profile(serving, held_out=0.05)) == pytest.approx(0.05)
+    with_checks = replace(serving, in_situ={"load_residual": residual, "colocated_check": checks})
+    assert uncertainty(make_profile(with_checks, held_out=0.05)) == pytest.approx(0.25)
+    wild = replace(serving, in_situ={"colocated_check": [{"measured_step_s": 0.01, "simulated_step_s": 0.03}]})
+    assert uncertainty(make_profile(wild, held_out=0.05)) == MAX_UNCERTAINTY
