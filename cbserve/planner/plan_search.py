@@ -132,6 +132,15 @@ def per_pod_guess(model, workload, seed: int) -> float:
     return 4.0 / work if work > 0 else 1.0
 
 
+def _search_bands(capacities: list[Capacity], u: float, args, log) -> None:
+    """Each one's uncertainty band: its capacity searched again with every step `1 ± u` times as long."""
+    tasks = [(c.config, c.capacity_rps, scale) for c in capacities for scale in (1 + u, 1 - u)]
+    bands = _map(_search_band, tasks, args.jobs)
+    for i, c in enumerate(capacities):
+        c.low_rps, c.high_rps = min(bands[2 * i], c.capacity_rps), max(bands[2 * i + 1], c.capacity_rps)
+        log(f"# plan: {c.config}: band {c.low_rps:.2f}-{c.high_rps:.2f} req/s (steps x{1 + u:.3f} / x{1 - u:.3f})")
+
+
 def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     criterion = Criterion(slo, args.attainment, args.percentile)
     configs = args.configs or list(SEARCH_CONFIGS)
@@ -145,14 +154,11 @@ def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     finalists = [c for c in (max((c for c in capacities if not c.disaggregated), key=lambda c: c.per_pod, default=None),
                              max((c for c in capacities if c.disaggregated), key=lambda c: c.per_pod, default=None))
                  if c is not None and c.capacity_rps > 0]
-    tasks = [(c.config, c.capacity_rps, scale) for c in finalists for scale in (1 + u, 1 - u)]
-    bands = _map(_search_band, tasks, args.jobs)
-    for i, c in enumerate(finalists):
-        c.low_rps, c.high_rps = bands[2 * i], max(bands[2 * i + 1], c.capacity_rps)
-        c.low_rps = min(c.low_rps, c.capacity_rps)
-        log(f"# plan: {c.config}: band {c.low_rps:.2f}-{c.high_rps:.2f} req/s (steps x{1 + u:.3f} / x{1 - u:.3f})")
+    _search_bands(finalists, u, args, log)
     decision = recommend(capacities, args.target_rate)
     chosen = next(c for c in capacities if c.config == decision.config)
+    if chosen.low_rps is None and chosen.capacity_rps > 0:
+        _search_bands([chosen], u, args, log)      # `--target-rate` chose one that is no finalist: its HPA targets need it
     print(_table(capacities))
     print(f"recommendation: {decision.config}: {decision.reason}")
     output: dict = {"search": {"uncertainty": u, "criterion": {"attainment": args.attainment,

@@ -58,6 +58,27 @@ def test_search_recommends_and_writes_values_plot_and_json(tmp_path, capsys):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_target_rates_choice_gets_its_band_and_hpa_targets_at_its_low_end(tmp_path):
+    from cbserve.planner.profile import ServingProfile
+    from tests.planner.conftest import make_profile
+
+    profile_file = tmp_path / "slow.json"
+    make_profile(ServingProfile(contention=8.0, prefill_contention=8.0, step_gap_s=0.002)).save(profile_file)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt_tokens": 60 + 40 * i, "output_tokens": 20 + 5 * i})
+                               for i in range(6)) + "\n")
+    out = tmp_path / "plan.json"
+    # No configuration reaches 10^4 req/s: the one with the most capacity is chosen, finalist or not.
+    assert main(["plan", "--profile", str(profile_file), "--trace", str(trace), "--search", "--search-duration", "6",
+                 "--configs", "colocated-1", "colocated-2", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100",
+                 "--target-rate", "10000", "--jobs", "1", "--tolerance", "0.2", "--json", str(out)]) == 0
+    search = json.loads(out.read_text())["search"]
+    chosen = next(c for c in search["capacities"] if c["config"] == search["recommendation"]["config"])
+    assert chosen["capacity_rps"] == max(c["capacity_rps"] for c in search["capacities"])
+    assert chosen["band_rps"] is not None and chosen["band_rps"][0] <= chosen["capacity_rps"]
+    assert search["operating_point"]["rate"] == pytest.approx(0.8 * chosen["band_rps"][0])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--profile", "{missing}"], "cannot read the profile"),
     (["--profile", "{bad}"], "not a cbserve profile"),
