@@ -230,7 +230,8 @@ def print_over_time(rows: list[dict]) -> None:
         if not r.get("over_time"):
             continue
         print(f"\n{r['mix']} {r['config']} at {r['rate']:g} req/s ({r.get('measured_file', '')}): measured/predicted")
-        print(f"{'from s':>6} {'requests':>8} | {'met':>7} | {'refused':>7} | {'mean ttft ms':>12} | {'mean tpot ms':>12}")
+        print(f"{'from s':>6} {'requests':>8} | {'met':>7} | {'refused':>7} | {'mean ttft ms':>12} | "
+              f"{'mean tpot ms':>12}")
         for w in r["over_time"]:
             print(f"{w['start_s']:6g} {w['requests']:8} | {w['met'][0]:>3}/{w['met'][1]:<3} | "
                   f"{w['refused'][0]:>3}/{w['refused'][1]:<3} | {ms(w['ttft_s'][0]):>5}/{ms(w['ttft_s'][1]):<6} | "

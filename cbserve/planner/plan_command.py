@@ -9,8 +9,9 @@ same procedure: one cluster per configuration taking the rates in turn). With `-
 each configuration's capacity (the highest rate sustained at `--attainment` with the
 `--percentile` TTFT and TPOT inside the SLO), recommends one (disaggregated only when it beats
 colocated by more than the prediction's uncertainty; `search.py`), and writes the values file
-for it with HPA targets at `--headroom` x its capacity band's low end. A table goes to stdout; `--json` keeps
-everything; `--plot` draws goodput and attainment against the offered rate for every probe.
+for it with HPA targets at `--headroom` x its capacity band's low end. A table goes to stdout;
+`--json` keeps everything; `--plot` draws goodput and attainment against the offered rate for
+every probe.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def add_plan_command(sub: argparse._SubParsersAction, add_engine_flags) -> None:
     p.add_argument("--search-requests", type=int, default=40,
                    help="--search: at least this many requests per probe (longer probes at low rates)")
     p.add_argument("--tolerance", type=float, default=0.05, help="--search: capacity to within this fraction")
-    p.add_argument("--headroom", type=float, default=0.8, help="--search: HPA targets at this share of the capacity band's low end")
+    p.add_argument("--headroom", type=float, default=0.8,
+                   help="--search: HPA targets at this share of the capacity band's low end")
     p.add_argument("--max-scale", type=float, default=2.0, help="--search: HPA maxReplicas = this x the planned pool")
     p.add_argument("--values-out", default=None, help="--search: write the Helm values file here")
     p.add_argument("--jobs", type=int, default=2, help="--search: configurations searched at once (processes)")

@@ -157,8 +157,8 @@ def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     _search_bands(finalists, u, args, log)
     decision = recommend(capacities, args.target_rate)
     chosen = next(c for c in capacities if c.config == decision.config)
-    if chosen.low_rps is None and chosen.capacity_rps > 0:
-        _search_bands([chosen], u, args, log)      # `--target-rate` chose one that is no finalist: its HPA targets need it
+    if chosen.low_rps is None and chosen.capacity_rps > 0:     # `--target-rate` chose one that is no finalist
+        _search_bands([chosen], u, args, log)
     print(_table(capacities))
     print(f"recommendation: {decision.config}: {decision.reason}")
     output: dict = {"search": {"uncertainty": u, "criterion": {"attainment": args.attainment,
