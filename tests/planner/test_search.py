@@ -103,3 +103,14 @@ def test_the_band_holds_stage_bs_out_of_sample_step_error():
     assert uncertainty(make_profile(with_checks, held_out=0.05)) == pytest.approx(0.25)
     wild = replace(serving, in_situ={"colocated_check": [{"measured_step_s": 0.01, "simulated_step_s": 0.03}]})
     assert uncertainty(make_profile(wild, held_out=0.05)) == MAX_UNCERTAINTY
+
+
+def test_configurations_with_more_pods_than_shared_cores_are_named():
+    from cbserve.planner.plan_search import oversubscribed
+    from cbserve.planner.profile import ServingProfile
+    from tests.planner.conftest import make_profile
+
+    capacities = [Capacity("colocated-1", 1, False, 5.0), Capacity("colocated-3", 3, False, 9.0),
+                  Capacity("1P1D", 2, True, 6.0), Capacity("2P1D", 3, True, 8.0)]
+    assert oversubscribed(make_profile(ServingProfile(cores=2.0)), capacities) == ["colocated-3", "2P1D"]
+    assert oversubscribed(make_profile(ServingProfile(cores=0.0)), capacities) == []    # a device each
