@@ -128,32 +128,22 @@ def over_time(measured: list[dict], predicted: list[RequestResult], slo: Slo, wi
     `measured` is `bench/goodput.py --save-requests`'s record of each request; `predicted`, the
     simulated run of the same requests (matched by index)."""
     simulated = {r.index: r for r in predicted}
-    windows: dict[int, dict] = {}
+    windows: dict[int, list[tuple[RequestResult, RequestResult]]] = {}
     for record in measured:
         m = RequestResult(**record)
-        p = simulated.get(m.index)
-        if p is None:
-            continue
-        w = windows.setdefault(int(m.scheduled_s // window_s), {"requests": 0, "met": [0, 0], "refused": [0, 0],
-                                                                "served_both": 0, "ttft_sum": [0.0, 0.0],
-                                                                "tpot_sum": [0.0, 0.0], "tpot_n": 0})
-        w["requests"] += 1
-        for i, r in enumerate((m, p)):
-            w["met"][i] += slo.met(r)
-            w["refused"][i] += r.outcome == "rejected"
-        if m.ttft_s is not None and p.ttft_s is not None:
-            w["served_both"] += 1
-            w["ttft_sum"] = [w["ttft_sum"][0] + m.ttft_s, w["ttft_sum"][1] + p.ttft_s]
-            if m.tpot_s is not None and p.tpot_s is not None:
-                w["tpot_n"] += 1
-                w["tpot_sum"] = [w["tpot_sum"][0] + m.tpot_s, w["tpot_sum"][1] + p.tpot_s]
-    out = []
-    for k in sorted(windows):
-        w = windows[k]
-        mean = lambda sums, n: [v / n for v in sums] if n else [None, None]  # noqa: E731
-        out.append({"start_s": k * window_s, "requests": w["requests"], "met": w["met"], "refused": w["refused"],
-                    "ttft_s": mean(w["ttft_sum"], w["served_both"]), "tpot_s": mean(w["tpot_sum"], w["tpot_n"])})
-    return out
+        if (p := simulated.get(m.index)) is not None:
+            windows.setdefault(int(m.scheduled_s // window_s), []).append((m, p))
+
+    def means(pairs, name: str) -> list[float | None]:
+        both = [(getattr(m, name), getattr(p, name)) for m, p in pairs
+                if getattr(m, name) is not None and getattr(p, name) is not None]
+        return [statistics.fmean(v) for v in zip(*both)] if both else [None, None]
+
+    return [{"start_s": k * window_s, "requests": len(pairs),
+             "met": [sum(slo.met(r[i]) for r in pairs) for i in (0, 1)],
+             "refused": [sum(r[i].outcome == "rejected" for r in pairs) for i in (0, 1)],
+             "ttft_s": means(pairs, "ttft_s"), "tpot_s": means(pairs, "tpot_s")}
+            for k, pairs in sorted(windows.items())]
 
 
 def _by_rate(factors: dict[tuple[float, str], float]) -> dict[float, dict[str, float]]:
@@ -225,7 +215,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_over_time(rows: list[dict]) -> None:
-    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
+    ms = lambda v: _fmt(v, 1e3, 0)  # noqa: E731
     for r in rows:
         if not r.get("over_time"):
             continue

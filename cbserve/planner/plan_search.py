@@ -36,19 +36,13 @@ def uncertainty(profile) -> float:
     alone (the medians, which the fit matches by construction) left the band at the held-out error,
     5-7%, where the capacities measured 20-45% below the search's on two machines (sessions 13-14)
     and the colocated checks missed by 5-27%."""
-    u = profile.held_out_error
-    serving = profile.serving
-    if serving is not None:
-        r = serving.in_situ.get("load_residual", {})
-        for name in ("ttft", "tpot"):
-            m, s = r.get(f"p50_{name}_measured_s"), r.get(f"p50_{name}_simulated_s")
-            if m and s:
-                u = max(u, profile.held_out_error + abs(s - m) / m)
-        for check in serving.in_situ.get("colocated_check") or ():
-            m, s = check.get("measured_step_s"), check.get("simulated_step_s")
-            if m and s:
-                u = max(u, profile.held_out_error + abs(s - m) / m)
-    return min(u, MAX_UNCERTAINTY)
+    info = profile.serving.in_situ if profile.serving is not None else {}
+    residual = info.get("load_residual", {})
+    pairs = [(residual.get(f"p50_{name}_measured_s"), residual.get(f"p50_{name}_simulated_s"))
+             for name in ("ttft", "tpot")]
+    pairs += [(c.get("measured_step_s"), c.get("simulated_step_s")) for c in info.get("colocated_check") or ()]
+    worst = max((abs(s - m) / m for m, s in pairs if m and s), default=0.0)
+    return min(profile.held_out_error + worst, MAX_UNCERTAINTY)
 
 
 def oversubscribed(profile, capacities: list[Capacity]) -> list[str]:
