@@ -10,6 +10,7 @@ collected after it would fail with "Cannot call @triton.jit'd outside of the sco
 Without CUDA the rest of the suite runs the torch kernels, so the interpreter changes nothing there.
 """
 
+import importlib.metadata
 import os
 import sys
 import time
@@ -48,6 +49,19 @@ def grpc_objects_closed_with_their_loop():
     yield
     leaked = grpc_leaks.open_on_stopped_loops()
     assert not leaked, f"left open after their event loop stopped: {', '.join(leaked)}"
+
+
+def pytest_sessionstart(session):
+    """Stop before any test when a distribution named `kernels` is installed (Hugging Face's, which
+    transformers >= 5.25 requires): its import name is our `kernels/` package, so transformers would
+    import ours and every test that builds a reference model would fail on an ImportError."""
+    try:
+        found = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    pytest.exit(f"a distribution named `kernels` ({found}) is installed, and `import kernels` finds this "
+                "project's package: transformers would import ours. Keep transformers < 5.25 (pyproject.toml's "
+                "test extra) and `pip uninstall kernels`.", returncode=4)
 
 
 def pytest_collection_modifyitems(config, items):
