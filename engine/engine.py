@@ -53,7 +53,7 @@ from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.draft_prefill import DraftPrefill
 from engine.spec_decode.verify_graphs import VerifyBuckets, verify_shape
 from engine.step_outputs import StepOutputs, other_rows, split
-from engine.telemetry.step_stats import StepStats
+from engine.telemetry.step_stats import StepStats, StepTrace
 from engine.tokenizer import Tokenizer
 from engine.tp.kv import TPKVBlocks
 from engine.tp.launch import TPDriver
@@ -221,7 +221,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs = PromptLogprobsTracker()
         self._ids = itertools.count()
-        self.step_stats = StepStats()
+        self.step_stats = StepStats(trace=StepTrace.from_env(self.role))
         self.last_schedule = None  # the last step's SchedulerOutput (pods read reserved ids from it)
         log.info("engine ready: role=%s model=%s dtype=%s quantization=%s kv_cache_dtype=%s "
                  "tensor_parallel_size=%d blocks=%d x %d", self.role, config.model, dtype_name,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cbserve.planner.step_shape import StepShape
+from engine.telemetry.step_shape import StepShape
 
 TOKEN_KNOTS = (32, 256)
 FEATURES = ("intercept", "tokens", *(f"tokens>{k}" for k in TOKEN_KNOTS), "seqs", "sampled",

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from cbserve.planner.step_grid import GridPoint, Measurement
-from cbserve.planner.step_shape import StepShape
+from engine.telemetry.step_shape import StepShape
 
 FORMAT = "cbserve-profile-journal"
 VERSION = 1

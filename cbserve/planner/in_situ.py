@@ -55,8 +55,8 @@ from cbserve.planner.profile import Profile, ServingProfile, with_serving
 from cbserve.planner.sim_cluster import SimCluster
 from cbserve.planner.sim_pod import Jitter
 from cbserve.planner.simulate import sim_model
-from cbserve.planner.step_shape import StepShape
 from cbserve.planner.virtual_loop import run_virtual
+from engine.telemetry.step_shape import StepShape
 
 LOOSE_SLO_MS = 600_000.0        # the router admits everything: the run measures the machine
 PROBE_OUTPUTS = (2, 24)

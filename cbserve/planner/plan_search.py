@@ -20,7 +20,7 @@ from cbserve.goodput.configs import is_disaggregated, num_pods, parse_config
 from cbserve.planner.helm_values import render, values
 from cbserve.planner.search import SEARCH_CONFIGS, Capacity, Criterion, Probe, find_capacity, recommend
 from cbserve.planner.simulate import NestedWorkload, at_rate, sim_model
-from cbserve.planner.step_shape import StepShape
+from engine.telemetry.step_shape import StepShape
 
 MAX_UNCERTAINTY = 0.5     # steps 1.5x as long: beyond it a band says nothing a plan can use
 _TABLE = ("config", "pods", "capacity", "per-pod", "band per pod", "ttft p95", "tpot p95", "attain", "probes")

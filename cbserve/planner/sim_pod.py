@@ -34,12 +34,12 @@ from dataclasses import dataclass, replace
 from cbserve.cluster_spec import pod_kv_flags
 from cbserve.planner.cost_model import StepCostModel
 from cbserve.planner.cpu_share import CpuShare
-from cbserve.planner.step_shape import StepShape
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_groups.spec import cache_groups, num_pages, serving_cache, serving_groups
 from engine.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.output import SchedulerOutput
+from engine.telemetry.step_shape import StepShape
 from engine.telemetry.step_stats import StepStats
 from pod.load_report import REFRESH_SECONDS, build_load_report
 from wire import cbserve_pb2

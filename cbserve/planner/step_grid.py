@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cbserve.planner.step_shape import StepShape
+from engine.telemetry.step_shape import StepShape
 
 KINDS = ("decode", "prefill", "mixed")
 TIMERS = {"thread_time": time.thread_time, "wall": time.perf_counter}

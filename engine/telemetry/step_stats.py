@@ -4,29 +4,64 @@ Each step leaves a `StepSample` (batch size, context tokens, prefill tokens, sec
 router's step-time model, an EWMA of step seconds (its fallback before the model is fitted) and an
 EWMA of prefill tokens per second (its TTFT predictor's rate). The engine records its measured
 steps here; the capacity planner records its simulated ones, so the router sees both alike.
+
+With `CBSERVE_STEP_TRACE=DIR` in its environment, an engine also writes every step to
+`DIR/steps-<role>-<pid>-<n>.jsonl` (`StepTrace`): when it ended, its seconds, the engine thread's CPU
+seconds so far and its `StepShape`, which `bench/step_check.py` holds against a profile's step
+costs step by step (a diagnostic: one line written per step).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import operator
+import os
+import time
 from collections import deque
 
 from engine.outputs import EngineStats, StepSample
 from engine.scheduling.output import DecodeSeqs, SchedulerOutput
 from engine.scheduling.state import SchedulerState
+from engine.telemetry.step_shape import StepShape
 
 EWMA_ALPHA = 0.1
+STEP_TRACE_ENV = "CBSERVE_STEP_TRACE"
 _START = operator.itemgetter(2)      # ScheduledSeq.start_position (a NamedTuple: C-level read)
+
+
+class StepTrace:
+    """Every step of one engine, a JSON line each: [unix time at its end, seconds, the engine
+    thread's CPU seconds so far, `StepShape.to_json()`]; line-buffered, so a killed pod leaves
+    whole lines."""
+
+    _numbers = itertools.count()
+
+    def __init__(self, directory: str, role: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        name = f"steps-{role}-{os.getpid()}-{next(self._numbers)}.jsonl"
+        self.path = os.path.join(directory, name)
+        self._file = open(self.path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls, role: str) -> StepTrace | None:
+        directory = os.environ.get(STEP_TRACE_ENV)
+        return cls(directory, role) if directory else None
+
+    def write(self, out: SchedulerOutput, seconds: float) -> None:
+        line = [round(time.time(), 6), round(seconds, 7), round(time.thread_time(), 6), StepShape.of(out).to_json()]
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
 class StepStats:
     """Recent step samples and the two EWMAs; `record` once per step that scheduled work."""
 
-    def __init__(self, max_samples: int = 256) -> None:
+    def __init__(self, max_samples: int = 256, trace: StepTrace | None = None) -> None:
         self.samples: deque[StepSample] = deque(maxlen=max_samples)
         self.step_seconds_ewma = 0.0
         self.prefill_tokens_per_second = 0.0
         self.num_steps = 0
+        self.trace = trace
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:
         # Once per step on the engine thread: decode-only steps skip the prefill sum, the context
@@ -40,6 +75,8 @@ class StepStats:
         alpha = EWMA_ALPHA
         self.step_seconds_ewma = seconds if self.num_steps == 0 else (
             (1 - alpha) * self.step_seconds_ewma + alpha * seconds)
+        if self.trace is not None:
+            self.trace.write(out, seconds)
         if num_prefill:
             rate = out.num_batched_tokens / seconds
             self.prefill_tokens_per_second = rate if self.prefill_tokens_per_second == 0 else (

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from cbserve.planner.cost_model import FEATURES, StepCostModel, relative_errors
-from cbserve.planner.step_shape import StepShape
 from engine.scheduling.output import ScheduledSeq, SchedulerOutput
+from engine.telemetry.step_shape import StepShape
 
 
 def test_shape_of_a_scheduler_output():

@@ -113,7 +113,7 @@ def test_profile_refuses_a_model_above_the_gate_and_writes_one_below(monkeypatch
 
     from cbserve.planner import profiler
     from cbserve.planner.step_grid import GridPoint, Measurement
-    from cbserve.planner.step_shape import StepShape
+    from engine.telemetry.step_shape import StepShape
 
     def fake(noise):
         def measure(engine, settings, log=print, timer=None, journal=None):

@@ -20,12 +20,12 @@ import torch
 
 from cbserve.planner.cost_model import FEATURES, StepCostModel
 from cbserve.planner.sim_pod import PodCosts, SimPod
-from cbserve.planner.step_shape import StepShape
 from cbserve.planner.virtual_loop import run_virtual
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
 from engine.request import Request
 from engine.sampling.params import SamplingParams
+from engine.telemetry.step_shape import StepShape
 
 # Any fixed costs will do: both sides must step at the same instants.
 COST = StepCostModel(tuple([0.004, 0.03] + [0.0] * (len(FEATURES) - 2)))

@@ -1,0 +1,71 @@
+"""`CBSERVE_STEP_TRACE`: an engine writes every step it takes; `bench/step_check.py` holds them against a profile."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench import step_check
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import Engine, EngineConfig
+from engine.sampling.params import SamplingParams
+from engine.telemetry.step_shape import StepShape
+from engine.telemetry.step_stats import STEP_TRACE_ENV
+from tests.planner.conftest import make_profile
+
+
+def test_an_engine_traces_every_step_and_step_check_reads_the_trace(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(STEP_TRACE_ENV, str(tmp_path / "steps"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model="tiny", role="colocated", max_model_len=256,
+                                 cache=CacheConfig(block_size=16, num_blocks=32),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4,
+                                                           max_model_len=256)))
+    shapes = []
+    original = engine.step_stats.record
+
+    def record(out, seconds):
+        shapes.append(StepShape.of(out))
+        original(out, seconds)
+
+    engine.step_stats.record = record
+    try:
+        engine.generate([[5 + i] * (20 + 9 * i) for i in range(3)],
+                        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    [trace] = (tmp_path / "steps").glob("steps-colocated-*.jsonl")
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    # one line per recorded step, after the warm-up's: [end, seconds, CPU so far, shape]
+    run = lines[-len(shapes):]
+    assert [StepShape.from_json(line[3]) for line in run] == shapes
+    assert any(s.prefill_chunks and s.num_decodes for s in shapes)          # a mixed step among them
+    assert all(line[1] > 0 for line in run) and all(b[0] >= a[0] and b[2] >= a[2] for a, b in zip(run, run[1:]))
+
+    # the comparison reads back what the trace holds, against the profile's colocated step costs
+    profile = make_profile()
+    profile.save(tmp_path / "profile.json")
+    costs = profile.pod_costs()["colocated"]
+    step_check.main(["--profile", str(tmp_path / "profile.json"), "--steps", str(tmp_path / "steps"),
+                     "--gap", "1000", "--json", str(tmp_path / "check.json")])
+    printed = capsys.readouterr().out
+    assert "decode" in printed and "mixed" in printed
+    check = json.loads((tmp_path / "check.json").read_text())[trace.name]
+    steps = sum(v[0] for v in check["kinds"].values())
+    assert steps == len(lines) - 1
+    profiled = sum(v[3] for v in check["kinds"].values())
+    expected = sum(costs.seconds(StepShape.from_json(line[3])) for line in lines[1:])
+    assert abs(profiled - expected) < 1e-9 * max(1.0, expected)
+    wall = sum(v[1] for v in check["kinds"].values())
+    assert abs(wall - sum(line[1] for line in lines[1:])) < 1e-6
+
+
+def test_the_run_is_the_longest_stretch_without_a_pause():
+    # [end, seconds, cpu, shape]: a warm-up, a 5 s pause, the run, a 2 s pause, one stray step
+    lines = [[0.1, 0.1, 0, []], [0.2, 0.1, 0, []], [5.3, 0.1, 0, []], [5.4, 0.1, 0, []], [5.5, 0.1, 0, []],
+             [7.6, 0.1, 0, []]]
+    assert step_check.run_stretch(lines, 1.0) == lines[2:5]
+    assert step_check.run_stretch(lines, 10.0) == lines
