@@ -5,7 +5,9 @@ run inherits it) writes each step to `DIR/steps-<role>-<pid>-<n>.jsonl` (`engine
 its wall seconds, the engine thread's CPU seconds and its `StepShape`. This holds each step against
 the profile's cost of that shape for the pod's role (`Profile.pod_costs`: the cost model with the
 role's in-situ factors and row cost, without the cores' share), by kind of step and decode rows,
-and window by window:
+and window by window. A colocated pod's engine runs the decode role (`cbserve decode --colocated`),
+so its trace is named `decode`: `--colocated` costs such traces as colocated pods, `--alone` as a
+one-pod cluster's.
 - CPU / profiled near 1: the cost model and the role's factors carry the step's own work; the rest
   of the wall time is waiting for a core (`cpu_share`) or for the GIL;
 - wall / CPU: that wait, to hold against the share `cbserve plan` gives (`cpu_share.fair_share`).
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", required=True)
     ap.add_argument("--steps", required=True, help="the CBSERVE_STEP_TRACE directory")
+    ap.add_argument("--colocated", action="store_true", help="the decode traces are colocated pods")
     ap.add_argument("--alone", action="store_true", help="a one-pod cluster (colocated-1): the lone pod's costs")
     ap.add_argument("--window", type=float, default=5.0, help="seconds per window")
     ap.add_argument("--gap", type=float, default=1.0, help="a pause that ends the run's stretch, seconds")
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         lines = run_stretch([json.loads(line) for line in path.read_text().splitlines() if line], args.gap)
         if len(lines) < 2:
             continue
+        if args.alone or args.colocated:
+            role = {"decode": "colocated", "colocated": "colocated"}.get(role, role)
         result = compare(lines, costs["alone" if args.alone and role == "colocated" else role], args.window)
         out[path.name] = result
         print(f"== {path.name}: {len(lines)} steps over {lines[-1][0] - lines[0][0]:.1f} s")

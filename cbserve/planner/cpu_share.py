@@ -2,8 +2,17 @@
 
 On a CPU deployment whose pods, router and client share a few cores (this project's 2-core box:
 `LocalCluster`, `bench/goodput.py`), a pod's step takes its profiled CPU seconds only while it has
-a core to itself. With n processes wanting the c cores, each runs at c/n of a core (the kernel's
-fair share), so the step's wall time is its CPU time times max(1, n/c). What wants a core:
+a core to itself. The kernel's scheduler shares the cores max-min fairly: what wants less than an
+equal share (the serving path's threads, a pod that steps now and then) gets all it wants, and
+the processes that want more split what is left equally; a step's wall time is its CPU time over
+the share of a core its pod gets (`fair_share`). Measured by thread (`CBSERVE_STEP_TRACE`,
+`bench/step_check.py`) at 10 req/s on 2 cores, each engine thread's step wall over its CPU against
+max-min from the run's own loads: colocated-2 1.33-1.37 (max-min 1.36, c/n 1.24), 1P+1D prefill
+1.44 (1.40; c/n 1.25) and decode 1.11 (1.00; c/n 1.00), colocated-3 1.90-2.20 (2.00; c/n 1.73),
+2P+1D prefill 1.72-1.78 (1.73-1.79; c/n 1.45) and decode 1.31 (1.34; c/n 1.13). The serving path's threads each want a small part of a
+core and get it; the old rule, a step at c/n for n processes wanting, slowed them as much as the
+engines and left the engines' steps 10-20% short at a knee.
+What wants a core:
 - this pod (one torch thread: one core while it steps);
 - every other pod, for the share of the last `window_s` it spent in steps;
 - the serving path (the router's HTTP, SSE and routing, the pods' gRPC servers, their engine
@@ -77,6 +86,20 @@ class _Window:
         return max(0.0, self.total - max(0.0, since - spans[0][0]) - max(0.0, spans[-1][1] - now))
 
 
+def fair_share(others: list[float], cores: float) -> float:
+    """The cores a process wanting a whole one gets beside processes wanting `others` (in cores,
+    each at most what it can use), max-min fairly: the smallest wants are met while they are
+    below an equal split of what is left, the rest split it equally."""
+    budget, left = cores, len(others) + 1
+    for want in sorted(others):
+        level = budget / left
+        if want > level:
+            return min(1.0, level)
+        budget -= want
+        left -= 1
+    return min(1.0, budget)
+
+
 class CpuShare:
     """One machine's cores, shared by the pods of a `SimCluster` (`factor` before every step)."""
 
@@ -94,7 +117,7 @@ class CpuShare:
             self._serving_total += cpu
 
     def factor(self, pod: str) -> float:
-        """The wall/CPU factor of a step of `pod` starting now."""
+        """The wall/CPU factor of a step of `pod` starting now: one over its share of a core."""
         now, c = self.clock(), self.costs
         if c.cores <= 0:
             return 1.0
@@ -102,9 +125,9 @@ class CpuShare:
         serving = self._serving
         while serving and serving[0][0] <= since:
             self._serving_total -= serving.popleft()[1]
-        others = sum(w.seconds(now, c.window_s) for name, w in self._busy.items() if name != pod)
-        wanting = 1.0 + c.serving_cores + (others + max(0.0, self._serving_total)) / c.window_s
-        return max(1.0, wanting / c.cores)
+        wants = [c.serving_cores + max(0.0, self._serving_total) / c.window_s]
+        wants += [w.seconds(now, c.window_s) / c.window_s for name, w in self._busy.items() if name != pod]
+        return 1.0 / max(1e-3, fair_share(wants, c.cores))
 
     def stepped(self, pod: str, start: float, end: float) -> None:
         """`pod` is in a step from `start` to `end`: it wants a core meanwhile."""

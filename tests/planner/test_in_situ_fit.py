@@ -52,6 +52,20 @@ def test_cores_shared_by_steps_and_serving_slow_a_step_down():
     assert CpuShare(CpuShareCosts(cores=0), lambda: 0.0).factor("a") == 1.0
 
 
+def test_the_cores_are_shared_max_min_fairly():
+    """What wants less than an equal split gets all of it; the rest split what is left (a colocated-2
+    cluster at its knee, measured by thread: engines 97% busy, serving 0.53 cores of 2, an engine
+    thread's step wall 1.35x its CPU, where c/n, 1.25x, was short)."""
+    from cbserve.planner.cpu_share import fair_share
+
+    assert fair_share([], 2) == 1.0 and fair_share([0.5], 2) == 1.0          # room for everyone
+    assert fair_share([0.53, 0.97], 2) == pytest.approx(0.735)               # 1 / 0.735 = 1.36
+    assert fair_share([0.2, 1.0, 1.0], 2) == pytest.approx(0.6)              # three engines share 1.8
+    assert fair_share([3.0], 2) == pytest.approx(1.0)                        # one heavy other: half each
+    assert fair_share([1.0, 1.0, 1.0, 1.0], 2) == pytest.approx(0.4)
+    assert fair_share([0.1], 0.5) == pytest.approx(0.4)                      # less than a core left
+
+
 def test_serving_cpu_per_token_is_what_the_processes_used_beyond_the_engine_threads(profile):
     """The serving path's CPU is every process's less the pods' engine threads' (by thread where
     recorded, else at most the pods' step seconds): a step's in-situ excess over the profiled cost
@@ -95,7 +109,7 @@ def test_the_serving_paths_base_cores_want_a_core_whatever_it_streams():
     assert share.factor("a") == 1.0                   # 1.5 wanting, 2 cores
     share.stepped("b", 0.0, 10.0)
     now[0] = 1.0
-    assert share.factor("a") == pytest.approx(1.25)   # a, b and half a core of timers: 2.5 wanting
+    assert share.factor("a") == pytest.approx(4 / 3)  # half a core of timers met; a and b split the 1.5 left
     assert costs.of(colocated=True).serving_cores == 0.2 and costs.of(colocated=False).serving_cores == 0.5
     assert CpuShareCosts(serving_cores=0.5).of(colocated=True).serving_cores == 0.5   # no colocated base: the same
 
@@ -243,7 +257,7 @@ def test_a_colocated_step_is_split_by_part_at_the_disaggregated_factors(tmp_path
     import json
 
     from cbserve.planner.profile import load_profile
-    from cbserve.planner.step_shape import StepShape
+    from engine.telemetry.step_shape import StepShape
 
     from tests.planner.conftest import make_profile
 
@@ -425,7 +439,7 @@ def test_a_decode_row_costs_its_share_in_every_step_that_has_it(tmp_path):
     import json
 
     from cbserve.planner.profile import load_profile
-    from cbserve.planner.step_shape import StepShape
+    from engine.telemetry.step_shape import StepShape
 
     from tests.planner.conftest import make_profile
 
