@@ -17,6 +17,12 @@ cluster's warm-up and its idle wait for the load are cut off).
 
     CBSERVE_STEP_TRACE=/tmp/steps python -m bench.goodput --model tiny --configs colocated-2 ...
     python -m bench.step_check --profile docs/planner/tiny_profile_s14a.json --steps /tmp/steps
+
+`--shares GOODPUT_JSON` needs no trace: for every row of a `bench/goodput.py` run on a machine whose
+cores the cluster shares, each pod's step wall over its engine thread's CPU (the run's `step_s` and
+`cpu_threads_s`) against the share `cbserve plan` gives it from the run's own loads
+(`cpu_share.fair_share`: the serving path, every process's CPU less the engine threads', and the
+other pods' busy fractions) and against c/n for n wanting.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from cbserve.planner.cpu_share import fair_share
 from cbserve.planner.profile import load_profile
 from engine.telemetry.step_shape import StepShape
 
@@ -62,6 +69,22 @@ def compare(lines: list[list], costs, window_s: float) -> dict:
     return {"kinds": dict(kinds), "windows": dict(windows)}
 
 
+def shares(row: dict, cores: float) -> dict[str, dict[str, float]]:
+    """Each pod's measured step wall/CPU and the max-min and c/n factors from the row's loads."""
+    elapsed, threads = row["elapsed_s"], row["cpu_threads_s"]
+    pods = list(row["step_s"])
+    serving = (sum(row["cpu_s"].values()) - sum(threads[p]["engine"] for p in pods)) / elapsed
+    busy = {p: row["step_s"][p] / elapsed for p in pods}
+    out = {}
+    for pod in pods:
+        others = [busy[q] for q in pods if q != pod]
+        out[pod] = {"busy": busy[pod], "serving_cores": serving,
+                    "measured": row["step_s"][pod] / threads[pod]["engine"],
+                    "max_min": 1.0 / fair_share([serving, *others], cores),
+                    "c_over_n": max(1.0, (1.0 + serving + sum(others)) / cores)}
+    return out
+
+
 def _ratios(n: int, wall: float, cpu: float, profiled: float) -> str:
     return (f"{n:5d} {wall / n * 1e3:8.1f} {cpu / n * 1e3:7.1f} {profiled / n * 1e3:8.1f}   "
             f"{cpu / profiled:5.2f}  {wall / profiled:5.2f}  {wall / cpu:5.2f}")
@@ -69,14 +92,27 @@ def _ratios(n: int, wall: float, cpu: float, profiled: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", required=True)
-    ap.add_argument("--steps", required=True, help="the CBSERVE_STEP_TRACE directory")
+    ap.add_argument("--profile")
+    ap.add_argument("--steps", help="the CBSERVE_STEP_TRACE directory")
+    ap.add_argument("--shares", metavar="GOODPUT_JSON", help="each pod's step wall/CPU against the cores' share")
     ap.add_argument("--colocated", action="store_true", help="the decode traces are colocated pods")
     ap.add_argument("--alone", action="store_true", help="a one-pod cluster (colocated-1): the lone pod's costs")
     ap.add_argument("--window", type=float, default=5.0, help="seconds per window")
     ap.add_argument("--gap", type=float, default=1.0, help="a pause that ends the run's stretch, seconds")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.shares:
+        run = json.loads(Path(args.shares).read_text())
+        pinned = run["meta"].get("cpus")       # "0,1": the run's processes pinned to those cores
+        cores = len(str(pinned).split(",")) if pinned else run["meta"]["cpu_count"]
+        for row in run["rows"]:
+            print(f"== {row['config']} at {row['rate']:g} req/s")
+            for pod, s in shares(row, cores).items():
+                print(f"  {pod:14s} busy {s['busy']:.2f}  step wall/CPU {s['measured']:.2f}  max-min {s['max_min']:.2f}"
+                      f"  c/n {s['c_over_n']:.2f}  (serving {s['serving_cores']:.2f} cores)")
+        return
+    if not (args.profile and args.steps):
+        ap.error("--profile and --steps, or --shares")
     profile = load_profile(args.profile)
     costs = profile.pod_costs()
     out = {}

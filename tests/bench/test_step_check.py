@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from bench import step_check
@@ -69,3 +70,23 @@ def test_the_run_is_the_longest_stretch_without_a_pause():
              [7.6, 0.1, 0, []]]
     assert step_check.run_stretch(lines, 1.0) == lines[2:5]
     assert step_check.run_stretch(lines, 10.0) == lines
+
+
+def test_shares_hold_each_pods_step_wall_over_cpu_against_max_min_and_c_over_n(tmp_path, capsys):
+    # a colocated-2 row at its knee (session 15's): engines 95% and 97% busy, serving 0.53 of 2 cores
+    row = {"config": "colocated-2", "rate": 10.0, "elapsed_s": 31.0,
+           "cpu_s": {"client": 6.28, "router": 6.06, "colocated-0": 23.53, "colocated-1": 24.69},
+           "cpu_threads_s": {"router": {"server": 6.03, "engine": 0.0},
+                             "colocated-0": {"server": 1.46, "engine": 21.52},
+                             "colocated-1": {"server": 1.47, "engine": 22.69}},
+           "step_s": {"colocated-0": 29.42, "colocated-1": 30.12}}
+    got = step_check.shares(row, 2)
+    serving = (6.28 + 6.06 + 23.53 + 24.69 - 21.52 - 22.69) / 31.0
+    assert got["colocated-0"]["serving_cores"] == pytest.approx(serving)
+    assert got["colocated-0"]["measured"] == pytest.approx(29.42 / 21.52)
+    assert got["colocated-0"]["max_min"] == pytest.approx(2 / (2 - serving))    # both engines split the rest
+    assert got["colocated-0"]["c_over_n"] == pytest.approx((1 + serving + 30.12 / 31.0) / 2)
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps({"meta": {"cpus": "0,1", "cpu_count": 16}, "rows": [row]}))
+    step_check.main(["--shares", str(path)])
+    assert "max-min 1.36" in capsys.readouterr().out
