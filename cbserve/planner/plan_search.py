@@ -47,9 +47,10 @@ def uncertainty(profile) -> float:
 
 def oversubscribed(profile, capacities: list[Capacity]) -> list[str]:
     """The configurations whose pods outnumber the cores they share (a CPU profile's `cores`; 0:
-    a device each). The fair share (`cpu_share`) gets their mean step about right but not the
-    waits for a core: tiny's colocated-3 and 2P1D on 2 cores measured 20-180% below prediction,
-    colocated-3 +52% even at its measured contention (session 14)."""
+    a device each). The max-min share (`cpu_share`) gets their waits for a core (colocated-3 on 2
+    cores: step wall/CPU 1.9-2.2, max-min 2.0), but not their steps' CPU, 1.3x the colocated costs
+    (three engines lose their caches at each switch): tiny's colocated-3 and 2P1D measured 16-110%
+    below prediction (sessions 14-15)."""
     cores = profile.serving.cores if profile.serving is not None else 0.0
     return [c.config for c in capacities if cores > 0 and c.pods > cores]
 
