@@ -85,6 +85,34 @@ def shares(row: dict, cores: float) -> dict[str, dict[str, float]]:
     return out
 
 
+def print_shares(paths: list[str]) -> None:
+    """Each row's pods (rows without threads or steps skipped); with several files, the median of
+    measured over max-min and over c/n per (config, kind of pod)."""
+    import statistics
+
+    by_kind: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        pinned = run["meta"].get("cpus")       # "0,1": the run's processes pinned to those cores
+        cores = len(str(pinned).split(",")) if pinned else run["meta"]["cpu_count"]
+        for row in run["rows"]:
+            if not row.get("cpu_threads_s") or not row.get("step_s"):
+                continue
+            print(f"== {Path(path).name}: {row['config']} at {row['rate']:g} req/s")
+            for pod, s in shares(row, cores).items():
+                print(f"  {pod:14s} busy {s['busy']:.2f}  step wall/CPU {s['measured']:.2f}  max-min {s['max_min']:.2f}"
+                      f"  c/n {s['c_over_n']:.2f}  (serving {s['serving_cores']:.2f} cores)")
+                if s["measured"] > 0.5:       # a pod that never stepped reads 0
+                    by_kind[(row["config"], pod.rsplit("-", 1)[0])].append((s["measured"] / s["max_min"],
+                                                                            s["measured"] / s["c_over_n"]))
+    if len(paths) > 1 and by_kind:
+        print("measured / max-min and measured / (c/n), medians:")
+        every = [pair for pairs in by_kind.values() for pair in pairs]
+        for (config, kind), pairs in sorted(by_kind.items()) + [(("all", ""), every)]:
+            print(f"  {config:14s} {kind:10s} {len(pairs):4d} pods  {statistics.median(p[0] for p in pairs):.2f}"
+                  f"  {statistics.median(p[1] for p in pairs):.2f}")
+
+
 def _ratios(n: int, wall: float, cpu: float, profiled: float) -> str:
     return (f"{n:5d} {wall / n * 1e3:8.1f} {cpu / n * 1e3:7.1f} {profiled / n * 1e3:8.1f}   "
             f"{cpu / profiled:5.2f}  {wall / profiled:5.2f}  {wall / cpu:5.2f}")
@@ -94,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile")
     ap.add_argument("--steps", help="the CBSERVE_STEP_TRACE directory")
-    ap.add_argument("--shares", metavar="GOODPUT_JSON", help="each pod's step wall/CPU against the cores' share")
+    ap.add_argument("--shares", metavar="GOODPUT_JSON", nargs="+",
+                    help="each pod's step wall/CPU against the cores' share (several files: a summary by pod kind)")
     ap.add_argument("--colocated", action="store_true", help="the decode traces are colocated pods")
     ap.add_argument("--alone", action="store_true", help="a one-pod cluster (colocated-1): the lone pod's costs")
     ap.add_argument("--window", type=float, default=5.0, help="seconds per window")
@@ -102,14 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.shares:
-        run = json.loads(Path(args.shares).read_text())
-        pinned = run["meta"].get("cpus")       # "0,1": the run's processes pinned to those cores
-        cores = len(str(pinned).split(",")) if pinned else run["meta"]["cpu_count"]
-        for row in run["rows"]:
-            print(f"== {row['config']} at {row['rate']:g} req/s")
-            for pod, s in shares(row, cores).items():
-                print(f"  {pod:14s} busy {s['busy']:.2f}  step wall/CPU {s['measured']:.2f}  max-min {s['max_min']:.2f}"
-                      f"  c/n {s['c_over_n']:.2f}  (serving {s['serving_cores']:.2f} cores)")
+        print_shares(args.shares)
         return
     if not (args.profile and args.steps):
         ap.error("--profile and --steps, or --shares")

@@ -90,3 +90,6 @@ def test_shares_hold_each_pods_step_wall_over_cpu_against_max_min_and_c_over_n(t
     path.write_text(json.dumps({"meta": {"cpus": "0,1", "cpu_count": 16}, "rows": [row]}))
     step_check.main(["--shares", str(path)])
     assert "max-min 1.36" in capsys.readouterr().out
+    step_check.main(["--shares", str(path), str(path)])     # several runs: medians per kind of pod
+    summary = capsys.readouterr().out.split("medians:")[1]
+    assert "colocated-2    colocated     4 pods" in summary and "all" in summary
