@@ -157,8 +157,8 @@ def run_search(args, profile, model, workload, slo, caching, log) -> dict:
     crowded = oversubscribed(profile, capacities)
     if crowded:
         log(f"# plan: note: {', '.join(crowded)} put more engine pods than the profile's "
-            f"{profile.serving.cores:g} cores on one machine; such clusters measured 20-180% below their prediction "
-            f"(docs/capacity_planning.md, session 14): do not size a deployment on them")
+            f"{profile.serving.cores:g} cores on one machine; such clusters measured 16-110% below their prediction "
+            f"(docs/capacity_planning.md, sessions 14-15): do not size a deployment on them")
     u = uncertainty(profile)
     finalists = [c for c in (max((c for c in capacities if not c.disaggregated), key=lambda c: c.per_pod, default=None),
                              max((c for c in capacities if c.disaggregated), key=lambda c: c.per_pod, default=None))
