@@ -265,8 +265,10 @@ class Engine:
         return TPDriver.launch(spec, self.device)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any (idempotent; also runs at interpreter exit)."""
+        """Stop the tensor-parallel ranks, if any, and close the step trace (idempotent; also runs at
+        interpreter exit)."""
         self.structured.close()
+        self.step_stats.close()
         if self.tp is not None:
             self.tp.close()
 

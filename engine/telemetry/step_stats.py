@@ -49,8 +49,13 @@ class StepTrace:
         return cls(directory, role) if directory else None
 
     def write(self, out: SchedulerOutput, seconds: float) -> None:
+        if self._file.closed:
+            return
         line = [round(time.time(), 6), round(seconds, 7), round(time.thread_time(), 6), StepShape.of(out).to_json()]
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class StepStats:
@@ -82,6 +87,11 @@ class StepStats:
             self.prefill_tokens_per_second = rate if self.prefill_tokens_per_second == 0 else (
                 (1 - alpha) * self.prefill_tokens_per_second + alpha * rate)
         self.num_steps += 1
+
+    def close(self) -> None:
+        """Close the step trace, if any (a step recorded after is not written)."""
+        if self.trace is not None:
+            self.trace.close()
 
     def reset(self) -> None:
         """Forget step timings (after a warm-up whose first step includes one-off costs)."""

@@ -38,6 +38,7 @@ def test_an_engine_traces_every_step_and_step_check_reads_the_trace(tmp_path, mo
     finally:
         engine.close()
         torch.set_num_threads(threads)
+    assert engine.step_stats.trace._file.closed          # Engine.close closes the trace
     [trace] = (tmp_path / "steps").glob("steps-colocated-*.jsonl")
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     # one line per recorded step, after the warm-up's: [end, seconds, CPU so far, shape]
