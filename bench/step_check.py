@@ -33,6 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from cbserve.planner.cpu_share import fair_share
+from cbserve.planner.in_situ import serving_cpu_seconds
 from cbserve.planner.profile import load_profile
 from engine.telemetry.step_shape import StepShape
 
@@ -73,7 +74,7 @@ def shares(row: dict, cores: float) -> dict[str, dict[str, float]]:
     """Each pod's measured step wall/CPU and the max-min and c/n factors from the row's loads."""
     elapsed, threads = row["elapsed_s"], row["cpu_threads_s"]
     pods = list(row["step_s"])
-    serving = (sum(row["cpu_s"].values()) - sum(threads[p]["engine"] for p in pods)) / elapsed
+    serving = serving_cpu_seconds(row["cpu_s"], {}, threads) / elapsed
     busy = {p: row["step_s"][p] / elapsed for p in pods}
     out = {}
     for pod in pods:

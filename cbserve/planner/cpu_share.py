@@ -9,9 +9,10 @@ the share of a core its pod gets (`fair_share`). Measured by thread (`CBSERVE_ST
 `bench/step_check.py`) at 10 req/s on 2 cores, each engine thread's step wall over its CPU against
 max-min from the run's own loads: colocated-2 1.33-1.37 (max-min 1.36, c/n 1.24), 1P+1D prefill
 1.44 (1.40; c/n 1.25) and decode 1.11 (1.00; c/n 1.00), colocated-3 1.90-2.20 (2.00; c/n 1.73),
-2P+1D prefill 1.72-1.78 (1.73-1.79; c/n 1.45) and decode 1.31 (1.34; c/n 1.13). The serving path's threads each want a small part of a
-core and get it; the old rule, a step at c/n for n processes wanting, slowed them as much as the
-engines and left the engines' steps 10-20% short at a knee.
+2P+1D prefill 1.72-1.78 (1.73-1.79; c/n 1.45) and decode 1.31 (1.34; c/n 1.13). The serving
+path's threads each want a small part of a core and get it; the old rule, a step at c/n for n
+processes wanting, slowed them as much as the engines and left the engines' steps 10-20% short at
+a knee.
 What wants a core:
 - this pod (one torch thread: one core while it steps);
 - every other pod, for the share of the last `window_s` it spent in steps;
@@ -89,7 +90,8 @@ class _Window:
 def fair_share(others: list[float], cores: float) -> float:
     """The cores a process wanting a whole one gets beside processes wanting `others` (in cores,
     each at most what it can use), max-min fairly: the smallest wants are met while they are
-    below an equal split of what is left, the rest split it equally."""
+    below an equal split of what is left, the rest split it equally. Above 0 for any `cores` > 0:
+    a want is taken out only when it is at most that split."""
     budget, left = cores, len(others) + 1
     for want in sorted(others):
         level = budget / left
@@ -127,7 +129,7 @@ class CpuShare:
             self._serving_total -= serving.popleft()[1]
         wants = [c.serving_cores + max(0.0, self._serving_total) / c.window_s]
         wants += [w.seconds(now, c.window_s) / c.window_s for name, w in self._busy.items() if name != pod]
-        return 1.0 / max(1e-3, fair_share(wants, c.cores))
+        return 1.0 / fair_share(wants, c.cores)
 
     def stepped(self, pod: str, start: float, end: float) -> None:
         """`pod` is in a step from `start` to `end`: it wants a core meanwhile."""

@@ -190,14 +190,18 @@ def _engine_cpu(cpu_seconds: dict[str, float], step_seconds: dict, threads: dict
     return min(pods, sum(total for total, _ in step_seconds.values()))
 
 
+def serving_cpu_seconds(cpu_seconds: dict[str, float], step_seconds: dict, threads: dict | None) -> float:
+    """The serving path's CPU seconds in one run: every process's CPU (router, pods, the client)
+    less what the pods' engine threads took (`cpu_share`: the steps' own excess over the profile
+    is their role's contention, not serving work)."""
+    total = sum(v for k, v in cpu_seconds.items() if k != "wall")
+    return max(0.0, total - _engine_cpu(cpu_seconds, step_seconds, threads))
+
+
 def _serving_cpu(results: list[RequestResult], cpu_seconds: dict[str, float], step_seconds: dict,
                  threads: dict | None) -> tuple[float, int]:
-    """(CPU seconds of the serving path, tokens streamed) in one load run: every process's CPU
-    (router, pods, the client) less what the pods' engine threads took (`cpu_share`: the steps'
-    own excess over the profile is their role's contention, not serving work)."""
-    total = sum(v for k, v in cpu_seconds.items() if k != "wall")
-    tokens = sum(r.num_output_tokens for r in results)
-    return max(0.0, total - _engine_cpu(cpu_seconds, step_seconds, threads)), tokens
+    """(CPU seconds of the serving path, tokens streamed) in one load run."""
+    return serving_cpu_seconds(cpu_seconds, step_seconds, threads), sum(r.num_output_tokens for r in results)
 
 
 def _fit_cpu(profile: Profile, raw: dict, settings: InSituSettings, serving: ServingProfile) -> ServingProfile:

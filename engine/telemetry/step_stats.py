@@ -49,8 +49,6 @@ class StepTrace:
         return cls(directory, role) if directory else None
 
     def write(self, out: SchedulerOutput, seconds: float) -> None:
-        if self._file.closed:
-            return
         line = [round(time.time(), 6), round(seconds, 7), round(time.thread_time(), 6), StepShape.of(out).to_json()]
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
@@ -92,6 +90,7 @@ class StepStats:
         """Close the step trace, if any (a step recorded after is not written)."""
         if self.trace is not None:
             self.trace.close()
+            self.trace = None
 
     def reset(self) -> None:
         """Forget step timings (after a warm-up whose first step includes one-off costs)."""

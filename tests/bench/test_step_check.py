@@ -32,13 +32,14 @@ def test_an_engine_traces_every_step_and_step_check_reads_the_trace(tmp_path, mo
         original(out, seconds)
 
     engine.step_stats.record = record
+    tracer = engine.step_stats.trace
     try:
         engine.generate([[5 + i] * (20 + 9 * i) for i in range(3)],
                         SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     finally:
         engine.close()
         torch.set_num_threads(threads)
-    assert engine.step_stats.trace._file.closed          # Engine.close closes the trace
+    assert tracer._file.closed                         # Engine.close closes the trace
     [trace] = (tmp_path / "steps").glob("steps-colocated-*.jsonl")
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     # one line per recorded step, after the warm-up's: [end, seconds, CPU so far, shape]
