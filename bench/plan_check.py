@@ -21,6 +21,13 @@ and TPOT, measured against predicted, per window of the run. A row's error is th
 burst of arrivals the simulated pods ride out and the measured ones do not, or the first seconds of a
 fresh cluster.
 
+`--by-request` compares each run request by request against the simulation at its measured
+contention (same requests, matched by index): how many met both SLOs, missed one, were refused or
+failed, measured against predicted, and the median TTFT and TPOT differences of the requests both
+served. Where a row misses at the run's own step lengths, this says whether the pods' latencies
+differ or what the two routers admitted (session 16: 1P+1D past its knee, the measured router
+refused 3-4x more of what the simulated one served, at the same latencies).
+
 `--refit` fits the profile's serving section again from the in-situ measurements it stores, with
 this tree's `planner.in_situ` (a profile made before a change to that fit).
 
@@ -48,7 +55,7 @@ from cbserve.goodput.trace import load_trace
 from cbserve.goodput.workloads import MIXES
 from cbserve.planner.in_situ import fixed_point
 from cbserve.planner.profile import load_profile
-from cbserve.planner.simulate import sim_model, sweep, sweep_runs
+from cbserve.planner.simulate import sim_model, sweep_runs
 
 
 def _error(predicted: float, measured: float) -> float | None:
@@ -66,7 +73,8 @@ def refit(profile):
     return fit_in_situ(profile, raw, InSituSettings(seconds=info["load_seconds"], mix=info["calibration_mix"]))
 
 
-def check(profile_path: str, measured_path: str, refitted: bool = False, window_s: float = 0.0) -> list[dict]:
+def check(profile_path: str, measured_path: str, refitted: bool = False, window_s: float = 0.0,
+          requests: bool = False) -> list[dict]:
     measured = json.loads(Path(measured_path).read_text())
     meta = measured["meta"]
     profile = load_profile(profile_path)
@@ -93,13 +101,14 @@ def check(profile_path: str, measured_path: str, refitted: bool = False, window_
         # planner's own bracketed fixed point (`in_situ.fixed_point`; one ratio overshoots where
         # slower steps grow the batches, and near saturation plain rounds swing).
         measured_steps = {(m["rate"], role): mean for m in rows for role, mean in (m.get("mean_step_s") or {}).items()}
-        swept: dict = {"factors": None, "rows": plain}      # the last sweep and the factors it ran at
+        swept: dict = {"factors": None, "runs": plain_runs}      # the last sweep and the factors it ran at
 
         def simulate(factors: dict) -> dict:
-            swept["factors"], swept["rows"] = dict(factors), sweep(
+            swept["factors"], swept["runs"] = dict(factors), sweep_runs(
                 model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
                 contention=_by_rate(factors), **common)
-            return {(r["rate"], role): mean for r in swept["rows"] for role, mean in (r.get("mean_step_s") or {}).items()}
+            return {(run.row["rate"], role): mean for run in swept["runs"]
+                    for role, mean in (run.row.get("mean_step_s") or {}).items()}
 
         factors = {}
         if measured_steps:
@@ -107,15 +116,18 @@ def check(profile_path: str, measured_path: str, refitted: bool = False, window_
                                   {key: _profile_contention(profile, key[1]) for key in measured_steps})
             if factors != swept["factors"]:     # the rounds ran out one step before the factors returned
                 simulate(factors)
-        oracle, contention = swept["rows"], _by_rate(factors)
-        for m, p, o, run in zip(rows, plain, oracle, plain_runs):
+        oracle_runs, contention = swept["runs"], _by_rate(factors)
+        for m, p, run, oracle_run in zip(rows, plain, plain_runs, oracle_runs):
+            o = oracle_run.row
             out.append({"mix": mix, "config": config, "rate": m["rate"], "measured": _figures(m),
                         "predicted": _figures(p), "predicted_measured_contention": _figures(o),
                         "contention": contention.get(m["rate"]),
                         "goodput_error": _error(p["goodput_rps"], m["goodput_rps"]),
                         "goodput_error_measured_contention": _error(o["goodput_rps"], m["goodput_rps"])}
                        | ({"over_time": over_time(m["requests"], run.results, slo, window_s)}
-                          if window_s and m.get("requests") else {}))
+                          if window_s and m.get("requests") else {})
+                       | ({"by_request": by_request(m["requests"], oracle_run.results, slo)}
+                          if requests and m.get("requests") else {}))
     return out
 
 
@@ -144,6 +156,42 @@ def over_time(measured: list[dict], predicted: list[RequestResult], slo: Slo, wi
              "refused": [sum(r[i].outcome == "rejected" for r in pairs) for i in (0, 1)],
              "ttft_s": means(pairs, "ttft_s"), "tpot_s": means(pairs, "tpot_s")}
             for k, pairs in sorted(windows.items())]
+
+
+def _fate(result: RequestResult, slo: Slo) -> str:
+    if result.outcome == "rejected":
+        return "refused"
+    if result.outcome != "ok":
+        return "failed"
+    return "met" if slo.met(result) else "missed"
+
+
+FATES = ("met", "missed", "refused", "failed")
+
+
+def by_request(measured: list[dict], predicted: list[RequestResult], slo: Slo) -> dict:
+    """One run, request by request: `fates[m][p]`, how many requests had fate m measured and p
+    predicted (met both SLOs, missed one, refused with 429/503, failed otherwise), and the median
+    TTFT and TPOT differences (measured - predicted, seconds) of the requests served in both.
+
+    `measured` is `bench/goodput.py --save-requests`'s record of each request; `predicted`, the
+    simulated run of the same requests (matched by index)."""
+    simulated = {r.index: r for r in predicted}
+    fates = {m: dict.fromkeys(FATES, 0) for m in FATES}
+    ttft, tpot = [], []
+    for record in measured:
+        m = RequestResult(**record)
+        if (p := simulated.get(m.index)) is None:
+            continue
+        fates[_fate(m, slo)][_fate(p, slo)] += 1
+        if m.outcome == p.outcome == "ok":
+            if m.ttft_s is not None and p.ttft_s is not None:
+                ttft.append(m.ttft_s - p.ttft_s)
+            if m.tpot_s is not None and p.tpot_s is not None:
+                tpot.append(m.tpot_s - p.tpot_s)
+    return {"fates": fates, "served_in_both": len(ttft),
+            "ttft_diff_s": statistics.median(ttft) if ttft else None,
+            "tpot_diff_s": statistics.median(tpot) if tpot else None}
 
 
 def _by_rate(factors: dict[tuple[float, str], float]) -> dict[float, dict[str, float]]:
@@ -228,6 +276,19 @@ def print_over_time(rows: list[dict]) -> None:
                   f"{ms(w['tpot_s'][0]):>5}/{ms(w['tpot_s'][1]):<6}")
 
 
+def print_by_request(rows: list[dict]) -> None:
+    for r in rows:
+        if not (b := r.get("by_request")):
+            continue
+        print(f"\n{r['mix']} {r['config']} at {r['rate']:g} req/s ({r.get('measured_file', '')}): requests, "
+              f"measured (rows) against predicted at the measured contention (columns)")
+        print(f"{'':>8} " + " ".join(f"{p:>8}" for p in FATES))
+        for m in FATES:
+            print(f"{m:>8} " + " ".join(f"{b['fates'][m][p]:>8}" for p in FATES))
+        print(f"served in both: {b['served_in_both']}, median difference TTFT {_fmt(b['ttft_diff_s'], 1e3, 0)} ms, "
+              f"TPOT {_fmt(b['tpot_diff_s'], 1e3, 1)} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True)
@@ -237,15 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--over-time", type=float, default=0.0, metavar="SECONDS",
                    help="also compare each run window by window of this many seconds (needs the measured "
                         "run's requests: bench/goodput.py --save-requests)")
+    p.add_argument("--by-request", action="store_true",
+                   help="also compare each run request by request against the simulation at its measured "
+                        "contention (needs bench/goodput.py --save-requests)")
     args = p.parse_args(argv)
     rows = []
     for path in args.measured:
-        mine = check(args.profile, path, refitted=args.refit, window_s=args.over_time)
+        mine = check(args.profile, path, refitted=args.refit, window_s=args.over_time, requests=args.by_request)
         for r in mine:
             r["measured_file"] = path
         rows += mine
     print_table(rows)
     print_over_time(rows)
+    print_by_request(rows)
     summary = medians(rows) if len(args.measured) > 1 else []
     if summary:
         print_medians(summary)

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.plan_check import check, over_time
+from bench.plan_check import FATES, by_request, check, over_time
 from cbserve.goodput.stats import RequestResult, Slo
 from cbserve.goodput.workloads import MIXES
 from cbserve.planner.simulate import sim_model, sweep_runs
@@ -30,7 +30,8 @@ def checked(tmp_path_factory):
     # As `bench/goodput.py --save-requests` keeps them: each row with its requests.
     rows = [dict(run.row, mix="chat", requests=[asdict(r) for r in run.results]) for run in runs]
     (directory / "measured.json").write_text(json.dumps({"meta": meta, "rows": rows}))
-    return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"), window_s=2.0)
+    return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"), window_s=2.0,
+                           requests=True)
 
 
 def test_measured_contention_is_recovered(checked):
@@ -98,3 +99,35 @@ def test_windows_count_arrivals_met_and_refused_requests_measured_and_predicted(
     assert windows[0]["ttft_s"] == pytest.approx([0.2, 0.1])
     assert windows[1]["ttft_s"] == pytest.approx([1.5, 0.2])
     assert windows[2]["tpot_s"] == pytest.approx([0.08, 0.04])
+
+
+def test_a_run_is_compared_request_by_request(checked):
+    measured, (row,) = checked
+    b = row["by_request"]
+    assert sum(sum(cols.values()) for cols in b["fates"].values()) == len(measured["requests"])
+    assert sum(b["fates"]["met"].values()) == sum(SLO.met(RequestResult(**r)) for r in measured["requests"])
+    # Against the simulation at the run's recovered contention, the "measured" (simulated) run
+    # repeats: nearly every request has the same fate, and the same latencies.
+    same = sum(b["fates"][f][f] for f in FATES)
+    assert same >= 0.9 * len(measured["requests"])
+    assert b["served_in_both"] > 0 and abs(b["ttft_diff_s"]) < 0.05 and abs(b["tpot_diff_s"]) < 0.01
+
+
+def test_requests_are_crossed_by_fate_measured_and_predicted():
+    slo = Slo(1.0, 0.1)
+
+    def result(index, outcome="ok", ttft=0.2, tpot=0.05):
+        if outcome != "ok":
+            return RequestResult(index, 0.0, 0.0, outcome)
+        return RequestResult(index, 0.0, 0.0, "ok", first_token_s=ttft, last_token_s=ttft + 10 * tpot,
+                             num_output_tokens=11)
+
+    measured = [result(0), result(1, "rejected"), result(2, ttft=1.5), result(3, tpot=0.08), result(4, "error"),
+                result(5)]
+    predicted = [result(0, ttft=0.1), result(1), result(2), result(3, "rejected"), result(4)]   # 5: not simulated
+    b = by_request([asdict(r) for r in measured], predicted, slo)
+    assert {(m, p): n for m, cols in b["fates"].items() for p, n in cols.items() if n} == {
+        ("met", "met"): 1, ("refused", "met"): 1, ("missed", "met"): 1, ("met", "refused"): 1, ("failed", "met"): 1}
+    # Differences over the requests served in both only: 0 (+0.1 s) and 2 (+1.3 s).
+    assert b["served_in_both"] == 2
+    assert b["ttft_diff_s"] == pytest.approx(0.7) and b["tpot_diff_s"] == pytest.approx(0.0)
