@@ -161,17 +161,20 @@ def over_time(measured: list[dict], predicted: list[RequestResult], slo: Slo, wi
 def _fate(result: RequestResult, slo: Slo) -> str:
     if result.outcome == "rejected":
         return "refused"
+    if result.outcome == "cancelled":      # the client gave up on purpose (a mix's cancels)
+        return "cancelled"
     if result.outcome != "ok":
         return "failed"
     return "met" if slo.met(result) else "missed"
 
 
-FATES = ("met", "missed", "refused", "failed")
+FATES = ("met", "missed", "refused", "cancelled", "failed")
 
 
 def by_request(measured: list[dict], predicted: list[RequestResult], slo: Slo) -> dict:
     """One run, request by request: `fates[m][p]`, how many requests had fate m measured and p
-    predicted (met both SLOs, missed one, refused with 429/503, failed otherwise), and the median
+    predicted (met both SLOs, missed one, refused with 429/503, cancelled by the client, failed
+    otherwise), and the median
     TTFT and TPOT differences (measured - predicted, seconds) of the requests served in both.
 
     `measured` is `bench/goodput.py --save-requests`'s record of each request; `predicted`, the

@@ -123,11 +123,14 @@ def test_requests_are_crossed_by_fate_measured_and_predicted():
                              num_output_tokens=11)
 
     measured = [result(0), result(1, "rejected"), result(2, ttft=1.5), result(3, tpot=0.08), result(4, "error"),
-                result(5)]
-    predicted = [result(0, ttft=0.1), result(1), result(2), result(3, "rejected"), result(4)]   # 5: not simulated
+                result(5),
+                result(6, "cancelled")]
+    predicted = [result(0, ttft=0.1), result(1), result(2), result(3, "rejected"), result(4),
+                 result(6, "cancelled")]   # 5: not simulated
     b = by_request([asdict(r) for r in measured], predicted, slo)
     assert {(m, p): n for m, cols in b["fates"].items() for p, n in cols.items() if n} == {
-        ("met", "met"): 1, ("refused", "met"): 1, ("missed", "met"): 1, ("met", "refused"): 1, ("failed", "met"): 1}
+        ("met", "met"): 1, ("refused", "met"): 1, ("missed", "met"): 1, ("met", "refused"): 1, ("failed", "met"): 1,
+        ("cancelled", "cancelled"): 1}
     # Differences over the requests served in both only: 0 (+0.1 s) and 2 (+1.3 s).
     assert b["served_in_both"] == 2
     assert b["ttft_diff_s"] == pytest.approx(0.7) and b["tpot_diff_s"] == pytest.approx(0.0)
