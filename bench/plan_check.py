@@ -74,7 +74,7 @@ def refit(profile):
 
 
 def check(profile_path: str, measured_path: str, refitted: bool = False, window_s: float = 0.0,
-          requests: bool = False) -> list[dict]:
+          per_request: bool = False) -> list[dict]:
     measured = json.loads(Path(measured_path).read_text())
     meta = measured["meta"]
     profile = load_profile(profile_path)
@@ -127,8 +127,15 @@ def check(profile_path: str, measured_path: str, refitted: bool = False, window_
                        | ({"over_time": over_time(m["requests"], run.results, slo, window_s)}
                           if window_s and m.get("requests") else {})
                        | ({"by_request": by_request(m["requests"], oracle_run.results, slo)}
-                          if requests and m.get("requests") else {}))
+                          if per_request and m.get("requests") else {}))
     return out
+
+
+def _matched(measured: list[dict], predicted: list[RequestResult]) -> list[tuple[RequestResult, RequestResult]]:
+    """(measured, predicted) of each request in both runs, matched by index; `measured` as
+    `bench/goodput.py --save-requests` keeps it."""
+    simulated = {r.index: r for r in predicted}
+    return [(m, simulated[m.index]) for m in (RequestResult(**record) for record in measured) if m.index in simulated]
 
 
 def over_time(measured: list[dict], predicted: list[RequestResult], slo: Slo, window_s: float) -> list[dict]:
@@ -139,12 +146,9 @@ def over_time(measured: list[dict], predicted: list[RequestResult], slo: Slo, wi
 
     `measured` is `bench/goodput.py --save-requests`'s record of each request; `predicted`, the
     simulated run of the same requests (matched by index)."""
-    simulated = {r.index: r for r in predicted}
     windows: dict[int, list[tuple[RequestResult, RequestResult]]] = {}
-    for record in measured:
-        m = RequestResult(**record)
-        if (p := simulated.get(m.index)) is not None:
-            windows.setdefault(int(m.scheduled_s // window_s), []).append((m, p))
+    for m, p in _matched(measured, predicted):
+        windows.setdefault(int(m.scheduled_s // window_s), []).append((m, p))
 
     def means(pairs, name: str) -> list[float | None]:
         both = [(getattr(m, name), getattr(p, name)) for m, p in pairs
@@ -174,18 +178,14 @@ FATES = ("met", "missed", "refused", "cancelled", "failed")
 def by_request(measured: list[dict], predicted: list[RequestResult], slo: Slo) -> dict:
     """One run, request by request: `fates[m][p]`, how many requests had fate m measured and p
     predicted (met both SLOs, missed one, refused with 429/503, cancelled by the client, failed
-    otherwise), and the median
-    TTFT and TPOT differences (measured - predicted, seconds) of the requests served in both.
+    otherwise), and the median TTFT and TPOT differences (measured - predicted, seconds) of the
+    requests served in both.
 
     `measured` is `bench/goodput.py --save-requests`'s record of each request; `predicted`, the
     simulated run of the same requests (matched by index)."""
-    simulated = {r.index: r for r in predicted}
     fates = {m: dict.fromkeys(FATES, 0) for m in FATES}
     ttft, tpot = [], []
-    for record in measured:
-        m = RequestResult(**record)
-        if (p := simulated.get(m.index)) is None:
-            continue
+    for m, p in _matched(measured, predicted):
         fates[_fate(m, slo)][_fate(p, slo)] += 1
         if m.outcome == p.outcome == "ok":
             if m.ttft_s is not None and p.ttft_s is not None:
@@ -285,9 +285,9 @@ def print_by_request(rows: list[dict]) -> None:
             continue
         print(f"\n{r['mix']} {r['config']} at {r['rate']:g} req/s ({r.get('measured_file', '')}): requests, "
               f"measured (rows) against predicted at the measured contention (columns)")
-        print(f"{'':>8} " + " ".join(f"{p:>8}" for p in FATES))
+        print(f"{'':>9} " + " ".join(f"{p:>9}" for p in FATES))
         for m in FATES:
-            print(f"{m:>8} " + " ".join(f"{b['fates'][m][p]:>8}" for p in FATES))
+            print(f"{m:>9} " + " ".join(f"{b['fates'][m][p]:>9}" for p in FATES))
         print(f"served in both: {b['served_in_both']}, median difference TTFT {_fmt(b['ttft_diff_s'], 1e3, 0)} ms, "
               f"TPOT {_fmt(b['tpot_diff_s'], 1e3, 1)} ms")
 
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     for path in args.measured:
-        mine = check(args.profile, path, refitted=args.refit, window_s=args.over_time, requests=args.by_request)
+        mine = check(args.profile, path, refitted=args.refit, window_s=args.over_time, per_request=args.by_request)
         for r in mine:
             r["measured_file"] = path
         rows += mine

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -89,8 +90,6 @@ def shares(row: dict, cores: float) -> dict[str, dict[str, float]]:
 def print_shares(paths: list[str]) -> None:
     """Each row's pods (rows without threads or steps skipped); with several files, the median of
     measured over max-min and over c/n per (config, kind of pod)."""
-    import statistics
-
     by_kind: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for path in paths:
         run = json.loads(Path(path).read_text())
@@ -144,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         lines = run_stretch([json.loads(line) for line in path.read_text().splitlines() if line], args.gap)
         if len(lines) < 2:
             continue
-        if args.alone or args.colocated:
-            role = {"decode": "colocated", "colocated": "colocated"}.get(role, role)
+        if (args.alone or args.colocated) and role == "decode":
+            role = "colocated"          # a colocated pod's engine runs the decode role
         result = compare(lines, costs["alone" if args.alone and role == "colocated" else role], args.window)
         out[path.name] = result
         print(f"== {path.name}: {len(lines)} steps over {lines[-1][0] - lines[0][0]:.1f} s")

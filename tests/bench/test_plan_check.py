@@ -31,7 +31,7 @@ def checked(tmp_path_factory):
     rows = [dict(run.row, mix="chat", requests=[asdict(r) for r in run.results]) for run in runs]
     (directory / "measured.json").write_text(json.dumps({"meta": meta, "rows": rows}))
     return rows[0], check(str(directory / "profile.json"), str(directory / "measured.json"), window_s=2.0,
-                           requests=True)
+                           per_request=True)
 
 
 def test_measured_contention_is_recovered(checked):
