@@ -58,7 +58,8 @@ def with_ttft_budget_left(routing: RoutingRequest, waited_seconds: float) -> Rou
     a fresh one would. (A wait for a pod to start does not count: see `router.admission`.)"""
     if waited_seconds <= 0:
         return routing
-    return replace(routing, slo_ttft_seconds=max(1e-3, routing.slo_ttft_seconds - waited_seconds))
+    return replace(routing, slo_ttft_seconds=max(1e-3, routing.slo_ttft_seconds - waited_seconds),
+                   waited_seconds=routing.waited_seconds + waited_seconds)
 
 
 class Dispatcher:
@@ -106,10 +107,18 @@ class Dispatcher:
             self.metrics.running.inc()
         return decision
 
-    def release(self, decision: RoutingDecision) -> None:
-        """The routed sequence is done: its pods' in-flight slots are free again."""
-        for pod in {decision.prefill, decision.decode} - {None}:
-            pod.on_finish()
+    def prefill_answered(self, decision: RoutingDecision) -> None:
+        """The sequence's prefill pod answered (or its call failed): it takes no more of P's
+        steps, so P's load no longer counts it (`PodState.on_answered`), while D goes on."""
+        decision.prefill.on_answered()
+        self.admission.wake()
+
+    def release(self, decision: RoutingDecision, answered: bool = False) -> None:
+        """The routed sequence is done: its pods' in-flight slots are free again (`answered`:
+        `prefill_answered` was called for it)."""
+        if decision.prefill is not None:
+            decision.prefill.on_finish(answered)
+        decision.decode.on_finish()
         self.metrics.running.dec()
         self.admission.wake()
 

@@ -26,7 +26,7 @@ from wire import cbserve_pb2 as pb
 from pod.security import ClusterSecurity
 from router.discovery.base import PodEndpoint
 from router.pod_client import PodClient
-from router.predict import LatencyCalibration, RecentQuantile, StepTimeModel, ttft_calibration
+from router.predict import LatencyCalibration, RecentQuantile, StepTimeModel, tpot_calibration, ttft_calibration
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,17 @@ class PodState:
     healthy: bool = False
     serving: bool = True                     # its gRPC health is not NOT_SERVING (engine stalled, drain)
     num_inflight: int = 0                    # requests the router sent and has not seen finish
+    # Of those, a prefill pod's that it has answered: their decode goes on on another pod, so they
+    # take no more of this pod's steps (its load), yet its channel stays open for them (an Abort of
+    # a sequence cut short frees the KV it holds for the pull).
+    num_answered: int = 0
     # (monotonic send time, prefill tokens, context tokens) of requests sent since the last report:
     # what it has to compute (the prompt less what its prefix cache probably holds), and what it
     # will hold.
     unreported: deque[tuple[float, int, int]] = field(default_factory=deque)
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
     # Observed / predicted TPOT of requests this router ran here (decode and colocated pods).
-    tpot_calibration: LatencyCalibration = field(default_factory=LatencyCalibration)
+    tpot_calibration: LatencyCalibration = field(default_factory=tpot_calibration)
     # Seconds from P's first token to this decode pod's first new one (the KV pull, its first step):
     # the median of recent ones (the tail is the calibration's).
     pd_gap: RecentQuantile = field(default_factory=lambda: RecentQuantile(quantile=0.5))
@@ -114,7 +118,7 @@ class PodState:
         it describes another process, or one that was stalled; a 10 s step or a calibration fed by
         requests that hung there would keep it looking slow (and shed its load) long after."""
         self.step_model = StepTimeModel()
-        self.tpot_calibration = LatencyCalibration()
+        self.tpot_calibration = tpot_calibration()
         self.pd_gap = RecentQuantile(quantile=0.5)
         self.ttft_calibration = ttft_calibration()
         self.unreported.clear()
@@ -128,8 +132,15 @@ class PodState:
         prefill = num_prompt_tokens if num_prefill_tokens is None else num_prefill_tokens
         self.unreported.append((self.clock(), prefill, num_prompt_tokens))
 
-    def on_finish(self) -> None:
+    def on_answered(self) -> None:
+        """A prefill pod answered a request it was sent: its part of the sequence is done."""
+        self.num_answered += 1
+
+    def on_finish(self, answered: bool = False) -> None:
+        """A request it was sent is over (`answered`: `on_answered` counted it)."""
         self.num_inflight = max(0, self.num_inflight - 1)
+        if answered:
+            self.num_answered = max(0, self.num_answered - 1)
 
     # Load as routing sees it: the last report plus the router's own dispatches since.
     @property
@@ -139,9 +150,12 @@ class PodState:
 
     @property
     def num_requests(self) -> int:
-        """Waiting + running at the pod, or the router's in-flight count if that is larger."""
+        """Waiting + running at the pod, or the router's in-flight count if that is larger, less what
+        a prefill pod has answered: a sequence decoding elsewhere is in none of its batches, and
+        counted there it priced every queued prompt's steps at the whole cluster's batch (session
+        16, `docs/benchmarks.md`: "The prefill pod's in-flight count")."""
         reported = (self.report.num_waiting + self.report.num_running) if self.report else 0
-        return max(reported + len(self.unreported), self.num_inflight)
+        return max(reported + len(self.unreported), self.num_inflight - self.num_answered)
 
     @property
     def context_tokens(self) -> int:

@@ -48,7 +48,8 @@ class AttemptOwner(Protocol):
     def observe_tpot(self, decision: RoutingDecision, decode_seconds: float, num_tokens: int,
                      pd_gap_seconds: float | None = None) -> None: ...
     def spawn(self, coro: Coroutine) -> None: ...
-    def release(self, decision: RoutingDecision) -> None: ...
+    def prefill_answered(self, decision: RoutingDecision) -> None: ...
+    def release(self, decision: RoutingDecision, answered: bool = False) -> None: ...
 
 
 class PodFailure(Exception):
@@ -90,6 +91,8 @@ class SequenceStream:
                 request_id=self.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
                 priority=spec.priority, arrival_time=spec.arrival_time, lora_name=spec.lora_name), timeout=timeout)
             self._prefill = asyncio.ensure_future(self._prefill_call)
+            self._prefill.add_done_callback(self._prefill_over)
+        self._answered = False               # P's call ended while the attempt went on
         self._read: asyncio.Future | None = None        # a read of D's stream started while racing P
         self._prefill_failure: grpc.aio.AioRpcError | None = None
         self.first_message: pb.GenerateResponse | None = None
@@ -165,6 +168,12 @@ class SequenceStream:
             # D failed because its source died (no local fallback): P's fault, not D's.
             raise PodFailure(self.prefill_pod, source.code(), f"{source.details()}; decode: {response.details()}")
         raise PodFailure(self.decode_pod, response.code(), response.details() or "")
+
+    def _prefill_over(self, prefill: asyncio.Future) -> None:
+        """P's call ended (answered or failed) before the attempt did: P is done with it."""
+        if not self._closed and not prefill.cancelled():
+            self._answered = True
+            self._dispatcher.prefill_answered(self._decision)
 
     def _on_prefill(self, prefill: asyncio.Future) -> pb.GenerateResponse | None:
         """P answered: record its trace; its token as a message, or None (P failed, D goes on alone)."""
@@ -254,7 +263,7 @@ class SequenceStream:
             for pod in (self.prefill_pod, self.decode_pod):
                 if pod is not None:
                     self._dispatcher.spawn(pod.client.abort(self.request_id))
-        self._dispatcher.release(self._decision)
+        self._dispatcher.release(self._decision, self._answered)
 
 
 def _outcome(future: asyncio.Future) -> pb.GenerateResponse | BaseException:

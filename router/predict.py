@@ -29,17 +29,21 @@ first new token (`pd_gap`). The prediction spreads the decode pod's typical hand
 of its recent ones, `RecentQuantile`) over the request's tokens (`client_tpot`): left to the
 calibration alone, an 8-token answer's hand-over pinned the factor at its cap and priced every long
 answer three times too slow. `LatencyCalibration` closes the rest per decode pod from the router's
-own measurements: the median of observed / predicted TPOT over recent requests, a factor the
+own measurements: a quantile of observed / predicted TPOT over recent requests, a factor the
 prediction is multiplied by. TTFT gets the same, per prefill pod, from observed / predicted time
 from routing to the first token.
 
-Why the median and not a high quantile: the goodput policy admits a request when its calibrated
-prediction meets the SLO, and a refused request is a miss for certain. A 95th-percentile factor
-asks each request to be 95% sure of its SLO, and on a busy pod (requests routed in one burst, a
-step shared with another prompt) that factor sits at its cap: on tiny at a 500 ms / 50 ms SLO,
-fixed-256-64, the P/D cluster refused 80-86% of requests at 10-16 req/s and served 0.9-2.2 req/s
-within SLO, against 5.9-9.1 with the median (`docs/benchmarks.md`, "Admission calibration").
-The median corrects the model's bias (loop gaps, contention) and leaves the spread to goodput.
+Which quantile. The goodput policy admits a request when its calibrated prediction meets the
+SLO, so a pod fills until the calibrated prediction is at the SLO, and the quantile is then the
+share of its requests that meet it. At the median, half of a full pod's requests missed, and past
+the knee which half swung with the machine's noise: a lone colocated pod finished 11 req/s and
+served 1.2-6.5 of them within SLO (session 17, `docs/benchmarks.md`, "Admission past the knee").
+A high quantile in turn refuses what could have met, and a refused request is a miss for certain:
+at the 95th percentile, with a prefill pod's load still counting every sequence it had handed to
+decode, the P/D cluster refused 80-86% of requests at 10-16 req/s (`docs/benchmarks.md`,
+"Admission calibration"). TPOT is calibrated at the 80th percentile, TTFT at the 90th (a late first
+token is late for the whole answer), and a prefill pod counts only the prefills it still has to
+answer (`router.load.PodState.num_requests`).
 """
 
 from __future__ import annotations
@@ -221,9 +225,21 @@ class LatencyCalibration:
 
 
 def ttft_calibration() -> LatencyCalibration:
-    """TTFT: the queue model is often pessimistic (a running prompt counts whole although partly
-    done) or optimistic (overheads outside the prefill rate), so the factor may also shrink it."""
-    return LatencyCalibration(min_factor=0.5)
+    """TTFT, at the 90th percentile: the queue model is often pessimistic (a running prompt counts
+    whole although partly done) or optimistic (overheads outside the prefill rate), so the factor
+    may also shrink it. With prefill pods counting only their own prefills, 1P1D at 6-10 req/s
+    served 5.74 / 6.87 / 7.22 req/s with TTFT at the 90th percentile against 5.42 / 5.80 / 5.54 at
+    the median (TPOT at the 90th in both; session 16, `docs/benchmarks.md`, "The prefill pod's in-flight count")."""
+    return LatencyCalibration(quantile=0.9, min_factor=0.5)
+
+
+def tpot_calibration() -> LatencyCalibration:
+    """TPOT, at the 80th percentile: the gate admits until the calibrated prediction reaches the
+    SLO, so the quantile is the share of a full pod's requests that meet it. At the median, past
+    the knee half of what a lone colocated pod admitted missed its TPOT (session 17: 75-251 of
+    420-480 requests; goodput 1.2-6.5 req/s where it finished 11), and which half swung with the
+    machine's noise."""
+    return LatencyCalibration(quantile=0.8)
 
 
 def predict_ttft(queued_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_second: float,

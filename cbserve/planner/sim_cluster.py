@@ -18,8 +18,9 @@ machine-wide `Jitter`), the serving path's latencies
    message, and the rest once P is done; when it has landed, D's next command pass runs
    `remote_kv_landed` and P releases its blocks;
 4. every later D step gives a token, at the client `token_out_s` later; the router observes TTFT
-   and TPOT (`Dispatcher.observe_ttft/observe_tpot`, feeding the calibrations) and releases the
-   pods (`Dispatcher.release`) at the end. A client cancellation (after `cancel_after_tokens`
+   and TPOT (`Dispatcher.observe_ttft/observe_tpot`, feeding the calibrations), frees P's part
+   when P's answer reaches it (`Dispatcher.prefill_answered`) and releases the pods
+   (`Dispatcher.release`) at the end. A client cancellation (after `cancel_after_tokens`
    chunks) or timeout aborts the request on both pods.
 The client's view is a `cbserve.goodput.stats.RequestResult`, the same record `loadgen` keeps for a
 real run, so the benchmark's `summarize` turns both into the same row.
@@ -88,7 +89,7 @@ class _Flow:
 
     __slots__ = ("request_id", "spec", "prompt", "result", "decision", "prefill", "decode", "start",
                  "routed_at", "first_at", "closed", "done", "prefill_ready", "prefill_done", "pull_wake",
-                 "pull", "cancelled", "refused")
+                 "pull", "cancelled", "refused", "answered")
 
     def __init__(self, request_id: str, spec: RequestSpec, prompt: list[int], result: RequestResult,
                  decision: RoutingDecision, prefill: SimPod | None, decode: SimPod, start: float, now: float) -> None:
@@ -104,6 +105,7 @@ class _Flow:
         self.prefill_done = False                   # P sampled the first token: all KV is there
         self.pull_wake = asyncio.Event()
         self.pull: asyncio.Task | None = None
+        self.answered = False                       # the router has P's answer (`Dispatcher.prefill_answered`)
 
 
 class SimCluster:
@@ -285,6 +287,7 @@ class SimCluster:
                 if flow is not None:
                     flow.prefill_done = True
                     flow.pull_wake.set()
+                    asyncio.get_running_loop().call_at(now + self.serving.token_out_s, self._answered, flow)
                     self._token(flow, now, finished=flow.spec.max_tokens == 1, by_prefill=True)
             return
         for request_id in out.reserved_request_ids:
@@ -295,6 +298,12 @@ class SimCluster:
             flow = flows.get(request.request_id)
             if flow is not None:
                 self._token(flow, now, finished=request.is_finished)
+
+    def _answered(self, flow: _Flow) -> None:
+        """P's answer (its first token) reaches the router: P's load no longer counts the request."""
+        if self.flows.get(flow.request_id) is flow and not flow.answered:
+            flow.answered = True
+            self.dispatcher.prefill_answered(flow.decision)
 
     async def _pull(self, flow: _Flow) -> None:
         """D's KV pull from P: what P has in full blocks, then the rest (`SimPod.pull_messages`:
@@ -360,7 +369,7 @@ class SimCluster:
         if self.flows.pop(flow.request_id, None) is None:
             return
         flow.closed = True
-        self.dispatcher.release(flow.decision)
+        self.dispatcher.release(flow.decision, flow.answered)
         if flow.pull is not None and not flow.pull.done():
             flow.pull.cancel()
         if abort:

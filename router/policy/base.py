@@ -28,6 +28,9 @@ class RoutingRequest:
     block_size: int = 16
     exclude: frozenset[str] = frozenset()    # addresses already tried (retries go elsewhere)
     lora_name: str = ""                      # LoRA adapter; "" = the base model
+    # Seconds it waited in the router's queue for SLO headroom, already taken off
+    # `slo_ttft_seconds` (`router.dispatch.with_ttft_budget_left`).
+    waited_seconds: float = 0.0
 
 
 class Filter(Protocol):

@@ -8,8 +8,8 @@ TTFT depends only on P and TPOT only on D, so taking the best P and the best D m
 
 The TPOT compared with the SLO is the step model's prediction, with the decode pod's typical P→D
 hand-over spread over the request's tokens (`predict.client_tpot`), times the pod's calibration
-factor (the median of observed / predicted TPOT there: what the model misses of what clients
-see, such as loop gaps and contention; `router.predict` says why not a high quantile). Each
+factor (the 80th percentile of observed / predicted TPOT there: what the model misses of what
+clients see, such as loop gaps and contention; `router.predict` says why that quantile). Each
 decision carries the uncalibrated prediction so that the dispatcher can feed the calibration when
 the request finishes.
 """
@@ -79,9 +79,13 @@ class LatencyPredictor:
 class SLOFilter:
     """Keeps only pods predicted to meet the request's SLO, and idle pods.
 
-    An idle pod always stays: if even an idle pod would miss, the request's own size or the pod's
-    speed is the cause and waiting cannot help; and refusing work to an idle pod whose measured rate
-    is stale (low) would starve it of the very work that refreshes the measurement.
+    An idle pod stays: if even an idle pod would miss, the request's own size or the pod's speed
+    is the cause and waiting cannot help; and refusing work to an idle pod whose measured rate is
+    stale (low) would starve it of the very work that refreshes the measurement. Unless the wait
+    is the cause: a request that waited in the router's queue until the TTFT it has left is less
+    than an idle pod needs, but would have met its whole budget there, would miss for certain and
+    take a decode slot from one that can still meet it (a prefill pod that counts only its own
+    prefills is idle most of the time, so this is no corner case under overload: session 17).
     """
 
     name = "slo"
@@ -90,7 +94,16 @@ class SLOFilter:
         self.predictor = predictor
 
     def filter(self, request: RoutingRequest, pods: list[PodState]) -> list[PodState]:
-        return [p for p in pods if _idle(p) or self.predictor.headroom(request, p) >= 0.0]
+        return [p for p in pods if self.predictor.headroom(request, p) >= 0.0
+                or _idle(p) and not self._late(request, p)]
+
+    def _late(self, request: RoutingRequest, pod: PodState) -> bool:
+        """It misses on `pod` only because it waited: with its whole TTFT budget it would fit."""
+        if request.waited_seconds <= 0:
+            return False
+        whole = replace(request, slo_ttft_seconds=request.slo_ttft_seconds + request.waited_seconds,
+                        waited_seconds=0.0)
+        return self.predictor.headroom(whole, pod) >= 0.0
 
 
 def _idle(pod: PodState) -> bool:

@@ -11,6 +11,7 @@ from wire import cbserve_pb2 as pb
 from fake_pods import Script
 from policy_pods import pod, request
 from router_harness import running_router
+from router.dispatch import with_ttft_budget_left
 from router.policy import NoRoute, PrefixIndex, RoutingDecision, build_policy, block_hashes
 
 
@@ -88,6 +89,28 @@ def test_goodput_follows_the_prefix_to_the_warm_pod():
     pods = _pods([pod("p1", queued_tokens=50), pod("p2", queued_tokens=50)], [pod("d1", "decode")])
     for _ in range(10):
         assert policy.route(request(320, hashes=hashes), pods).prefill.address == "p2"
+
+
+# (name, seconds waited in the router's queue, prefill pod's rate in tokens/s, expected)
+WAITED_CASES = [
+    ("fits in what is left of its budget", 0.3, 1000.0, ("p1", "d1")),          # 0.1 s of 0.2 left
+    ("the wait made it late: refused even by the idle pod", 0.45, 1000.0, "slo"),  # 0.1 s of 0.05 left
+    ("its own size makes it miss: the idle pod takes it, as unwaited", 0.45, 50.0, ("p1", "d1")),  # 2 s of 0.5
+]
+
+
+@pytest.mark.parametrize("name,waited,rate,expected", WAITED_CASES, ids=[c[0] for c in WAITED_CASES])
+def test_goodput_idle_pod_and_a_request_that_waited(name, waited, rate, expected):
+    # A 100-token prompt on an idle prefill pod takes 100 / rate seconds; the request's TTFT SLO is
+    # 0.5 s, less its wait. The wait, not the pod, is why it would miss: no pod is worth its slot.
+    routing = with_ttft_budget_left(request(100), waited)
+    assert routing.waited_seconds == waited and routing.slo_ttft_seconds == pytest.approx(0.5 - waited)
+    decision = build_policy("goodput", PrefixIndex()).route(
+        routing, _pods([pod("p1", rate=rate)], [pod("d1", "decode")]))
+    if isinstance(expected, str):
+        assert isinstance(decision, NoRoute) and decision.reason == expected
+    else:
+        assert (decision.prefill.address, decision.decode.address) == expected
 
 
 def test_goodput_retry_after_is_the_predicted_excess():
