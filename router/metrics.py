@@ -50,8 +50,8 @@ class RouterMetrics:
                                registry=r).labels(ROLE)
         self._calibration = Gauge("cbserve_router_latency_calibration",
                                   "Factor the goodput policy multiplies a pod's predicted TTFT or TPOT by "
-                                  "(a high quantile of observed / predicted: TTFT 0.9, TPOT 0.8; "
-                                  "1 until enough requests)", ["role", "pod", "slo"], registry=r)
+                                  "(a high quantile of observed / predicted, router.predict's "
+                                  "ttft_calibration and tpot_calibration; 1 until enough requests)", ["role", "pod", "slo"], registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         child = self._phases.get(phase)

@@ -86,13 +86,13 @@ class SequenceStream:
             lora_name=spec.lora_name), timeout=timeout)
         self._prefill_call = None
         self._prefill: asyncio.Future | None = None     # P's answer, until first() has looked at it
+        self._answered = False               # P's call ended while the attempt went on
         if pd:
             self._prefill_call = self.prefill_pod.client.prefill(pb.PrefillRequest(
                 request_id=self.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
                 priority=spec.priority, arrival_time=spec.arrival_time, lora_name=spec.lora_name), timeout=timeout)
             self._prefill = asyncio.ensure_future(self._prefill_call)
             self._prefill.add_done_callback(self._prefill_over)
-        self._answered = False               # P's call ended while the attempt went on
         self._read: asyncio.Future | None = None        # a read of D's stream started while racing P
         self._prefill_failure: grpc.aio.AioRpcError | None = None
         self.first_message: pb.GenerateResponse | None = None
