@@ -9,7 +9,7 @@
      "grid": [measurements], "held_out_points": [measurements],
      "serving": {"contention", "prefill_contention", "colocated_contention", "alone_contention",
                  "alone_prefill_contention",
-                 "colocated_split", "decode_row_s", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
+                 "colocated_split", "decode_row_s", "alone_rows", "step_gap_s", "http_in_s", "rpc_s", "token_out_s", "kv_message_s", "kv_bytes_per_s",
                  "jitter_sigma", "cores", "cpu_per_token_s", "colocated_cpu_per_token_s",
                  "serving_cores", "colocated_serving_cores",
                  "in_situ": {...what was measured}} | null,
@@ -58,6 +58,7 @@ class ServingProfile:
     alone_prefill_contention: float | None = None   # ... its steps' prefill part (None: the one factor)
     colocated_split: bool = False     # colocated steps: decode part at `contention`, prefill at `prefill_contention`
     decode_row_s: float = 0.0         # a decode row's cost beyond `contention` x its profiled share: decode pods, split colocated
+    alone_rows: bool = False          # a lone pod pays `decode_row_s` too, its factors fitted with it (older profiles: no)
     step_gap_s: float = 0.0
     http_in_s: float = 0.0
     rpc_s: float = 0.0
@@ -94,7 +95,7 @@ class ServingProfile:
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("contention", "prefill_contention", "colocated_contention",
                                              "alone_contention", "alone_prefill_contention",
-                                             "colocated_split", "decode_row_s", "step_gap_s",
+                                             "colocated_split", "decode_row_s", "alone_rows", "step_gap_s",
                                              "http_in_s", "rpc_s", "token_out_s", "kv_message_s")}
         out["kv_bytes_per_s"] = None if self.kv_bytes_per_s == float("inf") else self.kv_bytes_per_s
         return out | {"jitter_sigma": self.jitter_sigma, "jitter_period_s": self.jitter_period_s,
@@ -113,6 +114,7 @@ class ServingProfile:
                    alone_prefill_contention=optional("alone_prefill_contention"),
                    colocated_split=bool(value.get("colocated_split", False)),
                    decode_row_s=float(value.get("decode_row_s", 0.0)),
+                   alone_rows=bool(value.get("alone_rows", False)),
                    step_gap_s=float(value["step_gap_s"]),
                    http_in_s=float(value["http_in_s"]), rpc_s=float(value["rpc_s"]),
                    token_out_s=float(value["token_out_s"]), kv_message_s=float(value["kv_message_s"]),
@@ -176,9 +178,13 @@ class Profile:
         if s.colocated_split:       # a colocated step's parts at the disaggregated roles' factors
             costs["colocated"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s,
                                           s.prefill_contention * step_scale, s.decode_row_s * step_scale)
+        # A decode row's host work (`decode_row_s`, fitted on the 1P+1D runs) is the engine's whatever
+        # the pod's role: a lone pod pays it too where its factors were fitted with it (`alone_rows`,
+        # session 19: without it a lone pod's steps stayed at stage B's load's cost where the knee's
+        # larger batches ran longer, and its fixed-256-64 rows were predicted 18-25% high).
         alone_prefill = None if s.alone_prefill_contention is None else s.alone_prefill_contention * step_scale
         return costs | {"alone": PodCosts(self.cost_model, s.contention_alone() * step_scale, s.step_gap_s,
-                                          alone_prefill)}
+                                          alone_prefill, s.decode_row_s * step_scale if s.alone_rows else 0.0)}
 
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
         c = (self.serving or ServingProfile()).costs()

@@ -416,6 +416,39 @@ def test_a_lone_pods_prefill_part_is_fitted_on_its_prefill_run(profile):
     assert abs(older.alone_contention - 1.5) > 0.3
 
 
+def test_a_lone_pod_pays_the_decode_rows_cost_and_its_factors_are_fitted_with_it(profile):
+    """A lone pod whose engine pays the 1P+1D decode pod's 0.4 ms a decode row on top of 0.8x its
+    profiled decode part and 1.5x its prefill part: stage B's four runs give the row cost and both
+    lone factors back, both lone runs' mean steps within 3%, and a 48-row decode step of the lone
+    pod within 5% of the truth's (one factor from stage B's few-row steps alone puts it short)."""
+    from dataclasses import replace
+
+    from cbserve.planner.in_situ import ALONE, PD, InSituSettings, _load_rate, _rows_rate, fit_in_situ
+    from engine.telemetry.step_shape import StepShape
+
+    settings = InSituSettings(seconds=8.0, probe_repeats=1)
+    truth = replace(TRUTH, contention=1.5, decode_row_s=0.0004, alone_contention=0.8, alone_prefill_contention=1.5,
+                    alone_rows=True)
+    rows_rate = _rows_rate(with_serving(profile, ServingProfile()), settings, 2.0)
+    prefill_rate = _load_rate(with_serving(profile, ServingProfile()), settings, ALONE, settings.prefill_busy,
+                              mix=settings.prefill_mix)
+    raw = _stage_b_raw(profile, truth, settings, ((None, PD, 2.0), ("decode_high", PD, rows_rate, settings.rows_mix),
+                                                 ("alone", ALONE, 3.2),
+                                                 ("alone_prefill", ALONE, prefill_rate, settings.prefill_mix)))
+    serving = fit_in_situ(profile, raw, settings).serving
+    assert serving.alone_rows and serving.decode_row_s == pytest.approx(0.0004, rel=0.1)
+    assert serving.alone_contention == pytest.approx(0.8, rel=0.05)
+    assert serving.alone_prefill_contention == pytest.approx(1.5, rel=0.05)
+    for run in serving.in_situ["alone_check"]:
+        assert run["simulated_step_s"] == pytest.approx(run["measured_step_s"], rel=0.03)
+    big = StepShape(48, 48 * 300, 300, 300, num_sampled=48)
+    lone = with_serving(profile, serving).pod_costs()["alone"]
+    true_step = with_serving(profile, truth).pod_costs()["alone"].seconds(big)
+    assert lone.seconds(big) == pytest.approx(true_step, rel=0.05)
+    assert replace(lone, row_s=0.0).seconds(big) < 0.8 * true_step
+    assert ServingProfile.from_json(serving.to_json()).alone_rows
+
+
 def test_no_row_cost_where_the_decode_factor_does_not_grow_with_the_batch(profile):
     """Decode pods at one factor whatever their batch: the two runs' solve finds no row cost
     worth modelling (at most a hundredth of a millisecond, or none) and the factor as before."""
@@ -434,9 +467,10 @@ def test_no_row_cost_where_the_decode_factor_does_not_grow_with_the_batch(profil
 
 def test_a_decode_row_costs_its_share_in_every_step_that_has_it(tmp_path):
     """`decode_row_s` is paid per decode row, times the step's scale, by decode pods and by split
-    colocated pods' decode part; prefill pods and one-factor pods do not pay it; the file keeps it
-    and an older file reads 0."""
+    colocated pods' decode part, and by a lone pod whose factors were fitted with it (`alone_rows`);
+    prefill pods and one-factor pods do not pay it; the file keeps it and an older file reads 0."""
     import json
+    from dataclasses import replace
 
     from cbserve.planner.profile import load_profile
     from engine.telemetry.step_shape import StepShape
@@ -459,5 +493,8 @@ def test_a_decode_row_costs_its_share_in_every_step_that_has_it(tmp_path):
     assert costs["colocated"].seconds(mixed) == pytest.approx(1.5 * decode + 0.004 + 0.6 * (whole - decode))
     assert costs["prefill"].seconds(StepShape(0, 0, prefill_chunks=((200, 0),), num_sampled=1)) == pytest.approx(
         0.6 * model.seconds(StepShape(0, 0, prefill_chunks=((200, 0),), num_sampled=1)))
-    assert costs["alone"].row_s == 0.0
+    assert costs["alone"].row_s == 0.0        # a lone pod's factors were not fitted with the row cost
+    assert load_profile(tmp_path / "old.json").serving.alone_rows is False
+    lone = with_serving(profile, replace(serving, alone_rows=True)).pod_costs(step_scale=2.0)["alone"]
+    assert lone.row_s == pytest.approx(0.002)
     assert profile.pod_costs(step_scale=2.0)["decode"].row_s == pytest.approx(0.002)
