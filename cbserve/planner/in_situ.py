@@ -495,6 +495,7 @@ def _fit_alone(profile: Profile, alone: dict, prefill: dict | None, settings: In
     with the pod paying `decode_row_s` a decode row (`serving.alone_rows`), the 1P+1D runs' host work
     per row: session 19 found the lone pod's knee steps longer than one factor from stage B's few-row
     steps says (fixed-256-64 at 12-16 req/s predicted 18-25% high; with the row cost 1-16%)."""
+    serving = replace(serving, alone_rows=True)
     runs = [(_run_requests(alone, settings), alone["step_seconds"])]
     if prefill and prefill.get("step_seconds"):
         runs.append((_run_requests(prefill, settings), prefill["step_seconds"]))
@@ -783,8 +784,7 @@ def fit_in_situ(profile: Profile, raw: dict, settings: InSituSettings) -> Profil
         check = _colocated_check(profile, settings, [r for r in (colocated, raw.get("colocated_high")) if r], serving)
     alone_check = None
     if raw.get("alone"):
-        serving, alone_check = _fit_alone(profile, raw["alone"], raw.get("alone_prefill"), settings,
-                                          replace(serving, alone_rows=True))
+        serving, alone_check = _fit_alone(profile, raw["alone"], raw.get("alone_prefill"), settings, serving)
     final = _medians(simulated)
     residual = {f"p50_{k.removesuffix('_s')}_measured_s": v for k, v in measured.items()}
     residual |= {f"p50_{k.removesuffix('_s')}_simulated_s": v for k, v in final.items()}

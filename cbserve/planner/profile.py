@@ -171,20 +171,17 @@ class Profile:
     def pod_costs(self, step_scale: float = 1.0) -> dict[str, PodCosts]:
         """Each role's step costs, with the step time scaled by `step_scale` (sensitivity runs)."""
         s = self.serving or ServingProfile()
+        row_s = s.decode_row_s * step_scale     # a decode row's host work, whatever the pod's role
         costs = {role: PodCosts(self.cost_model, s.contention_of(role) * step_scale, s.step_gap_s)
                  for role in ("prefill", "colocated")}
-        costs["decode"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s,
-                                   row_s=s.decode_row_s * step_scale)
+        costs["decode"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s, row_s=row_s)
         if s.colocated_split:       # a colocated step's parts at the disaggregated roles' factors
             costs["colocated"] = PodCosts(self.cost_model, s.contention * step_scale, s.step_gap_s,
-                                          s.prefill_contention * step_scale, s.decode_row_s * step_scale)
-        # A decode row's host work (`decode_row_s`, fitted on the 1P+1D runs) is the engine's whatever
-        # the pod's role: a lone pod pays it too where its factors were fitted with it (`alone_rows`,
-        # session 19: without it a lone pod's steps stayed at stage B's load's cost where the knee's
-        # larger batches ran longer, and its fixed-256-64 rows were predicted 18-25% high).
+                                          s.prefill_contention * step_scale, row_s)
+        # A lone pod pays it where its factors were fitted with it (`in_situ._fit_alone` says why).
         alone_prefill = None if s.alone_prefill_contention is None else s.alone_prefill_contention * step_scale
         return costs | {"alone": PodCosts(self.cost_model, s.contention_alone() * step_scale, s.step_gap_s,
-                                          alone_prefill, s.decode_row_s * step_scale if s.alone_rows else 0.0)}
+                                          alone_prefill, row_s if s.alone_rows else 0.0)}
 
     def serving_costs(self, overhead_scale: float = 1.0) -> ServingCosts:
         c = (self.serving or ServingProfile()).costs()
