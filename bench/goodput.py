@@ -16,6 +16,12 @@ the mixes, at each rate, as `cbserve plan --trace FILE` predicts them. Configura
 below, `colocated-K` or `xPyD` (`cbserve/goodput/configs.py`). Pods cache prefixes only for the
 workload whose prompts share them (`--prefix-caching auto`); otherwise a benchmark that repeats
 prompts would measure the cache. Plots: docs/goodput_<model>_<mix>.png.
+
+`--repeats N` runs every row N times: pass after pass, each configuration's pass on a fresh
+cluster, the configurations interleaved, so that a shared machine's slow minutes (one run at a
+knee moves by 10-30% on this 2-core box, the same seed twice) spread over every row's runs; the
+JSON keeps every run (`repeat`), the table, plots and ratios take each row's median run, and
+`bench/plan_check.py` compares its predictions with those medians.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ if __package__ in (None, ""):   # `python bench/goodput.py`: make `bench.*` impo
 from cbserve.goodput import cpu, prom
 from cbserve.goodput.loadgen import run_open_loop
 from cbserve.goodput.plots import plot_mix
-from cbserve.goodput.report import format_table, goodput_ratios, print_ratios
+from cbserve.goodput.report import format_table, goodput_ratios, median_runs, print_ratios
 from cbserve.goodput.stats import Slo, summarize
 from cbserve.goodput.configs import NAMED, config_name, parse_config
 from cbserve.goodput.trace import Trace, TraceError, load_trace
@@ -79,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4,
                    help="short requests sent (and discarded) before the sweep; at least one per shared prefix")
     p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every configuration's rates this many times, each pass on a fresh cluster and the "
+                        "configurations interleaved (every one's first pass, then every one's second, ...); the "
+                        "same requests each pass; the table, plots and ratios take each row's median run")
     p.add_argument("--stop-below-attainment", type=float, default=0.05,
                    help="skip a config's higher rates once its attainment falls below this (0: never)")
     p.add_argument("--out-dir", default="docs", help="where the PNGs go")
@@ -149,17 +159,20 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, 
     return row
 
 
-def run_config(args: argparse.Namespace, config: str, mix: Mix | Trace, log_root: Path) -> list[dict]:
+def run_config(args: argparse.Namespace, config: str, mix: Mix | Trace, log_root: Path,
+               rates: list[float] | None = None, repeat: int = 0) -> list[dict]:
+    """One fresh cluster of `config` through `rates` (default `--rates`) in turn; its rows carry `repeat`."""
     rows: list[dict] = []
     spec = cluster_spec(args, config, mix)
-    with LocalCluster(spec, log_dir=log_root / f"{mix.name}-{config}") as cluster:
+    name = f"{mix.name}-{config}" + (f"-repeat{repeat}" if repeat else "")
+    with LocalCluster(spec, log_dir=log_root / name) as cluster:
         model_id = args.model
         if args.warmup:
             asyncio.run(run_open_loop(cluster.url, model_id, mix.warmup(args.seed, args.warmup),
                                       timeout_s=args.request_timeout, api_key=os.environ.get("CBSERVE_API_KEY")))
-        for rate in args.rates:
+        for rate in args.rates if rates is None else rates:
             cluster.check_alive("during the benchmark")
-            row = {"mix": mix.name, "config": config, **run_rate(cluster, args, mix, rate, model_id)}
+            row = {"mix": mix.name, "config": config, "repeat": repeat, **run_rate(cluster, args, mix, rate, model_id)}
             rows.append(row)
             print(format_table([row], header=False), flush=True)
             if row["sample_errors"]:
@@ -169,6 +182,22 @@ def run_config(args: argparse.Namespace, config: str, mix: Mix | Trace, log_root
                       f"skipping higher rates", flush=True)
                 break
             time.sleep(1.0)   # let cancelled and timed-out requests leave the pods
+    return rows
+
+
+def run_mix(args: argparse.Namespace, mix: Mix | Trace, log_root: Path) -> list[dict]:
+    """Every configuration through the rates, `--repeats` passes, the configurations interleaved: a
+    shared machine's slow minutes then spread over every row's runs instead of landing on one
+    configuration's. A later pass stops where the first did (`--stop-below-attainment`)."""
+    rows: list[dict] = []
+    reached: dict[str, list[float]] = {}
+    for repeat in range(max(1, args.repeats)):
+        for config in args.configs:
+            if repeat and args.repeats > 1:
+                print(f"# {config}: pass {repeat + 1} of {args.repeats}", flush=True)
+            mine = run_config(args, config, mix, log_root, rates=reached.get(config), repeat=repeat)
+            reached.setdefault(config, [r["rate"] for r in mine])
+            rows += mine
     return rows
 
 
@@ -208,17 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     for mix in workloads:
         name = mix.name
         print(f"\n## mix {name}: {mix.description}\n{format_table([], header=True)}", flush=True)
-        mix_rows = [row for config in args.configs for row in run_config(args, config, mix, log_root)]
+        mix_rows = run_mix(args, mix, log_root)
         rows += mix_rows
+        if args.repeats > 1:
+            mix_rows = median_runs(mix_rows)
+            print(f"\n## mix {name}: each row's median of {args.repeats} runs\n{format_table(mix_rows)}", flush=True)
         model_name = Path(args.model).name   # a checkpoint directory: its last component
         path = plot_mix(mix_rows, model=model_name, mix=name, slo_ttft_ms=args.slo_ttft_ms,
                         slo_tpot_ms=args.slo_tpot_ms, path=Path(args.out_dir) / f"goodput_{model_name}_{name}.png")
         print(f"# plot: {path}", flush=True)
-    ratios = goodput_ratios(rows, baseline="pd-goodput")
+    ratios = goodput_ratios(median_runs(rows), baseline="pd-goodput")
     print_ratios(ratios)
     if args.json:
         meta = {"model": args.model, "mixes": [w.name for w in workloads], "trace": args.trace,
-                "rates": args.rates, "duration_s": args.duration,
+                "rates": args.rates, "duration_s": args.duration, "repeats": args.repeats,
                 "configs": {c: parse_config(c) for c in args.configs}, "slo_ttft_ms": args.slo_ttft_ms,
                 "slo_tpot_ms": args.slo_tpot_ms, "seed": args.seed, "threads_per_pod": args.threads_per_pod,
                 "quantization": args.quantization, "device": args.device, "num_blocks": args.num_blocks,

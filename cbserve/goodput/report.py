@@ -47,6 +47,15 @@ def format_table(rows: Sequence[dict], header: bool = True) -> str:
     return "\n".join(lines)
 
 
+def median_runs(rows: Sequence[dict]) -> list[dict]:
+    """Per (mix, config, rate), in first-seen order, the run with the median goodput (the lower
+    middle one of an even count): `bench/goodput.py --repeats`' summary row, a run that happened."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["mix"], r["config"], r["rate"]), []).append(r)
+    return [sorted(runs, key=lambda r: r["goodput_rps"])[(len(runs) - 1) // 2] for runs in groups.values()]
+
+
 def slo_rate(rows: Sequence[dict]) -> float:
     """Highest offered rate served with >= 90% attainment (0 when none was)."""
     return max((r["offered_rps"] for r in rows if r["slo_attainment"] >= ATTAINMENT_TARGET), default=0.0)
