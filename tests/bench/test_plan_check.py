@@ -58,7 +58,8 @@ def test_repeats_are_compared_by_their_medians():
     def row(rate, measured, predicted):
         return {"mix": "chat", "config": "1P1D", "rate": rate,
                 "measured": {"goodput_rps": measured}, "predicted": {"goodput_rps": predicted},
-                "predicted_measured_contention": {"goodput_rps": predicted * 1.1}}
+                "predicted_measured_contention": {"goodput_rps": predicted * 1.1},
+                "goodput_error": predicted / measured - 1, "goodput_error_measured_contention": predicted * 1.1 / measured - 1}
 
     rows = [row(10, 9.0, 7.0), row(10, 6.0, 9.0), row(10, 8.0, 8.5), row(12, 4.0, 5.0)]
     by_rate = {r["rate"]: r for r in medians(rows)}
@@ -68,6 +69,28 @@ def test_repeats_are_compared_by_their_medians():
     assert ten["goodput_error"] == pytest.approx(8.5 / 8.0 - 1)
     assert ten["goodput_error_measured_contention"] == pytest.approx(8.5 * 1.1 / 8.0 - 1)
     assert by_rate[12]["runs"] == 1 and by_rate[12]["goodput_error"] == pytest.approx(0.25)
+    # Each run against the mean of its row's other runs: 9 vs 7, 6 vs 8.5, 8 vs 7.5; a lone run has none.
+    assert ten["others_errors"] == pytest.approx([7 / 9 - 1, 8.5 / 6 - 1, 7.5 / 8 - 1])
+    assert by_rate[12]["others_errors"] == [None]
+    from bench.plan_check import summary
+
+    counts = summary(rows, medians(rows))
+    assert counts["runs"] == (1, 4)                   # only 8.5 against 8 is within 15%
+    assert counts["medians"] == (1, 2) and counts["runs_against_their_other_runs"] == (1, 3)
+
+
+def test_each_repeat_is_its_own_cluster(checked, tmp_path):
+    """A `bench/goodput.py --repeats` file: each pass is simulated as the fresh cluster it ran on."""
+    measured, _ = checked
+    profile = make_profile()
+    profile.save(tmp_path / "profile.json")
+    meta = {"model": "tiny", "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0, "duration_s": 6.0, "seed": 0,
+            "prefix_caching": "auto", "repeats": 2}
+    rows = [dict(measured, repeat=i) for i in (0, 1)]
+    (tmp_path / "measured.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    first, second = check(str(tmp_path / "profile.json"), str(tmp_path / "measured.json"))
+    assert (first["repeat"], second["repeat"], first["rate"], second["rate"]) == (0, 1, 2.0, 2.0)
+    assert first["predicted"] == second["predicted"]       # the same requests on a fresh cluster each
 
 
 def test_a_run_is_compared_window_by_window(checked):
