@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="keep each process's log (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="one mix, two rates, 20 s each (smoke test)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -191,9 +193,9 @@ def run_mix(args: argparse.Namespace, mix: Mix | Trace, log_root: Path) -> list[
     configuration's. A later pass stops where the first did (`--stop-below-attainment`)."""
     rows: list[dict] = []
     reached: dict[str, list[float]] = {}
-    for repeat in range(max(1, args.repeats)):
+    for repeat in range(args.repeats):
         for config in args.configs:
-            if repeat and args.repeats > 1:
+            if repeat:
                 print(f"# {config}: pass {repeat + 1} of {args.repeats}", flush=True)
             mine = run_config(args, config, mix, log_root, rates=reached.get(config), repeat=repeat)
             reached.setdefault(config, [r["rate"] for r in mine])

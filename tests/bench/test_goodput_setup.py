@@ -47,6 +47,12 @@ def test_median_runs_keep_a_real_run_per_row():
     assert (by_config["colocated-2"]["goodput_rps"], by_config["colocated-2"]["repeat"]) == (7.0, 1)
 
 
+def test_repeats_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+    assert parse_args([]).repeats == 1
+
+
 @pytest.mark.slow
 def test_repeats_interleave_the_configurations_on_fresh_clusters(tmp_path, capsys):
     """Two real tiny clusters, two passes: every configuration's first pass, then every one's second."""
