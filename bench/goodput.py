@@ -4,7 +4,9 @@ For each workload mix and each configuration, a fresh local cluster (`LocalClust
 one torch thread per pod so every configuration uses the same two cores) takes a sweep of request
 rates; every rate replays the same seeded requests for every configuration. Per rate it reports
 offered and completed req/s, p50/p95 TTFT, p95 TPOT, p95 end-to-end, p95 router queue time (router
-histogram), error rate, preemptions (pods' counters), SLO attainment and goodput (see bench/stats.py).
+histogram), error rate, preemptions (pods' counters), SLO attainment and goodput (see bench/stats.py);
+the JSON adds each phase's p50/p95 as the router saw it (`phase_s`) and the router's gate calibration
+factors at the run's end (`latency_calibration`, as `cbserve plan`'s simulated rows report theirs).
 
     python -m bench.goodput --quick                                  # smoke test, ~3 min on tiny
     python -m bench.goodput --model tiny --rates 1 2 4 8 --duration 30 --json docs/goodput_tiny.json
@@ -51,6 +53,7 @@ from cbserve.goodput.workloads import MIXES, Mix
 from cbserve.cluster_spec import ClusterSpec
 from cbserve.local_cluster import LocalCluster
 from engine.config import QUANTIZATIONS
+from router.metrics import PHASES
 
 # The default configurations (name -> ClusterSpec fields). Same two cores for all: each pod gets
 # one torch thread.
@@ -155,7 +158,12 @@ def run_rate(cluster: LocalCluster, args: argparse.Namespace, mix: Mix | Trace, 
                                                                  "cbserve_step_seconds"),
                                "cpu_s": cpu_used,      # each process's CPU seconds in the run (the cores' load)
                                # ... a pod's by thread, beside its engine's own step seconds: what its CPU is
-                               "cpu_threads_s": threads, "step_s": _step_seconds(prom.delta(pods_after, pods_before))}
+                               "cpu_threads_s": threads, "step_s": _step_seconds(prom.delta(pods_after, pods_before)),
+                               "latency_calibration": prom.latency_calibration(router_after),
+                               # each phase of a request as the router saw it (router/metrics.py PHASES): where a tail is
+                               "phase_s": {phase: {q: prom.histogram_quantile(q / 100, router, "cbserve_request_phase_seconds",
+                                                                              phase=phase) for q in (50, 95)}
+                                           for phase in PHASES}}
     if args.save_requests:
         row["requests"] = [asdict(r) for r in results]
     return row

@@ -216,7 +216,7 @@ def _profile_contention(profile, role: str) -> float:
 
 def _figures(row: dict) -> dict:
     return {k: row.get(k) for k in ("goodput_rps", "slo_attainment", "p95_ttft_s", "p95_tpot_s", "error_rate",
-                                    "mean_step_s")}
+                                    "mean_step_s", "latency_calibration")}
 
 
 WITHIN = 0.15       # the target: predicted goodput within 15% of measured, row by row

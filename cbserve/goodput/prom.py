@@ -84,3 +84,16 @@ def mean_by_label(samples: Samples, name: str, label: str = "role") -> dict[str,
                 key = dict(labels).get(label, "")
                 sums.setdefault(key, [0.0, 0.0])[i] += value
     return {key: s / c for key, (s, c) in sums.items() if c > 0}
+
+
+def latency_calibration(samples: Samples) -> dict[str, list[float]]:
+    """The router's goodput-policy calibration factors at the scrape (`cbserve_router_latency_calibration`,
+    one per pod and SLO: the quantile of observed over predicted latency its gate multiplies a
+    prediction by), sorted per SLO ("ttft", "tpot"); pods that have none yet are left out. A
+    measured run and a simulated one report the same, so a row says how pessimistic each router's
+    gate was at its end."""
+    out: dict[str, list[float]] = {}
+    for (name, labels), value in samples.items():
+        if name == "cbserve_router_latency_calibration":
+            out.setdefault(dict(labels).get("slo", ""), []).append(value)
+    return {slo: sorted(values) for slo, values in sorted(out.items())}

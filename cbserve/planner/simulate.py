@@ -71,7 +71,7 @@ def _row(cluster: SimCluster, results, elapsed: float, rate: float, duration_s: 
     mean_step = {role: (busy - steps_before[role][0]) / (n - steps_before[role][1])
                  for role, (busy, n) in steps.items() if n > steps_before[role][1]}
     return summary.to_dict() | {"sample_errors": sorted({r.error for r in results if r.error})[:3],
-                                "mean_step_s": mean_step}
+                                "mean_step_s": mean_step, "latency_calibration": prom.latency_calibration(after)}
 
 
 def _step_totals(cluster: SimCluster) -> dict[str, tuple[float, int]]:

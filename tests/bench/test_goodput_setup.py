@@ -70,3 +70,11 @@ def test_repeats_interleave_the_configurations_on_fresh_clusters(tmp_path, capsy
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "fixed-256-64-1P1D", "fixed-256-64-1P1D-repeat1", "fixed-256-64-colocated-1", "fixed-256-64-colocated-1-repeat1"]
     assert "each row's median of 2 runs" in capsys.readouterr().out
+    # Where a request's time went and how pessimistic the router's gate was, for plan_check to set beside
+    # the simulated router's: every phase's median and p95; a calibration factor per pod and SLO.
+    from router.metrics import PHASES
+
+    pd = data["rows"][1]
+    assert set(pd["phase_s"]) == set(PHASES) and pd["phase_s"]["prefill"]["50"] > 0
+    assert set(pd["latency_calibration"]) == {"ttft", "tpot"} and all(
+        len(v) == 1 and v[0] > 0 for v in pd["latency_calibration"].values())

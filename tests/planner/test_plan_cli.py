@@ -13,7 +13,7 @@ import yaml
 from cbserve.cli import main
 from cbserve.goodput.stats import RunSummary
 
-ROW_FIELDS = set(RunSummary.__dataclass_fields__) | {"mix", "config", "sample_errors", "mean_step_s"}
+ROW_FIELDS = set(RunSummary.__dataclass_fields__) | {"mix", "config", "sample_errors", "mean_step_s", "latency_calibration"}
 
 
 def test_rows_have_the_benchmarks_fields(profile_file, tmp_path, capsys):

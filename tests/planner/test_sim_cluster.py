@@ -83,7 +83,7 @@ def test_rows_have_the_benchmarks_fields_and_are_reproducible(model):
     from cbserve.goodput.stats import RunSummary
 
     rows = sweep(model, "pd-goodput", MIXES["chat"], [1.0, 2.0], 10.0, 0, Slo(0.5, 0.05))
-    fields = set(RunSummary.__dataclass_fields__) | {"mix", "config", "sample_errors", "mean_step_s"}
+    fields = set(RunSummary.__dataclass_fields__) | {"mix", "config", "sample_errors", "mean_step_s", "latency_calibration"}
     assert [set(r) for r in rows] == [fields, fields]
     assert rows == sweep(model, "pd-goodput", MIXES["chat"], [1.0, 2.0], 10.0, 0, Slo(0.5, 0.05))
     run = at_rate(model, "colocated-2", MIXES["shared-prefix"], 2.0, 10.0, 0, Slo(0.5, 0.05))
