@@ -92,6 +92,7 @@ def check(profile_path: str, measured_path: str, refitted: bool = False, window_
     caching = {"auto": None, "on": True, "off": False}[meta.get("prefix_caching", "auto")]
     workloads = {w.name: w for w in ([load_trace(meta["trace"])] if meta.get("trace") else [])}
     out = []
+    plain_sweeps: dict[tuple, list] = {}    # (mix, config, rates) -> the profile's prediction: the same for every pass
     groups: dict[tuple[str, str, int], list[dict]] = {}
     for row in measured["rows"]:    # one measured cluster each: `bench/goodput.py --repeats` runs a fresh one a pass
         groups.setdefault((row["mix"], row["config"], row.get("repeat", 0)), []).append(row)
@@ -99,7 +100,11 @@ def check(profile_path: str, measured_path: str, refitted: bool = False, window_
         workload = workloads.get(mix) or MIXES[mix]
         rates = [r["rate"] for r in rows]
         common = dict(warmup=4, prefix_caching=caching, stop_below_attainment=0.0)
-        plain_runs = sweep_runs(model, config, workload, rates, meta["duration_s"], meta["seed"], slo, **common)
+        sweep_key = (mix, config, tuple(rates))
+        if sweep_key not in plain_sweeps:     # deterministic: the same requests, seed and costs give the same runs
+            plain_sweeps[sweep_key] = sweep_runs(model, config, workload, rates, meta["duration_s"], meta["seed"], slo,
+                                           **common)
+        plain_runs = plain_sweeps[sweep_key]
         plain = [run.row for run in plain_runs]
         # Each (rate, role) factor at which the simulated mean step is the measured one: the
         # planner's own bracketed fixed point (`in_situ.fixed_point`; one ratio overshoots where
